@@ -1,0 +1,116 @@
+"""Gated DeltaNet: gates, L2-normalised q/k and the delta-rule recurrence over the fp32 state.
+
+State layout per sequence: [Hv, dv, dk] fp32 (a dv row is contiguous in dk, which suits kernels that
+put a SIMD group on one row). Math follows qwen35-architecture.md §2.4-2.8; the docstrings use its names.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .backend import kernel_for
+from .seqs import SeqLayout
+
+CHUNK = 64  # the reference's chunk; the prefill kernel uses 32 (same function, other blocking)
+RECURRENT_MAX_T = 16  # shorter segments (decode, verification) run the plain recurrence
+
+
+def gdn_gates(a: mx.array, b: mx.array, A_log: mx.array, dt_bias: mx.array) -> tuple[mx.array, mx.array]:
+    """a, b [T, Hv] -> (g, beta) [T, Hv] fp32: g = -exp(A_log) * softplus(a + dt_bias) <= 0."""
+    beta = mx.sigmoid(b.astype(mx.float32))
+    x = a.astype(mx.float32) + dt_bias.astype(mx.float32)
+    softplus = mx.logaddexp(x, mx.zeros_like(x))
+    return -mx.exp(A_log.astype(mx.float32)) * softplus, beta
+
+
+def l2_normalize(x: mx.array) -> mx.array:
+    """x / sqrt(sum(x^2) + 1e-6) over the last dim, fp32 (the epsilon sits on the sum, §2.5)."""
+    xf = x.astype(mx.float32)
+    return xf * mx.rsqrt(mx.sum(xf * xf, axis=-1, keepdims=True) + 1e-6)
+
+
+def _recurrent(q, k, v, g, beta, S):
+    """q, k [Hv, T, dk], v [Hv, T, dv], g, beta [Hv, T], S [Hv, dv, dk] -> (o [Hv, T, dv], S)."""
+    outs = []
+    for t in range(q.shape[1]):
+        S = S * mx.exp(g[:, t])[:, None, None]
+        kt = k[:, t]
+        pred = (S @ kt[:, :, None])[..., 0]  # [Hv, dv]
+        delta = beta[:, t, None] * (v[:, t] - pred)
+        S = S + delta[:, :, None] * kt[:, None, :]
+        outs.append((S @ q[:, t, :, None])[..., 0])
+    return mx.stack(outs, axis=1), S
+
+
+def _chunked(q, k, v, g, beta, S):
+    """Same contract as `_recurrent`, in CHUNK-token blocks (§2.8), fp32 throughout."""
+    Hv, T, dk = k.shape
+    n = -(-T // CHUNK)
+    pad = n * CHUNK - T
+    if pad:  # zero k, v, beta and g leave the state untouched
+        q, k, v = (mx.pad(t, [(0, 0), (0, pad), (0, 0)]) for t in (q, k, v))
+        g, beta = (mx.pad(t, [(0, 0), (0, pad)]) for t in (g, beta))
+    C = CHUNK
+    strict = mx.tril(mx.ones((C, C), dtype=mx.bool_), k=-1)
+    incl = mx.tril(mx.ones((C, C), dtype=mx.bool_))
+    eye = mx.eye(C, dtype=mx.float32)
+    St = S.transpose(0, 2, 1)  # [Hv, dk, dv], the HF orientation used by the chunk formulas
+    outs = []
+    for c in range(n):
+        sl = slice(c * C, (c + 1) * C)
+        qc, kc, vc, gc, bc = q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl]
+        gam = mx.cumsum(gc, axis=-1)  # [Hv, C]
+        diff = gam[:, :, None] - gam[:, None, :]  # gamma_i - gamma_j
+        d_strict = mx.exp(mx.where(strict, diff, -mx.inf))
+        d_incl = mx.exp(mx.where(incl, diff, -mx.inf))
+        A = bc[:, :, None] * (kc @ kc.transpose(0, 2, 1)) * d_strict
+        # (I + A) is unit lower triangular; the inverse runs on the CPU stream (linalg is CPU-only in MLX)
+        inv = mx.linalg.tri_inv(eye + A, upper=False, stream=mx.cpu)
+        U = inv @ (bc[:, :, None] * vc)
+        W = inv @ ((bc * mx.exp(gam))[:, :, None] * kc)
+        Vp = U - W @ St  # [Hv, C, dv]
+        o = mx.exp(gam)[:, :, None] * (qc @ St) + ((qc @ kc.transpose(0, 2, 1)) * d_incl) @ Vp
+        outs.append(o)
+        last = gam[:, -1]
+        St = mx.exp(last)[:, None, None] * St + (kc * mx.exp(last[:, None] - gam)[:, :, None]).transpose(0, 2, 1) @ Vp
+    o = mx.concatenate(outs, axis=1)[:, :T]
+    return o, St.transpose(0, 2, 1)
+
+
+def gated_delta_ref(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    a: mx.array,
+    b: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    state_pool: mx.array,
+    layout: SeqLayout,
+) -> tuple[mx.array, mx.array]:
+    """q, k [T, Hk, dk] (post-conv, not yet normalised), v [T, Hv, dv], a, b [T, Hv],
+    state_pool [S, Hv, dv, dk] fp32. Returns o [T, Hv, dv] (v's dtype) and new states [B, Hv, dv, dk]."""
+    Hv, dk = v.shape[1], q.shape[2]
+    r = Hv // q.shape[1]
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    qn = l2_normalize(q) * (dk**-0.5)
+    kn = l2_normalize(k)
+    if r > 1:  # value head j reads key head j // r
+        qn, kn = mx.repeat(qn, r, axis=1), mx.repeat(kn, r, axis=1)
+    vf = v.astype(mx.float32)
+    outs, states = [], []
+    for i in range(layout.num_seqs):
+        s, e = layout.query_start_loc[i], layout.query_start_loc[i + 1]
+        S = state_pool[layout.state_rows[i]].astype(mx.float32)
+        args = [t[s:e].swapaxes(0, 1) for t in (qn, kn, vf, g, beta)]  # head-major
+        fn = _recurrent if e - s <= RECURRENT_MAX_T else _chunked
+        o, S = fn(*args, S)
+        outs.append(o.swapaxes(0, 1))
+        states.append(S)
+    return mx.concatenate(outs, axis=0).astype(v.dtype), mx.stack(states)
+
+
+def gated_delta(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout):
+    kern = kernel_for("gated_delta")
+    out = kern(q, k, v, a, b, A_log, dt_bias, state_pool, layout) if kern is not None else None
+    return out if out is not None else gated_delta_ref(q, k, v, a, b, A_log, dt_bias, state_pool, layout)

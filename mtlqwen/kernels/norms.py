@@ -1,0 +1,39 @@
+"""RMSNorm variants, computed in fp32 and cast back (qwen35-architecture.md §4, §2.9)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .backend import kernel_for
+
+
+def rms_norm_ref(x: mx.array, w: mx.array, eps: float) -> mx.array:
+    """x [..., D] * rsqrt(mean(x^2) + eps) * w. Zero-centred norms arrive with +1 already folded into w."""
+    xf = x.astype(mx.float32)
+    y = xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(mx.float32)).astype(x.dtype)
+
+
+def gated_rms_norm_ref(x: mx.array, z: mx.array, w: mx.array, eps: float) -> mx.array:
+    """GDN output norm: rms_norm(x) * w * silu(z), over the last dim (per value head)."""
+    xf = x.astype(mx.float32)
+    y = (xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    y = y.astype(mx.float32) * w.astype(mx.float32)
+    zf = z.astype(mx.float32)
+    return (y * (zf * mx.sigmoid(zf))).astype(x.dtype)
+
+
+def rms_norm(x: mx.array, w: mx.array, eps: float) -> mx.array:
+    kern = kernel_for("rms_norm")
+    out = kern(x, w, eps) if kern is not None else None
+    if out is not None:
+        return out
+    return rms_norm_ref(x, w, eps)
+
+
+def gated_rms_norm(x: mx.array, z: mx.array, w: mx.array, eps: float) -> mx.array:
+    kern = kernel_for("gated_rms_norm")
+    out = kern(x, z, w, eps) if kern is not None else None
+    if out is not None:
+        return out
+    return gated_rms_norm_ref(x, z, w, eps)

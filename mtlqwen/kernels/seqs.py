@@ -1,0 +1,75 @@
+"""Where each sequence of a packed batch lies: the host-side layout shared by every op."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+
+@dataclass
+class SeqLayout:
+    """Packed batch geometry. Sequence i owns rows query_start_loc[i]:query_start_loc[i+1] of every
+    packed [T, ...] activation; kv_valid[i] tokens of it are already cached; its paged KV lives in the
+    blocks block_tables[i]; its GDN state in pool row state_rows[i]."""
+
+    query_start_loc: list[int]  # [B+1]
+    kv_valid: list[int]  # [B]
+    block_tables: list[list[int]]  # [B][n_blocks_i]
+    state_rows: list[int]  # [B] rows of the GDN state pools (the sequence slots)
+    block_tokens: int = 128
+    _arrays: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.kv_valid)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc[-1]
+
+    def q_len(self, i: int) -> int:
+        return self.query_start_loc[i + 1] - self.query_start_loc[i]
+
+    def positions(self) -> list[int]:
+        """Absolute position of every packed token (text-only: its index in its sequence)."""
+        out: list[int] = []
+        for i in range(self.num_seqs):
+            out.extend(range(self.kv_valid[i], self.kv_valid[i] + self.q_len(i)))
+        return out
+
+    def slot_mapping(self) -> tuple[list[int], list[int]]:
+        """(block id, offset in block) where each new token's K/V is written."""
+        blocks, offsets = [], []
+        bt = self.block_tokens
+        for i in range(self.num_seqs):
+            table = self.block_tables[i]
+            for p in range(self.kv_valid[i], self.kv_valid[i] + self.q_len(i)):
+                blocks.append(table[p // bt])
+                offsets.append(p % bt)
+        return blocks, offsets
+
+    def array(self, name: str) -> mx.array:
+        """Device copies of the layout, built once per batch and shared by every layer."""
+        if name not in self._arrays:
+            if name == "positions":
+                a = mx.array(self.positions(), dtype=mx.int32)
+            elif name in ("write_blocks", "write_offsets"):
+                b, o = self.slot_mapping()
+                self._arrays["write_blocks"] = mx.array(b, dtype=mx.int32)
+                self._arrays["write_offsets"] = mx.array(o, dtype=mx.int32)
+                return self._arrays[name]
+            elif name == "state_rows":
+                a = mx.array(self.state_rows, dtype=mx.int32)
+            elif name == "query_start_loc":
+                a = mx.array(self.query_start_loc, dtype=mx.int32)
+            elif name == "kv_valid":
+                a = mx.array(self.kv_valid, dtype=mx.int32)
+            elif name == "block_tables":
+                width = max(1, max((len(t) for t in self.block_tables), default=1))
+                padded = [t + [0] * (width - len(t)) for t in self.block_tables]
+                a = mx.array(padded, dtype=mx.int32)
+            else:
+                raise KeyError(name)
+            self._arrays[name] = a
+        return self._arrays[name]

@@ -1,0 +1,75 @@
+"""Model-side cache memory: paged KV pools for attention layers, per-slot GDN state pools.
+
+The model never decides which block or slot a sequence uses; the runtime does, and hands the model a
+`SeqLayout` naming them. Block id b indexes the K and V pool of *every* full-attention layer (a bundle).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .config import Qwen35Config
+
+
+class ModelCache:
+    """k_pools / v_pools: per full-attention layer [num_blocks, block_tokens, nKV, hd] (activation dtype).
+    conv_states: per GDN layer [num_slots, K-1, conv_dim]; rec_states: per GDN layer [num_slots, Hv, dv, dk] fp32."""
+
+    def __init__(
+        self,
+        config: Qwen35Config,
+        num_blocks: int,
+        num_slots: int,
+        block_tokens: int = 128,
+        dtype: mx.Dtype = mx.bfloat16,
+    ):
+        c = config
+        self.config = c
+        self.num_blocks, self.num_slots, self.block_tokens, self.dtype = num_blocks, num_slots, block_tokens, dtype
+        kv_shape = (num_blocks, block_tokens, c.num_key_value_heads, c.head_dim)
+        n_attn, n_gdn = len(c.full_attention_layers), len(c.linear_attention_layers)
+        self.k_pools = [mx.zeros(kv_shape, dtype=dtype) for _ in range(n_attn)]
+        self.v_pools = [mx.zeros(kv_shape, dtype=dtype) for _ in range(n_attn)]
+        conv_shape = (num_slots, c.linear_conv_kernel_dim - 1, c.conv_dim)
+        rec_shape = (num_slots, c.linear_num_value_heads, c.linear_value_head_dim, c.linear_key_head_dim)
+        self.conv_states = [mx.zeros(conv_shape, dtype=dtype) for _ in range(n_gdn)]
+        self.rec_states = [mx.zeros(rec_shape, dtype=mx.float32) for _ in range(n_gdn)]
+        mx.eval(self.k_pools, self.v_pools, self.conv_states, self.rec_states)
+
+    @staticmethod
+    def bytes_per_block(config: Qwen35Config, block_tokens: int, dtype: mx.Dtype = mx.bfloat16) -> int:
+        """K + V bytes of one bundle across all full-attention layers."""
+        per_token = 2 * config.num_key_value_heads * config.head_dim * dtype.size
+        return per_token * block_tokens * len(config.full_attention_layers)
+
+    @staticmethod
+    def bytes_per_slot(config: Qwen35Config, dtype: mx.Dtype = mx.bfloat16) -> int:
+        c = config
+        conv = (c.linear_conv_kernel_dim - 1) * c.conv_dim * dtype.size
+        rec = c.linear_num_value_heads * c.linear_value_head_dim * c.linear_key_head_dim * 4
+        return (conv + rec) * len(c.linear_attention_layers)
+
+    def reset_slot(self, slot: int) -> None:
+        """A fresh sequence starts from zero conv and recurrent state."""
+        for pools in (self.conv_states, self.rec_states):
+            for i, pool in enumerate(pools):
+                pool[slot] = mx.zeros(pool.shape[1:], dtype=pool.dtype)
+        mx.eval(self.conv_states, self.rec_states)
+
+    def slot_state(self, slot: int) -> tuple[list[mx.array], list[mx.array]]:
+        """Copies of one slot's GDN state (conv, recurrent), e.g. for a prefix-cache snapshot."""
+        conv = [mx.array(p[slot]) for p in self.conv_states]
+        rec = [mx.array(p[slot]) for p in self.rec_states]
+        mx.eval(conv, rec)
+        return conv, rec
+
+    def load_slot_state(self, slot: int, conv: list[mx.array], rec: list[mx.array]) -> None:
+        """Copy a saved GDN state into a slot; the saved arrays are never written afterwards."""
+        for pool, s in zip(self.conv_states, conv):
+            pool[slot] = s
+        for pool, s in zip(self.rec_states, rec):
+            pool[slot] = s
+        mx.eval(self.conv_states, self.rec_states)
+
+    def arrays(self) -> list[mx.array]:
+        return [*self.k_pools, *self.v_pools, *self.conv_states, *self.rec_states]

@@ -1,0 +1,208 @@
+"""The Qwen3.5 text decoder as an MLX graph over a packed batch.
+
+A forward consumes the new tokens of several sequences concatenated ([T] ids), a `SeqLayout` that
+says where each sequence's tokens, cached length, KV blocks and GDN state slot are, and a `ModelCache`.
+Chunked prefill, decode and multi-token verification are all this one call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from ..kernels import (
+    LinearParams,
+    RopeTables,
+    SeqLayout,
+    apply_rope,
+    causal_conv1d,
+    gated_delta,
+    gated_rms_norm,
+    gather_linear,
+    linear,
+    paged_attention,
+    rms_norm,
+    write_kv,
+)
+from .cache import ModelCache
+from .config import Qwen35Config
+
+
+def _lin(w: dict[str, mx.array], name: str, config: Qwen35Config) -> LinearParams:
+    """A LinearParams from the weight dict; quantized when `<name>.scales` exists (mlx-lm's rule)."""
+    weight = w[f"{name}.weight"]
+    if f"{name}.scales" not in w:
+        return LinearParams(weight)
+    spec = config.quant_overrides.get(name, config.quantization)
+    return LinearParams(weight, w[f"{name}.scales"], w[f"{name}.biases"], spec.bits, spec.group_size)
+
+
+class GDNMixer:
+    """Gated DeltaNet mixer (§2): projections, conv + SiLU, gated delta rule, gated RMSNorm, out_proj."""
+
+    def __init__(self, w, prefix: str, c: Qwen35Config, state_index: int):
+        self.c, self.idx = c, state_index
+        self.in_proj_qkv = _lin(w, f"{prefix}.in_proj_qkv", c)
+        self.in_proj_z = _lin(w, f"{prefix}.in_proj_z", c)
+        self.in_proj_b = _lin(w, f"{prefix}.in_proj_b", c)
+        self.in_proj_a = _lin(w, f"{prefix}.in_proj_a", c)
+        self.conv_w = w[f"{prefix}.conv1d.weight"]  # [conv_dim, K]
+        self.A_log, self.dt_bias = w[f"{prefix}.A_log"], w[f"{prefix}.dt_bias"]
+        self.norm_w = w[f"{prefix}.norm.weight"]
+        self.out_proj = _lin(w, f"{prefix}.out_proj", c)
+
+    def __call__(self, x: mx.array, layout: SeqLayout, cache: ModelCache) -> mx.array:
+        c, T = self.c, x.shape[0]
+        Hk, Hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        mixed = linear(x, self.in_proj_qkv)  # [T, conv_dim]: q | k | v channels
+        z = linear(x, self.in_proj_z).reshape(T, Hv, dv)
+        b, a = linear(x, self.in_proj_b), linear(x, self.in_proj_a)  # [T, Hv]
+        y, conv_new = causal_conv1d(mixed, self.conv_w, cache.conv_states[self.idx], layout)
+        q = y[:, : c.key_dim].reshape(T, Hk, dk)
+        k = y[:, c.key_dim : 2 * c.key_dim].reshape(T, Hk, dk)
+        v = y[:, 2 * c.key_dim :].reshape(T, Hv, dv)
+        o, rec_new = gated_delta(q, k, v, a, b, self.A_log, self.dt_bias, cache.rec_states[self.idx], layout)
+        rows = layout.array("state_rows")
+        cache.conv_states[self.idx][rows] = conv_new
+        cache.rec_states[self.idx][rows] = rec_new
+        o = gated_rms_norm(o, z, self.norm_w, c.rms_norm_eps).reshape(T, c.value_dim)
+        return linear(o, self.out_proj)
+
+
+class AttentionMixer:
+    """Gated full attention (§3): per-head q|gate, (1+w) q/k norms, partial RoPE, paged GQA, sigmoid gate."""
+
+    def __init__(self, w, prefix: str, c: Qwen35Config, kv_index: int, rope: RopeTables):
+        self.c, self.idx, self.rope = c, kv_index, rope
+        self.q_proj = _lin(w, f"{prefix}.q_proj", c)
+        self.k_proj = _lin(w, f"{prefix}.k_proj", c)
+        self.v_proj = _lin(w, f"{prefix}.v_proj", c)
+        self.o_proj = _lin(w, f"{prefix}.o_proj", c)
+        self.q_norm, self.k_norm = w[f"{prefix}.q_norm.weight"], w[f"{prefix}.k_norm.weight"]
+
+    def __call__(self, x: mx.array, layout: SeqLayout, cache: ModelCache) -> mx.array:
+        c, T = self.c, x.shape[0]
+        nH, nKV, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        qg = linear(x, self.q_proj).reshape(T, nH, 2 * hd)  # per head: query then gate
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(T, nH * hd)
+        k = linear(x, self.k_proj).reshape(T, nKV, hd)
+        v = linear(x, self.v_proj).reshape(T, nKV, hd)
+        pos = layout.array("positions")
+        q = apply_rope(rms_norm(q, self.q_norm, c.rms_norm_eps), pos, self.rope)
+        k = apply_rope(rms_norm(k, self.k_norm, c.rms_norm_eps), pos, self.rope)
+        kp, vp = write_kv(cache.k_pools[self.idx], cache.v_pools[self.idx], k, v, layout)
+        cache.k_pools[self.idx], cache.v_pools[self.idx] = kp, vp
+        o = paged_attention(q, kp, vp, layout, 1.0 / math.sqrt(hd)).reshape(T, nH * hd)
+        return linear(o * mx.sigmoid(gate), self.o_proj)
+
+
+class DenseMLP:
+    def __init__(self, w, prefix: str, c: Qwen35Config):
+        self.gate_proj = _lin(w, f"{prefix}.gate_proj", c)
+        self.up_proj = _lin(w, f"{prefix}.up_proj", c)
+        self.down_proj = _lin(w, f"{prefix}.down_proj", c)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        g = linear(x, self.gate_proj)
+        return linear(g * mx.sigmoid(g) * linear(x, self.up_proj), self.down_proj)
+
+
+class MoEBlock:
+    """fp32 softmax router, top-k renormalised, SwiGLU experts, sigmoid-gated shared expert (§4)."""
+
+    def __init__(self, w, prefix: str, c: Qwen35Config):
+        self.k = c.num_experts_per_tok
+        self.router = _lin(w, f"{prefix}.gate", c)
+        self.gate_proj = _lin(w, f"{prefix}.switch_mlp.gate_proj", c)
+        self.up_proj = _lin(w, f"{prefix}.switch_mlp.up_proj", c)
+        self.down_proj = _lin(w, f"{prefix}.switch_mlp.down_proj", c)
+        self.shared = DenseMLP(w, f"{prefix}.shared_expert", c)
+        self.shared_gate = _lin(w, f"{prefix}.shared_expert_gate", c)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        probs = mx.softmax(linear(x, self.router).astype(mx.float32), axis=-1)  # [T, E]
+        inds = mx.argpartition(-probs, kth=self.k - 1, axis=-1)[:, : self.k]  # [T, k]
+        weights = mx.take_along_axis(probs, inds, axis=-1)
+        weights = (weights / weights.sum(axis=-1, keepdims=True)).astype(x.dtype)
+        g = gather_linear(x, self.gate_proj, inds)  # [T, k, Im]
+        h = g * mx.sigmoid(g) * gather_linear(x, self.up_proj, inds)
+        # down_proj per (token, expert): rows of h are the inputs; reshape so each (t, j) is a token
+        T, k, Im = h.shape
+        down = gather_linear(h.reshape(T * k, Im), self.down_proj, inds.reshape(T * k, 1))[:, 0, :]
+        routed = (down.reshape(T, k, -1) * weights[..., None]).sum(axis=1)
+        return routed + self.shared(x) * mx.sigmoid(linear(x, self.shared_gate))
+
+
+class DecoderLayer:
+    def __init__(self, w, i: int, c: Qwen35Config, mixer):
+        p = f"model.layers.{i}"
+        self.kind = c.layer_types[i]
+        self.input_norm = w[f"{p}.input_layernorm.weight"]
+        self.post_norm = w[f"{p}.post_attention_layernorm.weight"]
+        self.mixer = mixer
+        self.mlp = MoEBlock(w, f"{p}.mlp", c) if c.is_moe else DenseMLP(w, f"{p}.mlp", c)
+        self.eps = c.rms_norm_eps
+
+    def __call__(self, h: mx.array, layout: SeqLayout, cache: ModelCache) -> mx.array:
+        h = h + self.mixer(rms_norm(h, self.input_norm, self.eps), layout, cache)
+        return h + self.mlp(rms_norm(h, self.post_norm, self.eps))
+
+
+class Qwen35Model:
+    """The decoder. `weights` uses mtlqwen's internal names (`model.layers.N....`, `lm_head`), with the
+    mlx-lm conventions: (1+w) folded into zero-centred norms, conv weight [C, K]."""
+
+    def __init__(self, config: Qwen35Config, weights: dict[str, mx.array]):
+        self.config, self.weights = config, weights
+        c = config
+        self.rope = RopeTables(c.rotary_dim, c.rope_theta)
+        self.embed = _lin(weights, "model.embed_tokens", c)
+        self.lm_head = self.embed if c.tie_word_embeddings else _lin(weights, "lm_head", c)
+        self.final_norm = weights["model.norm.weight"]
+        self.layers: list[DecoderLayer] = []
+        n_gdn = n_attn = 0
+        for i, kind in enumerate(c.layer_types):
+            if kind == "linear_attention":
+                mixer = GDNMixer(weights, f"model.layers.{i}.linear_attn", c, n_gdn)
+                n_gdn += 1
+            else:
+                mixer = AttentionMixer(weights, f"model.layers.{i}.self_attn", c, n_attn, self.rope)
+                n_attn += 1
+            self.layers.append(DecoderLayer(weights, i, c, mixer))
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        e = self.embed
+        return e.scales.dtype if e.quantized else e.weight.dtype
+
+    def make_cache(self, num_blocks: int, num_slots: int, block_tokens: int = 128) -> ModelCache:
+        return ModelCache(self.config, num_blocks, num_slots, block_tokens, self.dtype)
+
+    def hidden(self, input_ids: mx.array, layout: SeqLayout, cache: ModelCache) -> mx.array:
+        """input_ids [T] -> final-normed hidden states [T, H]; writes KV and GDN state into `cache`."""
+        self.rope.ensure(max(kv + layout.q_len(i) for i, kv in enumerate(layout.kv_valid)))
+        h = self.embed.rows(input_ids)
+        for layer in self.layers:
+            h = layer(h, layout, cache)
+        return rms_norm(h, self.final_norm, self.config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: mx.array, layout: SeqLayout, cache: ModelCache, logits_rows: mx.array | None = None
+    ) -> mx.array:
+        """Logits [len(logits_rows) or T, vocab] for the packed batch (rows: the packed positions to score)."""
+        h = self.hidden(input_ids, layout, cache)
+        if logits_rows is not None:
+            h = h[logits_rows]
+        return linear(h, self.lm_head)
+
+    def logits(self, token_ids) -> mx.array:
+        """One sequence from an empty state, in one pass: [T, vocab]. The reference every schedule must match."""
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise ValueError("logits() needs at least one token")
+        bt = 128
+        nb = -(-len(ids) // bt)
+        cache = self.make_cache(num_blocks=nb, num_slots=1, block_tokens=bt)
+        layout = SeqLayout([0, len(ids)], [0], [list(range(nb))], [0], bt)
+        return self.forward(mx.array(ids, dtype=mx.int32), layout, cache)
