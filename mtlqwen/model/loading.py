@@ -71,7 +71,7 @@ def load_model_dir(model_dir: Path, quantize=None) -> Qwen35Model:
     config = load_config(model_dir)
     _internal_overrides(config)
     weights = sanitize(read_safetensors(model_dir), config)
-    if any(k.endswith(".scales") for k in weights):
+    if config.quantization is not None or any(k.endswith(".scales") for k in weights):
         validate_quant(config, weights)
     check_weights(weights, config)
     if quantize is not None:
