@@ -68,7 +68,8 @@ def quantize_weights(weights: dict[str, mx.array], config: Qwen35Config, spec: Q
     """Quantize every eligible module; records the scheme (and router overrides) in `config`."""
     out: dict[str, mx.array] = {}
     overrides: dict[str, QuantSpec | None] = {}
-    for name, w in weights.items():
+    for name in list(weights):
+        w = weights.pop(name)  # drop our reference so each float tensor is freed once quantized
         module = name[: -len(".weight")]
         if not quantizable(name, w, spec.group_size):
             out[name] = w
