@@ -147,3 +147,19 @@ def test_moe_packed_batch_matches_one_shot(tmp_path):
     got = _run_schedule(m, seqs, [[40, 3], [2], [33]], 16)
     for s, g in zip(seqs, got):
         assert rel_err(g, np.asarray(m.logits(s))) <= 1e-3
+
+
+def test_tap_layers_equal_transformers_hidden_states(dense_dir, dense_model):
+    """DFlash taps: the residual stream after layer L is HF's output_hidden_states[L + 1]."""
+    import torch  # noqa: PLC0415
+
+    ids = H.random_token_ids(70, 512, seed=2)
+    hf = H.load_hf_model(dense_dir)
+    with torch.no_grad():
+        states = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    cache = dense_model.make_cache(num_blocks=1, num_slots=1)
+    layout = SeqLayout([0, len(ids)], [0], [[0]], [0], 128)
+    taps = (1, 3, 6)
+    _, got = dense_model.forward_with_taps(mx.array(ids, dtype=mx.int32), layout, cache, taps)
+    want = np.concatenate([states[t + 1][0].numpy() for t in taps], axis=-1)
+    assert rel_err(got, want) <= 1e-4

@@ -179,13 +179,20 @@ class Qwen35Model:
     def make_cache(self, num_blocks: int, num_slots: int, block_tokens: int = 128) -> ModelCache:
         return ModelCache(self.config, num_blocks, num_slots, block_tokens, self.dtype)
 
-    def hidden(self, input_ids: mx.array, layout: SeqLayout, cache: ModelCache) -> mx.array:
-        """input_ids [T] -> final-normed hidden states [T, H]; writes KV and GDN state into `cache`."""
+    def _run(self, input_ids, layout, cache, taps: tuple[int, ...] = ()):
+        """Final-normed hidden states [T, H] and the residual stream after each layer in `taps`."""
         self.rope.ensure(max(kv + layout.q_len(i) for i, kv in enumerate(layout.kv_valid)))
         h = self.embed.rows(input_ids)
-        for layer in self.layers:
+        captured = []
+        for i, layer in enumerate(self.layers):
             h = layer(h, layout, cache)
-        return rms_norm(h, self.final_norm, self.config.rms_norm_eps)
+            if i in taps:
+                captured.append(h)
+        return rms_norm(h, self.final_norm, self.config.rms_norm_eps), captured
+
+    def hidden(self, input_ids: mx.array, layout: SeqLayout, cache: ModelCache) -> mx.array:
+        """input_ids [T] -> final-normed hidden states [T, H]; writes KV and GDN state into `cache`."""
+        return self._run(input_ids, layout, cache)[0]
 
     def forward(
         self, input_ids: mx.array, layout: SeqLayout, cache: ModelCache, logits_rows: mx.array | None = None
@@ -195,6 +202,19 @@ class Qwen35Model:
         if logits_rows is not None:
             h = h[logits_rows]
         return linear(h, self.lm_head)
+
+    def forward_with_taps(
+        self, input_ids: mx.array, layout: SeqLayout, cache: ModelCache, taps: tuple[int, ...],
+        logits_rows: mx.array | None = None,
+    ) -> tuple[mx.array, mx.array]:
+        """Logits as `forward`, plus the outputs of the tap layers (DFlash's `target_layer_ids`,
+        i.e. HF hidden_states[L + 1]) concatenated in tap order: [T, len(taps) * H]."""
+        order = sorted(set(taps))
+        h, captured = self._run(input_ids, layout, cache, tuple(order))
+        by_layer = dict(zip(order, captured))
+        if logits_rows is not None:
+            h = h[logits_rows]
+        return linear(h, self.lm_head), mx.concatenate([by_layer[t] for t in taps], axis=-1)
 
     def logits(self, token_ids) -> mx.array:
         """One sequence from an empty state, in one pass: [T, vocab]. The reference every schedule must match."""
