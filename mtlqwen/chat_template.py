@@ -7,7 +7,9 @@ behaviour: sandboxed, `trim_blocks`/`lstrip_blocks`, loop controls, a `raise_exc
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -53,6 +55,46 @@ def compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+# Clients send a turn's reasoning under any of these names; templates read `reasoning_content`.
+_REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+
+
+def _plain(value: Any) -> Any:
+    """Rebuild template inputs from JSON types: the sandbox still lets a template call public methods of
+    rich objects (arrays, images, pydantic models) that callers put in messages."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    for base in (bool, str, int, float):  # subclasses such as enums carry extra methods
+        if isinstance(value, base):
+            return base(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    if callable(getattr(value, "model_dump", None)):
+        return _plain(value.model_dump())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _plain({f.name: getattr(value, f.name) for f in dataclasses.fields(value)})
+    if callable(getattr(value, "item", None)) and getattr(value, "shape", None) == ():
+        return _plain(value.item())  # numpy scalars
+    return f"<{type(value).__name__}>"
+
+
+def normalize_messages(messages: list[Any]) -> list[dict]:
+    """Plain-dict copies of `messages` without None fields (templates print or trip over `content: null`),
+    with the reasoning also under `reasoning_content` and `thinking`, as transformers does."""
+    out = []
+    for message in _plain(list(messages)):
+        if not isinstance(message, dict):
+            raise TypeError(f"chat messages must be dicts, got {message!r}")
+        message = {k: v for k, v in message.items() if v is not None}
+        reasoning = next((message[k] for k in _REASONING_KEYS if k in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
+
+
 def render_chat_template(
     source: str,
     messages: list[dict],
@@ -64,9 +106,9 @@ def render_chat_template(
 ) -> str:
     """Render `messages` with the template `source`; extra keyword arguments become template variables."""
     return compile_chat_template(source).render(
-        messages=messages,
-        tools=tools,
-        documents=documents,
+        messages=normalize_messages(messages),
+        tools=_plain(tools),
+        documents=_plain(documents),
         add_generation_prompt=add_generation_prompt,
-        **context,
+        **_plain(context),
     )

@@ -37,9 +37,9 @@ def resolve_checkpoint_dir(path_or_repo_id: str | os.PathLike) -> Path:
         raise FileNotFoundError(f"{str(path_or_repo_id)!r} is a file; expected a checkpoint directory")
     name = str(path_or_repo_id)
     # Only strings shaped like `owner/name` go to the Hub; a mistyped local path fails here, offline.
-    if isinstance(path_or_repo_id, Path) or not _REPO_ID.match(name) or ".." in name:
+    if not isinstance(path_or_repo_id, str) or not _REPO_ID.match(name) or ".." in name:
         raise FileNotFoundError(f"no such checkpoint directory: {name!r}")
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # heavy import, only needed for Hub ids
 
     try:
         return Path(snapshot_download(name, allow_patterns=HUB_ALLOW_PATTERNS))
@@ -118,7 +118,8 @@ class Tokenizer:
         self.eos_token_id: int | None = ordered[0] if ordered else None
         self.eos_token_ids: set[int] = set(ordered)
         pad = self.special_tokens.get("pad_token")
-        self.pad_token_id: int | None = self.token_to_id(pad) if pad is not None else pad_token_id
+        pad_id = self.token_to_id(pad) if pad is not None else None
+        self.pad_token_id: int | None = pad_id if pad_id is not None else pad_token_id
         self.special_token_ids: frozenset[int] = frozenset(
             i for i, t in backend.get_added_tokens_decoder().items() if t.special
         )
