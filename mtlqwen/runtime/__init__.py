@@ -1,0 +1,14 @@
+"""Runtime: slots and sequences, the KV block pool, the token-budget scheduler, batch packing,
+sampling and the engine loop (design.md, "One engine step")."""
+
+from .block_pool import BlockPool, NoFreeBlocks
+from .engine import Engine
+from .outputs import Delta, Output
+from .sampling import SamplingParams
+from .scheduler import ScheduledSeq, Scheduler, StepPlan, split_budget
+from .sequence import Sequence, SeqStatus
+
+__all__ = [
+    "BlockPool", "Delta", "Engine", "NoFreeBlocks", "Output", "SamplingParams", "ScheduledSeq", "Scheduler",
+    "SeqStatus", "Sequence", "StepPlan", "split_budget",
+]

@@ -1,0 +1,333 @@
+"""The engine loop: submit requests, step the batch, stream deltas, collect outputs.
+
+One `step()`: schedule (pure Python), pack, launch the model + sampler for the whole batch without
+waiting, then read back the *previous* step's tokens and commit them. So the host builds step N+1
+while the device runs step N; the only synchronisation is reading sampled tokens. The price is a
+one-step lag: a sequence that hits EOS at step N was already sent to step N+1, whose token for it
+is dropped (its writes land in blocks and a slot that are freed, and are ordered before any reuse by
+MLX's data dependencies through the pool arrays).
+"""
+
+from __future__ import annotations
+
+import operator
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import mlx.core as mx
+
+from ..kernels import use_kernels
+from .batch import PackedBatch, pack, token_buckets
+from .block_pool import BlockPool
+from .memory import resolve_num_blocks
+from .outputs import Delta, Output, TextState
+from .sampling import SamplingParams, sample
+from .scheduler import ScheduledSeq, Scheduler, StepPlan
+from .sequence import Sequence, SeqStatus
+
+
+@dataclass
+class _InFlight:
+    sampling: list[ScheduledSeq]
+    tokens: mx.array | None  # [R] sampled ids, still on the device
+    rows: dict[Sequence, int]  # row of each sampling sequence in `tokens`
+
+
+def _as_params(sampling) -> SamplingParams:
+    if sampling is None:
+        return SamplingParams()
+    if isinstance(sampling, dict):
+        return SamplingParams(**sampling)
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling must be SamplingParams, a dict or None, got {type(sampling).__name__}")
+    sampling.validate()  # catches fields changed after construction
+    return sampling
+
+
+def _is_single_prompt(prompts) -> bool:
+    return isinstance(prompts, str) or (
+        isinstance(prompts, (list, tuple)) and len(prompts) > 0 and all(isinstance(t, int) for t in prompts)
+    )
+
+
+class Engine:
+    """Batched generation over a fixed number of slots with paged KV memory.
+
+    model_or_path: a Qwen35Model or what `mtlqwen.load` accepts. tokenizer: an object with
+    encode/decode/detokenizer (or a path for `mtlqwen.load_tokenizer`); when None and the model is a
+    checkpoint directory holding tokenizer.json, that tokenizer is loaded. Without a tokenizer prompts
+    must be token ids and outputs carry no text. The KV pool holds num_blocks bundles of block_tokens
+    tokens, or kv_bytes worth, or a device-sized default (memory.py). pad_buckets pads each step's
+    token count to a power-of-two bucket (default: on when GPU kernels run)."""
+
+    def __init__(
+        self,
+        model_or_path,
+        slots: int = 8,
+        step_tokens: int = 128,
+        block_tokens: int = 128,
+        num_blocks: int | None = None,
+        kv_bytes: int | None = None,
+        tokenizer=None,
+        max_model_len: int | None = None,
+        pad_buckets: bool | None = None,
+        seed: int | None = None,
+    ):
+        if isinstance(model_or_path, (str, Path)):
+            from ..model import load  # noqa: PLC0415
+
+            model = load(model_or_path)
+            if tokenizer is None and (Path(model_or_path) / "tokenizer.json").is_file():
+                tokenizer = model_or_path
+        else:
+            model = model_or_path
+        if isinstance(tokenizer, (str, Path)):
+            from ..tokenizer import load_tokenizer  # noqa: PLC0415
+
+            tokenizer = load_tokenizer(tokenizer)
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+        self.model, self.config, self.tokenizer = model, model.config, tokenizer
+        ctx = self.config.max_position_embeddings
+        self.max_model_len = min(ctx, max_model_len) if max_model_len else ctx
+        self.block_tokens, self.step_tokens, self.slots = block_tokens, step_tokens, slots
+        self.num_blocks = resolve_num_blocks(
+            self.config, model.dtype, block_tokens, slots, self.max_model_len, num_blocks, kv_bytes
+        )
+        self.pool = BlockPool(self.num_blocks)
+        self.scheduler = Scheduler(self.pool, slots, step_tokens, block_tokens)
+        # one spare bundle and slot beyond what the scheduler hands out: the padding sequence's scratch
+        self.cache = model.make_cache(self.num_blocks + 1, slots + 1, block_tokens)
+        self.scratch = (slots, self.num_blocks)
+        self.pad_buckets = use_kernels() if pad_buckets is None else pad_buckets
+        self.buckets = token_buckets(step_tokens) if self.pad_buckets else None
+        self.eos = set(self.config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", None) or ())
+        self._rng = random.Random(seed)
+        self._seqs: dict[Any, Sequence] = {}
+        self._next_id = 0
+        self._inflight: _InFlight | None = None
+        self._events: list[Delta] = []  # cancellations, reported by the next step
+        self._held: list[Delta] = []  # deltas of submit()ted requests that arrived inside generate/stream
+        self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_tokens": 0, "steps": 0, "padding_tokens": 0}
+
+    # ---- requests
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is a string but the engine has no tokenizer: pass token ids or Engine(tokenizer=...)")
+            return list(self.tokenizer.encode(prompt))
+        try:
+            return [operator.index(t) for t in prompt]  # ints (numpy ints too), never floats
+        except TypeError:
+            raise ValueError(f"a prompt is a string or a list of integer token ids, got {prompt!r:.80}") from None
+
+    def submit(self, prompt, sampling: SamplingParams | dict | None = None, request_id=None):
+        """Queue a request; returns its id. ValueError (naming the problem) for a request that can never run."""
+        params = _as_params(sampling)
+        ids = self._prompt_ids(prompt)
+        V = self.config.vocab_size
+        if not ids:
+            raise ValueError("empty prompt: at least one token is needed")
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {V})")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
+                f"{self.max_model_len} tokens"
+            )
+        # the last sampled token is never run through the model, so it needs no KV
+        need = BlockPool.blocks_for(len(ids) + params.max_tokens - 1, self.block_tokens)
+        if need > self.num_blocks:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {need} KV blocks of "
+                f"{self.block_tokens} tokens but the pool has {self.num_blocks}: raise num_blocks/kv_bytes or lower max_tokens"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; use stop_token_ids or Engine(tokenizer=...)")
+        if request_id is None:
+            while self._next_id in self._seqs:
+                self._next_id += 1
+            request_id, self._next_id = self._next_id, self._next_id + 1
+        elif request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already live")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seq = Sequence(request_id, ids, params, seed)
+        if self.tokenizer is not None:
+            seq.text = TextState(self.tokenizer, params.stop)
+        self._seqs[request_id] = seq
+        self.counters["prompt_tokens"] += len(ids)
+        self.scheduler.add(seq)
+        return request_id
+
+    def cancel(self, request_id) -> bool:
+        """Drop a request now: its slot and blocks are free for the next step. False if unknown/finished."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
+        self._events.append(self._finish(seq, "cancelled", [], time.perf_counter()))
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self._seqs or self._inflight or self._events or self._held)
+
+    # ---- the loop
+    def step(self) -> list[Delta]:
+        """Advance every live sequence by one step; returns the deltas read back in this call."""
+        held, self._held = self._held, []
+        return held + self._step()
+
+    def _step(self) -> list[Delta]:
+        deltas, self._events = self._events, []
+        plan = self.scheduler.schedule()
+        launched = self._launch(plan) if plan.scheduled else None
+        if self._inflight is not None:
+            deltas += self._commit(self._inflight)
+        self._inflight = launched
+        return deltas
+
+    def _launch(self, plan: StepPlan) -> _InFlight:
+        prev, scheduled = self._inflight, plan.scheduled
+        plan_batch: PackedBatch = pack(
+            plan, self.block_tokens,
+            prev.rows if prev else None, prev.tokens if prev else None,
+            self.buckets, self.scratch,
+        )
+        c = self.counters
+        c["steps"] += 1
+        c["padding_tokens"] += plan_batch.padding
+        c["prefill_tokens"] += sum(s.num_tokens for s in scheduled if s.start < s.seq.prompt_len)
+        cache = self.cache
+        if plan_batch.reset_slots:  # zeroed lazily, inside this step's graph: no sync
+            rows = mx.array(plan_batch.reset_slots, dtype=mx.int32)
+            for pool in (*cache.conv_states, *cache.rec_states):
+                pool[rows] = 0
+        if plan_batch.logits_rows is None:  # mid-prompt chunks only: no head, no sampling
+            self.model.hidden(plan_batch.input_ids, plan_batch.layout, cache)
+            tokens = None
+        else:
+            logits = self.model.forward(plan_batch.input_ids, plan_batch.layout, cache, plan_batch.logits_rows)
+            samp = plan_batch.sampling
+            tokens = sample(logits, [s.seq.params for s in samp], [s.seq.seed for s in samp], [s.sample_index for s in samp])
+        mx.async_eval(*([tokens] if tokens is not None else []), *cache.arrays())
+        return _InFlight(plan_batch.sampling, tokens, {s.seq: r for r, s in enumerate(plan_batch.sampling)})
+
+    def _commit(self, flight: _InFlight) -> list[Delta]:
+        """Read the step's tokens (the one sync) and apply them: append, check stops, finish."""
+        tokens = flight.tokens.tolist() if flight.tokens is not None else []
+        now = time.perf_counter()
+        new: dict[Sequence, list[int]] = {}
+        done: dict[Sequence, str] = {}
+        for s, tok in zip(flight.sampling, tokens):
+            seq = s.seq
+            seq.pending -= 1
+            if seq.status is SeqStatus.FINISHED or seq in done:
+                continue  # finished or cancelled after this step was launched
+            seq.tokens.append(tok)
+            new.setdefault(seq, []).append(tok)
+            self.counters["generated_tokens"] += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            p = seq.params
+            if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
+                done[seq] = "stop"
+            elif seq.text is not None and seq.text.add(tok):
+                done[seq] = "stop_string"
+            elif len(seq.tokens) - seq.prompt_len >= p.max_tokens:
+                done[seq] = "length"
+        deltas = []
+        for seq, toks in new.items():
+            if seq in done:
+                deltas.append(self._finish(seq, done[seq], toks, now))
+            else:
+                deltas.append(Delta(seq.request_id, toks, seq.text.delta(False) if seq.text else ""))
+        return deltas
+
+    def _finish(self, seq: Sequence, reason: str, toks: list[int], now: float, error: str | None = None) -> Delta:
+        self.scheduler.release(seq)
+        self._seqs.pop(seq.request_id, None)
+        if seq.text is not None and reason != "stop_string":
+            seq.text.flush()
+        reason = "stop" if reason == "stop_string" else reason
+        seq.finish_reason, seq.finish_time = reason, now
+        text = seq.text.delta(True) if seq.text else ""
+        out = Output(
+            seq.request_id, seq.prompt_len, list(seq.generated), seq.text.text if seq.text else "", reason, error,
+            (seq.first_token_time - seq.arrival_time) if seq.first_token_time else None,
+            now - seq.arrival_time, seq.num_preemptions,
+        )
+        return Delta(seq.request_id, toks, text, True, reason, error, out)
+
+    # ---- convenience front-ends
+    def _run(self, prompts, sampling) -> Iterator[tuple[int, Delta]]:
+        """(prompt index, delta) for these prompts until all finish; a request failing validation
+        yields one "error" delta on its own. Deltas of other requests are kept for step()."""
+        if isinstance(sampling, (list, tuple)):
+            if len(sampling) != len(prompts):
+                raise ValueError(f"{len(sampling)} sampling params for {len(prompts)} prompts")
+            per = list(sampling)
+        else:
+            per = [sampling] * len(prompts)
+        mine: dict[Any, int] = {}
+        for i, (prompt, sp) in enumerate(zip(prompts, per)):
+            try:
+                mine[self.submit(prompt, sp)] = i
+            except (ValueError, TypeError) as e:
+                n = len(prompt) if isinstance(prompt, (list, tuple)) else 0
+                out = Output(None, n, [], "", "error", str(e))
+                yield i, Delta(None, [], "", True, "error", str(e), out)
+        while mine:
+            for d in self._step():
+                i = mine.get(d.request_id)
+                if i is None:
+                    self._held.append(d)
+                    continue
+                if d.finished:
+                    del mine[d.request_id]
+                yield i, d
+
+    def stream(self, prompts, sampling=None) -> Iterator[Delta]:
+        """Yield the deltas of these prompts' requests as they are produced."""
+        prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
+        for _, d in self._run(prompts, sampling):
+            yield d
+
+    def generate(self, prompts, sampling=None, progress: bool = False) -> list[Output]:
+        """Run prompts (strings or token-id lists; one SamplingParams for all or one each) to completion;
+        Outputs in prompt order."""
+        prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
+        bar = None
+        if progress:
+            from tqdm import tqdm  # noqa: PLC0415
+
+            bar = tqdm(total=len(prompts), unit="req", desc="generate")
+        outputs: list[Output | None] = [None] * len(prompts)
+        gen0, t0 = self.counters["generated_tokens"], time.perf_counter()
+        for i, d in self._run(prompts, sampling):
+            if not d.finished:
+                continue
+            outputs[i] = d.output
+            if bar is not None:
+                bar.update(1)
+                rate = (self.counters["generated_tokens"] - gen0) / max(time.perf_counter() - t0, 1e-9)
+                bar.set_postfix_str(f"{rate:.1f} tok/s")
+        if bar is not None:
+            bar.close()
+        return outputs
+
+    def stats(self) -> dict:
+        s = {
+            "total_blocks": self.pool.num_blocks,
+            "free_blocks": self.pool.num_free,
+            "block_tokens": self.block_tokens,
+            "slots": self.slots,
+            "step_tokens": self.step_tokens,
+            "kv_cache_usage": self.pool.num_used / self.pool.num_blocks,
+            **self.scheduler.stats(),
+            **self.counters,
+        }
+        return s
+

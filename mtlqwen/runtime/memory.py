@@ -1,0 +1,53 @@
+"""How many KV bundles the pool gets when the user does not say."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..kernels import gpu_backend
+from ..model.cache import ModelCache
+from .block_pool import BlockPool
+
+CPU_KV_BYTES = 1 << 30  # a modest fixed budget off-GPU
+GPU_MEMORY_FRACTION = 0.9  # of the device's memory (working set on Metal) usable by this process
+GPU_KV_SHARE = 0.8  # of what weights and slot states leave, kept for KV; the rest is for activations
+
+
+def device_memory() -> tuple[int | None, int | None]:
+    """(usable bytes, free bytes) of the GPU, or (None, None) off-GPU."""
+    if gpu_backend() is None or mx.default_device().type != mx.DeviceType.gpu:
+        return None, None
+    info = mx.device_info()
+    total = info.get("max_recommended_working_set_size") or info.get("total_memory") or info.get("memory_size")
+    free = info.get("free_memory")
+    return (int(total) if total else None), (int(free) if free is not None else None)
+
+
+def resolve_num_blocks(
+    config, dtype, block_tokens: int, slots: int, max_model_len: int,
+    num_blocks: int | None = None, kv_bytes: int | None = None,
+) -> int:
+    """num_blocks, else kv_bytes / bytes per bundle, else a device default capped at what `slots`
+    full-context sequences could ever use."""
+    per_block = ModelCache.bytes_per_block(config, block_tokens, dtype)
+    if num_blocks is not None and kv_bytes is not None:
+        raise ValueError("give num_blocks or kv_bytes, not both")
+    if num_blocks is not None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        return int(num_blocks)
+    if kv_bytes is not None:
+        if kv_bytes < per_block:
+            raise ValueError(f"kv_bytes={kv_bytes} is less than one KV block ({per_block} bytes)")
+        return int(kv_bytes // per_block)
+    cap = slots * BlockPool.blocks_for(max_model_len, block_tokens)
+    total, free = device_memory()
+    if total is None:
+        budget = CPU_KV_BYTES
+    else:
+        avail = total * GPU_MEMORY_FRACTION - mx.get_active_memory()
+        if free is not None:
+            avail = min(avail, free * GPU_MEMORY_FRACTION)
+        avail -= (slots + 1) * ModelCache.bytes_per_slot(config, dtype)
+        budget = max(per_block, int(avail * GPU_KV_SHARE))
+    return max(1, min(cap, budget // per_block))

@@ -1,0 +1,79 @@
+"""What the engine hands back: finished `Output`s, streamed `Delta`s, and the per-request text state
+(streaming detokenizer + stop strings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Output:
+    """A finished request. finish_reason: "stop" (EOS, stop token or stop string), "length" (max_tokens),
+    "error" (the request failed alone; `error` says why) or "cancelled". `text` is "" without a tokenizer.
+    Times in seconds from submission."""
+
+    request_id: Any
+    prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    ttft: float | None = None
+    total_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class Delta:
+    """New tokens of one request since its previous delta; the last one has finished=True and `output`."""
+
+    request_id: Any
+    token_ids: list[int]
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    output: Output | None = None
+
+
+class TextState:
+    """Incremental text of one completion. Stop strings are searched in the decoded text; text that
+    could still be the start of a stop string is held back from deltas until it cannot."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self.detok = tokenizer.detokenizer() if tokenizer is not None else None
+        self.stop = stop
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+
+    def add(self, token_id: int) -> bool:
+        """Append a token's text; True when a stop string is now complete (the text is cut before it)."""
+        if self.detok is None:
+            return False
+        piece = self.detok.add(token_id)
+        if not piece:
+            return False
+        search_from = max(0, len(self.text) - self.holdback)
+        self.text += piece
+        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            return True
+        return False
+
+    def flush(self) -> None:
+        """End of a completion not cut by a stop string: release a held-back partial character."""
+        if self.detok is not None:
+            self.text += self.detok.finish()
+
+    def delta(self, final: bool) -> str:
+        end = len(self.text) if final else max(self.emitted, len(self.text) - self.holdback)
+        out = self.text[self.emitted : end]
+        self.emitted = end
+        return out

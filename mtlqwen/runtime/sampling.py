@@ -1,0 +1,122 @@
+"""Sampling parameters and the on-device sampler.
+
+Draws are reproducible per request: the key of the t-th generated token is derived on the host from
+(seed, t) alone, so a request's samples do not depend on what it is batched with, on chunking, or on
+being preempted and recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy. Filters apply in the order top_k, top_p, min_p (min_p is relative to the
+    most likely token, so it is unaffected by the other two). `stop` strings need a tokenizer; the
+    completion text ends before the stop string. `stop_token_ids` and EOS (unless ignore_eos) end the
+    completion and are kept in its token ids."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int = 256
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        self.validate()
+
+    def validate(self) -> None:
+        """ValueError naming the offending field."""
+        def num(name, kinds=(int, float)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, kinds):
+                raise ValueError(f"{name} must be a number, got {v!r}")
+            return v
+
+        if not num("temperature") >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < num("top_p") <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if num("top_k", (int,)) < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 <= num("min_p") <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if num("max_tokens", (int,)) <= 0:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def filtered(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def token_key(seed: int, index: int) -> mx.array:
+    """The PRNG key of a request's index-th generated token (host hashing: no device round trip)."""
+    return mx.random.key(_splitmix64(_splitmix64(seed & _MASK64) ^ index))
+
+
+def _filter(x: mx.array, params: list[SamplingParams]) -> mx.array:
+    """x [R, V] fp32 scaled logits -> the same with filtered-out entries at -inf."""
+    R, V = x.shape
+    neg = mx.array(-mx.inf, dtype=x.dtype)
+    if any(p.top_k > 0 or p.top_p < 1 for p in params):
+        srt = -mx.sort(-x, axis=-1)  # descending
+        rank = mx.arange(V)[None, :]
+        k = mx.array([p.top_k if p.top_k > 0 else V for p in params])[:, None]
+        srt = mx.where(rank < k, srt, neg)  # top_k, on the sorted copy
+        probs = mx.softmax(srt, axis=-1)
+        before = mx.cumsum(probs, axis=-1) - probs  # mass strictly ahead of each sorted entry
+        top_p = mx.array([p.top_p for p in params], dtype=x.dtype)[:, None]
+        keep = (before < top_p) & (rank < k)  # the smallest prefix whose mass reaches top_p
+        cut = mx.min(mx.where(keep, srt, mx.inf), axis=-1, keepdims=True)  # the smallest kept logit
+        x = mx.where(x < cut, neg, x)
+    if any(p.min_p > 0 for p in params):
+        min_p = mx.array([p.min_p for p in params], dtype=x.dtype)[:, None]
+        # p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p)
+        floor = mx.max(x, axis=-1, keepdims=True) + mx.log(mx.maximum(min_p, 1e-30))
+        x = mx.where((min_p > 0) & (x < floor), neg, x)
+    return x
+
+
+def sample(logits: mx.array, params: list[SamplingParams], seeds: list[int], indices: list[int]) -> mx.array:
+    """logits [R, V] (one row per sampling sequence) -> token ids [R] int32, lazily (no host sync).
+    Row r draws with token_key(seeds[r], indices[r])."""
+    tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+    rows = [r for r, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return tokens
+    sub = [params[r] for r in rows]
+    temps = mx.array([p.temperature for p in sub], dtype=mx.float32)[:, None]
+    x = logits[mx.array(rows)].astype(mx.float32) / temps
+    if any(p.filtered for p in sub):
+        x = _filter(x, sub)
+    drawn = [mx.random.categorical(x[j], key=token_key(seeds[r], indices[r])) for j, r in enumerate(rows)]
+    tokens[mx.array(rows)] = mx.stack(drawn).astype(mx.int32)
+    return tokens

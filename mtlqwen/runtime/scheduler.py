@@ -1,0 +1,170 @@
+"""The token-budget scheduler (pure Python: it sees KV memory only through BlockPool calls).
+
+Each step: admit waiting requests into free slots (FIFO), then give every live sequence its tokens —
+a decoding sequence sends its anchor (1 token), the rest of the step budget is split equally among the
+prefilling sequences (`split_budget`) — then reserve the bundles those tokens need. When the pool
+cannot cover the step, the newest sequence is preempted (blocks and slot freed, request re-queued at
+the front for recompute from kv_valid 0: GDN state cannot be rolled back) and the split is redone.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_pool import BlockPool
+from .sequence import Sequence, SeqStatus
+
+
+def split_budget(needs: list[int], budget: int) -> list[int]:
+    """Equal shares of `budget` for sequences needing needs[i] tokens, in admission order.
+
+    Rule: with `left` tokens and n open sequences, q, r = divmod(left, n); open sequence j (in order)
+    is offered q + 1 if j < r else q. Every sequence whose need fits its offer gets exactly its need and
+    leaves; the tokens it did not use are re-split among the rest. When no need fits, each remaining
+    sequence takes its offer. So shares differ by at most one, and the earlier sequences get the extra.
+    """
+    shares = [0] * len(needs)
+    open_ = list(range(len(needs)))
+    left = budget
+    while open_ and left > 0:
+        q, r = divmod(left, len(open_))
+        offer = {i: q + (1 if j < r else 0) for j, i in enumerate(open_)}
+        fits = [i for i in open_ if needs[i] <= offer[i]]
+        if not fits:
+            for i in open_:
+                shares[i] = offer[i]
+            break
+        for i in fits:
+            shares[i] = needs[i]
+            left -= needs[i]
+        open_ = [i for i in open_ if i not in fits]
+    return shares
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's part of a step: tokens start .. start + num_tokens - 1 of its request."""
+
+    seq: Sequence
+    start: int  # kv_valid before the step
+    num_tokens: int
+    samples: bool  # the chunk reaches the end of the request, so its last row is sampled
+    sample_index: int  # which generated token it samples (0 = first), for the per-token PRNG key
+    fresh: bool  # first chunk since admission: zero the slot's GDN state before the step
+
+
+@dataclass
+class StepPlan:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    def tokens_of(self, seq: Sequence) -> int:
+        return next((s.num_tokens for s in self.scheduled if s.seq is seq), 0)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, num_slots: int, step_tokens: int, block_tokens: int, decode_tokens: int = 1):
+        if num_slots < 1:
+            raise ValueError(f"slots must be >= 1, got {num_slots}")
+        if step_tokens < num_slots * decode_tokens:
+            # otherwise some live sequence could not advance in a step
+            raise ValueError(f"step_tokens ({step_tokens}) must be >= slots x tokens per decode ({num_slots} x {decode_tokens})")
+        self.pool, self.num_slots, self.step_tokens = pool, num_slots, step_tokens
+        self.block_tokens, self.decode_tokens = block_tokens, decode_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last one is preempted first
+        self.free_slots: list[int] = list(range(num_slots))
+        self.num_preemptions = 0
+
+    # ---- queue management
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """Take a finished or cancelled sequence out: its blocks and slot return at once."""
+        if seq in self.running:
+            self._free_resources(seq)
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def _free_resources(self, seq: Sequence) -> None:
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        self.free_slots.append(seq.slot)
+        self.free_slots.sort()
+        seq.slot = None
+
+    def _admit(self) -> list[Sequence]:
+        admitted = []
+        # a request with a token still in flight (preempted mid-step) waits until it is read back
+        while self.free_slots and self.waiting and self.waiting[0].pending == 0:
+            seq = self.waiting.popleft()
+            seq.slot = self.free_slots.pop(0)
+            seq.status, seq.kv_valid, seq.fresh = SeqStatus.RUNNING, 0, True
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def _preempt(self, seq: Sequence, admitted: list[Sequence], preempted: list[Sequence]) -> None:
+        self._free_resources(seq)
+        self.running.remove(seq)
+        seq.status, seq.fresh = SeqStatus.WAITING, False
+        if seq in admitted:  # admitted this step, nothing computed: just put it back, no preemption
+            admitted.remove(seq)
+        else:
+            seq.num_preemptions += 1
+            self.num_preemptions += 1
+            preempted.append(seq)
+        seq.kv_valid = 0
+        self.waiting.appendleft(seq)
+
+    # ---- the per-step plan
+    def token_counts(self, seqs: list[Sequence]) -> list[int]:
+        """Decoding sequences send their anchor; prefilling ones split what is left (split_budget)."""
+        counts = [s.need if s.need <= self.decode_tokens else 0 for s in seqs]
+        pre = [i for i, s in enumerate(seqs) if s.need > self.decode_tokens]
+        shares = split_budget([seqs[i].need for i in pre], self.step_tokens - sum(counts))
+        for i, n in zip(pre, shares):
+            counts[i] = n
+        return counts
+
+    def _new_blocks(self, seq: Sequence, n: int) -> int:
+        return max(0, BlockPool.blocks_for(seq.kv_valid + n, self.block_tokens) - len(seq.block_table))
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan(admitted=self._admit())
+        while True:
+            # a sequence whose last token is already sampled only waits for read-back
+            live = [s for s in self.running if not s.sampling_done]
+            counts = self.token_counts(live)
+            if sum(self._new_blocks(s, n) for s, n in zip(live, counts)) <= self.pool.num_free:
+                break
+            self._preempt(live[-1], plan.admitted, plan.preempted)
+        for seq, n in zip(live, counts):
+            if n == 0:
+                continue
+            seq.block_table.extend(self.pool.allocate(self._new_blocks(seq, n)))
+            samples = seq.kv_valid + n == seq.num_tokens
+            plan.scheduled.append(ScheduledSeq(seq, seq.kv_valid, n, samples, seq.num_generated, seq.fresh))
+            seq.kv_valid += n
+            seq.fresh = False
+            if samples:
+                seq.pending += 1
+        return plan
+
+    def stats(self) -> dict:
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "free_slots": len(self.free_slots),
+            "preemptions": self.num_preemptions,
+        }

@@ -1,0 +1,84 @@
+"""A request and the sequence state the runtime keeps for it while it waits or occupies a slot."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # in the FIFO queue: new, or preempted for recompute
+    RUNNING = "running"  # holds a slot (and blocks)
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """`tokens` is the request: prompt then the sampled tokens read back so far. `pending` counts tokens
+    sampled by steps still in flight (the host has not read them yet); they come after `tokens`.
+    `kv_valid` counts tokens whose K/V and GDN state are computed or being computed by a launched step;
+    in decode kv_valid == num_tokens - 1 and the last token is the anchor."""
+
+    request_id: Any
+    tokens: list[int]
+    params: SamplingParams
+    seed: int  # params.seed, or one drawn at submit so recompute after preemption redraws the same
+    prompt_len: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    slot: int | None = None
+    block_table: list[int] = field(default_factory=list)
+    kv_valid: int = 0
+    pending: int = 0
+    fresh: bool = False  # admitted since the last step: its slot's GDN state must be zeroed first
+    num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    text: Any = None  # outputs.TextState, when the engine has a tokenizer
+
+    def __post_init__(self):
+        if not self.prompt_len:
+            self.prompt_len = len(self.tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) + self.pending
+
+    @property
+    def num_generated(self) -> int:
+        """Sampled tokens, including those still in flight."""
+        return self.num_tokens - self.prompt_len
+
+    @property
+    def need(self) -> int:
+        """Tokens not yet computed: the rest of the prompt in prefill, 1 (the anchor) in decode."""
+        return self.num_tokens - self.kv_valid
+
+    @property
+    def decoding(self) -> bool:
+        return self.need == 1
+
+    @property
+    def sampling_done(self) -> bool:
+        """max_tokens reached counting in-flight tokens: nothing more to schedule, only to read back."""
+        return self.num_generated >= self.params.max_tokens
+
+    @property
+    def active(self) -> bool:
+        """Occupies a slot."""
+        return self.status is SeqStatus.RUNNING
+
+    @property
+    def busy(self) -> bool:
+        """A launched step still owes this sequence a token."""
+        return self.pending > 0
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
