@@ -110,7 +110,50 @@ def gated_delta_ref(
     return mx.concatenate(outs, axis=0).astype(v.dtype), mx.stack(states)
 
 
+def gated_delta_candidates_ref(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    a: mx.array,
+    b: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    state_pool: mx.array,
+    layout: SeqLayout,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """`gated_delta_ref` that also returns the state after every token (speculative verification keeps
+    the one after the last accepted token): (o [T, Hv, dv], new states [B, Hv, dv, dk],
+    all states [T, Hv, dv, dk] fp32, row t = the state of t's sequence after token t)."""
+    Hv, dk = v.shape[1], q.shape[2]
+    r = Hv // q.shape[1]
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    qn = l2_normalize(q) * (dk**-0.5)
+    kn = l2_normalize(k)
+    if r > 1:
+        qn, kn = mx.repeat(qn, r, axis=1), mx.repeat(kn, r, axis=1)
+    vf = v.astype(mx.float32)
+    outs, states, every = [], [], []
+    for i in range(layout.num_seqs):
+        s, e = layout.query_start_loc[i], layout.query_start_loc[i + 1]
+        S = state_pool[layout.state_rows[i]].astype(mx.float32)
+        for t in range(s, e):  # one token at a time: its state is the candidate
+            o, S = _recurrent(*[x[t : t + 1].swapaxes(0, 1) for x in (qn, kn, vf, g, beta)], S)
+            outs.append(o.swapaxes(0, 1))
+            every.append(S)
+        states.append(S)
+    o = mx.concatenate(outs, axis=0) if outs else mx.zeros(v.shape, dtype=mx.float32)
+    every = mx.stack(every) if every else mx.zeros((0,) + state_pool.shape[1:], dtype=mx.float32)
+    return o.astype(v.dtype), mx.stack(states), every
+
+
 def gated_delta(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout):
     kern = kernel_for("gated_delta")
     out = kern(q, k, v, a, b, A_log, dt_bias, state_pool, layout) if kern is not None else None
     return out if out is not None else gated_delta_ref(q, k, v, a, b, A_log, dt_bias, state_pool, layout)
+
+
+def gated_delta_candidates(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout):
+    """Like `gated_delta`, plus the candidate state after every token ([T, Hv, dv, dk] fp32)."""
+    kern = kernel_for("gated_delta_candidates")
+    out = kern(q, k, v, a, b, A_log, dt_bias, state_pool, layout) if kern is not None else None
+    return out if out is not None else gated_delta_candidates_ref(q, k, v, a, b, A_log, dt_bias, state_pool, layout)

@@ -55,6 +55,14 @@ TOKENS: dict[str, tuple[str, str]] = {
     "bf16_t": ("bfloat16_t", "__nv_bfloat16"),
     "f16_t": ("half", "__half"),
     "uint32_t": ("uint32_t", "uint32_t"),
+    # added for the GDN / conv / norm kernels
+    "FABS": ("metal::fabs", "fabsf"),
+    "FMAX": ("metal::fmax", "fmaxf"),
+    "FMIN": ("metal::fmin", "fminf"),
+    "LOG": ("metal::precise::log", "logf"),
+    "MAKE_FLOAT4": ("float4", "make_float4"),
+    # address space of a pointer cast to threadgroup / shared memory (CUDA pointers are generic)
+    "TG_PTR": ("threadgroup", ""),
 }
 
 # Helpers a CUDA body may call (they are what the SIMD tokens render to). Metal has them built in.
@@ -105,6 +113,17 @@ def render_header(header: str, backend: str) -> str:
 
 
 @dataclass
+class KernelExample:
+    """One concrete call of a kernel, enough to write the signature MLX would generate for it:
+    inputs as (dtype, shape) (Metal passes arrays of < 8 elements in `constant` memory, 0-d ones by
+    reference), output dtypes, and the template arguments in the order the kernel passes them."""
+
+    inputs: list  # [(mx.Dtype, shape tuple)], in input_names order
+    outputs: list  # [mx.Dtype], in output_names order
+    template: list = field(default_factory=list)  # [(name, int | bool | mx.Dtype)]
+
+
+@dataclass
 class PortableKernel:
     """One kernel source and its two renderings. Built once per (op, quant type, shape class)."""
 
@@ -116,6 +135,8 @@ class PortableKernel:
     # CUDA-only variant (e.g. tensor-core MMA); the portable body stays the Metal path and fallback
     cuda_body: str | None = None
     shared_memory: int = 0
+    # concrete instantiations `check_metal` compiles the Metal rendering with (see KernelExample)
+    examples: list = field(default_factory=list)
     _built: dict = field(default_factory=dict, repr=False)
 
     def unique_name(self, backend: str) -> str:

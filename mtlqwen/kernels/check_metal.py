@@ -1,0 +1,166 @@
+"""Compile-check every registered kernel's Metal rendering with g++ (no Apple GPU needed).
+
+`python -m mtlqwen.kernels.check_metal [names...]`: for each kernel in `portable.REGISTRY` and each of
+its `examples` (concrete dtypes, shapes, template arguments), write the source MLX's `metal_kernel`
+would generate (header, signature with `[[buffer(i)]]` parameters and only the thread attributes the
+body names, template instantiation), swap <metal_stdlib> for `metal_shim.h`, and run
+`g++ -fsyntax-only -std=c++17`. Exit status 1 on any failure, with the compiler's message.
+
+What this proves: the body parses and type-checks as C++ against the Metal built-ins we declare, for
+those instantiations. What it cannot: address spaces, Metal-only restrictions, and running it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import mlx.core as mx
+
+from .portable import REGISTRY, KernelExample, PortableKernel, render, render_header
+
+SHIM = Path(__file__).with_name("metal_shim.h")
+CONSTANT_MAX = 8  # MLX passes inputs with fewer elements in the `constant` address space
+
+# the attribute names MLX looks for in a body, with their types (mlx/backend/common/metal_kernel.cpp)
+METAL_ATTRIBUTES = [
+    ("dispatch_quadgroups_per_threadgroup", "uint"),
+    ("dispatch_simdgroups_per_threadgroup", "uint"),
+    ("dispatch_threads_per_threadgroup", "uint3"),
+    ("grid_origin", "uint3"),
+    ("grid_size", "uint3"),
+    ("quadgroup_index_in_threadgroup", "uint"),
+    ("quadgroups_per_threadgroup", "uint"),
+    ("simdgroup_index_in_threadgroup", "uint"),
+    ("simdgroups_per_threadgroup", "uint"),
+    ("thread_execution_width", "uint"),
+    ("thread_index_in_quadgroup", "uint"),
+    ("thread_index_in_simdgroup", "uint"),
+    ("thread_index_in_threadgroup", "uint"),
+    ("thread_position_in_grid", "uint3"),
+    ("thread_position_in_threadgroup", "uint3"),
+    ("threadgroup_position_in_grid", "uint3"),
+    ("threadgroups_per_grid", "uint3"),
+    ("threads_per_grid", "uint3"),
+    ("threads_per_simdgroup", "uint"),
+    ("threads_per_threadgroup", "uint3"),
+]
+
+_TYPE = {
+    mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t", mx.int32: "int32_t",
+    mx.uint32: "uint32_t", mx.int64: "int64_t", mx.uint8: "uint8_t", mx.int8: "int8_t", mx.uint16: "uint16_t",
+    mx.int16: "int16_t", mx.uint64: "uint64_t", mx.bool_: "bool",
+}
+
+
+def _tmpl_value(v) -> str:
+    if isinstance(v, bool):  # MLX streams a bool without boolalpha
+        return "1" if v else "0"
+    if isinstance(v, int):
+        return str(v)
+    return _TYPE[v]
+
+
+def metal_source(kern: PortableKernel, ex: KernelExample) -> str:
+    """The full Metal source MLX's metal_kernel generates for this call (see write_signature)."""
+    body = kern.source("metal")
+    header = render_header(kern.header, "metal")
+    name = "custom_kernel_" + kern.unique_name("metal")
+    if ex.template:
+        name += "__" + "_".join(_tmpl_value(v) for _, v in ex.template)
+    for dt, shape in ex.inputs:
+        size = 1
+        for d in shape:
+            size *= d
+        name += "_" + _TYPE[dt] + ("s" if len(shape) == 0 else "c" if size < CONSTANT_MAX else "")
+    name += "".join("_" + _TYPE[dt] for dt in ex.outputs)
+
+    src = header
+    if ex.template:
+        kinds = ["bool" if isinstance(v, bool) else "int" if isinstance(v, int) else "typename" for _, v in ex.template]
+        src += "template <" + ", ".join(f"{k} {n}" for k, (n, _) in zip(kinds, ex.template)) + ">\n"
+    params = []
+    index = 0
+    for iname, (dt, shape) in zip(kern.input_names, ex.inputs):
+        size = 1
+        for d in shape:
+            size *= d
+        loc = "constant" if size < CONSTANT_MAX else "device"
+        ref = "&" if len(shape) == 0 else "*"
+        params.append(f"  const {loc} {_TYPE[dt]}{ref} {iname} [[buffer({index})]]")
+        index += 1
+        if len(shape) > 0:
+            for suffix, decl in (("_shape", "const constant int*"), ("_strides", "const constant int64_t*"),
+                                 ("_ndim", "const constant int&")):
+                if iname + suffix in body:
+                    params.append(f"  {decl} {iname}{suffix} [[buffer({index})]]")
+                    index += 1
+    for oname, dt in zip(kern.output_names, ex.outputs):
+        params.append(f"  device {_TYPE[dt]}* {oname} [[buffer({index})]]")
+        index += 1
+    params += [f"  {t} {a} [[{a}]]" for a, t in METAL_ATTRIBUTES if a in body]
+    src += f"[[kernel]] void {name}(\n" + ",\n".join(params) + ") {\n" + body + "\n}\n"
+    if ex.template:
+        inst = name + "<" + ", ".join(_tmpl_value(v) for _, v in ex.template) + ">"
+        src += f'\ntemplate [[host_name("{name}")]] [[kernel]] decltype({inst}) {inst};\n'
+    return src
+
+
+def compile_source(src: str, compiler: str | None = None) -> tuple[bool, str]:
+    """g++ -fsyntax-only on a Metal source with <metal_stdlib> resolved to the shim."""
+    cxx = compiler or os.environ.get("CXX") or shutil.which("g++") or "g++"
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "metal_stdlib").write_text(f'#include "{SHIM}"\n')
+        f = Path(d, "kernel.cpp")
+        f.write_text(src)
+        cmd = [cxx, "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-Wno-unknown-pragmas", "-I", d, str(f)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+    return res.returncode == 0, res.stderr
+
+
+def check(kernels: dict[str, PortableKernel] | None = None) -> list[tuple[str, bool, str]]:
+    """[(label, ok, compiler message)] for every (kernel, example)."""
+    kernels = REGISTRY if kernels is None else kernels
+    jobs = []
+    for name, kern in kernels.items():
+        if not kern.examples:
+            jobs.append((name, None, "no KernelExample declared: check_metal needs one to write a signature"))
+        for i, ex in enumerate(kern.examples):
+            jobs.append((f"{name}[{i}]", metal_source(kern, ex), ""))
+
+    def run(job):
+        label, src, msg = job
+        if src is None:
+            return label, False, msg
+        ok, err = compile_source(src)
+        return label, ok, err
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        return list(pool.map(run, jobs))
+
+
+def _load_all() -> None:
+    from . import gpu  # noqa: F401,PLC0415  (every kernel module registers its kernels on import)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    _load_all()
+    kernels = {n: REGISTRY[n] for n in argv} if argv else None
+    results = check(kernels)
+    failed = [r for r in results if not r[1]]
+    for label, ok, msg in results:
+        print(f"{'ok  ' if ok else 'FAIL'} {label}")
+        if not ok:
+            print(msg)
+    print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

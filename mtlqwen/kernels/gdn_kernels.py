@@ -1,0 +1,361 @@
+"""Gated DeltaNet kernels (qwen35-architecture.md §2.4-2.8), written once in portable tokens.
+
+Two kernels over a packed batch; both take the raw conv outputs q, k [T, Hk, dk], v [T, Hv, dv],
+the gate inputs a, b [T, Hv], A_log, dt_bias [Hv] and the fp32 state pool [S, Hv, dv, dk], and fuse
+the gates, the L2 norms and the q scale. Each dv row of a state evolves independently, so a
+threadgroup owns (sequence, value head, block of dv rows) and keeps its rows in registers.
+
+- `gdn_recurrent`: the token-by-token recurrence (§2.7) for decode and verification. TPR lanes share
+  a row (dk/TPR elements each); optionally writes the state after every token (candidate states).
+- `gdn_chunk`: the chunked scan (§2.8) for prefill, C tokens a chunk (32 on CUDA; 16 on Metal, whose
+  32 KB threadgroup memory cannot hold two 32x128 fp32 tiles), carrying the incoming state.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .backend import gpu_backend, register_kernel
+from .portable import KernelExample, portable_kernel
+from .seqs import SeqLayout
+
+CHUNK_MIN_T = 16  # a batch whose longest segment exceeds this runs the chunk kernel
+_LIMITS = {"cuda": (32, 48 * 1024), "metal": (16, 32 * 1024)}  # (chunk, static shared bytes)
+
+
+def _tpr(dk: int) -> int:
+    """Lanes per state row in the recurrent kernel: the most that keeps whole float4 chunks per lane."""
+    for t in (8, 4, 2, 1):
+        if dk % (4 * t) == 0:
+            return t
+    return 0
+
+
+def _chunk_fits(backend: str, dk: int) -> int:
+    """The chunk size the chunk kernel runs with for this dk on this back-end, or 0 if it cannot."""
+    c, limit = _LIMITS[backend]
+    smem = 4 * (2 * c * dk + 3 * c * (c + 1) + 3 * c)
+    return c if dk % 16 == 0 and smem <= limit else 0
+
+
+def _reduce(var: str) -> str:
+    """Sum `var` over the TPR consecutive lanes that share a state row."""
+    return f"for (int _m = TPR / 2; _m > 0; _m >>= 1) {var} += SIMD_SHUFFLE_XOR({var}, _m);"
+
+
+# Shared by both kernels: thread -> (row r of the block, part p of the row); element e of a thread is
+# column COL(e) = ((e/4)*TPR + p)*4 + e%4, i.e. float4 chunk (e/4)*TPR + p.
+_PROLOGUE = """
+constexpr int NE = DK / TPR;
+constexpr int NQ = NE / 4;
+const int tid = TID_X;
+const int r = tid / TPR;
+const int p = tid % TPR;
+const int hv = TGID_Y;
+const int seq = TGID_Z;
+const int hk = hv / (HV / HK);  // value head j reads key head j // r (§2.6)
+const int row = TGID_X * BV + r;
+const bool live = row < DV;
+const int t0 = qsl[seq];
+const int t1 = qsl[seq + 1];
+const float neg_a = -EXP(TO_FLOAT(A_log[hv]));
+const float dtb = TO_FLOAT(dt_bias[hv]);
+const float q_scale = RSQRT((float)DK);
+float s[NE];  // this thread's slice of state row `row`, fp32
+if (live) {
+  CONST_PTR float4* src4 = (CONST_PTR float4*)(state_pool + (((size_t)rows[seq] * HV + hv) * DV + row) * DK);
+  for (int m = 0; m < NQ; ++m) {
+    const float4 x4 = src4[m * TPR + p];
+    s[4 * m] = x4.x; s[4 * m + 1] = x4.y; s[4 * m + 2] = x4.z; s[4 * m + 3] = x4.w;
+  }
+} else {
+  for (int e = 0; e < NE; ++e) s[e] = 0.0f;
+}
+"""
+
+
+def _store_state(dst: str, index: str) -> str:
+    """Write this thread's slice of the state row to `dst` at state index `index` ([..., DV, DK])."""
+    return f"""
+if (live) {{
+  DEVICE_PTR float4* dst4 = (DEVICE_PTR float4*)({dst} + (((size_t)({index}) * HV + hv) * DV + row) * DK);
+  for (int m = 0; m < NQ; ++m) dst4[m * TPR + p] = MAKE_FLOAT4(s[4 * m], s[4 * m + 1], s[4 * m + 2], s[4 * m + 3]);
+}}"""
+
+
+_RECURRENT = (
+    _PROLOGUE
+    + """
+for (int t = t0; t < t1; ++t) {
+  // L2-normalise k and q over dk (eps on the sum, §2.5); every row group does it for itself
+  float kn[NE];
+  float qn[NE];
+  float kss = 0.0f, qss = 0.0f;
+  const size_t kb = ((size_t)t * HK + hk) * DK;
+  for (int e = 0; e < NE; ++e) {
+    const int c = ((e / 4) * TPR + p) * 4 + e % 4;
+    kn[e] = TO_FLOAT(k[kb + c]);
+    qn[e] = TO_FLOAT(q[kb + c]);
+    kss += kn[e] * kn[e];
+    qss += qn[e] * qn[e];
+  }
+  RED_KSS
+  RED_QSS
+  const float kinv = RSQRT(kss + 1e-6f);
+  const float qinv = RSQRT(qss + 1e-6f) * q_scale;
+  // gates in fp32 (§2.4): softplus as max(x,0) + log1p(exp(-|x|)), like logaddexp(x, 0)
+  const float xa = TO_FLOAT(a[t * HV + hv]) + dtb;
+  const float decay = EXP(neg_a * (FMAX(xa, 0.0f) + LOG1P(EXP(-FABS(xa)))));
+  const float beta = 1.0f / (1.0f + EXP(-TO_FLOAT(b[t * HV + hv])));
+  float pred = 0.0f;
+  for (int e = 0; e < NE; ++e) {
+    kn[e] *= kinv;
+    s[e] *= decay;
+    pred += s[e] * kn[e];
+  }
+  RED_PRED
+  const float vv = live ? TO_FLOAT(v[((size_t)t * HV + hv) * DV + row]) : 0.0f;
+  const float delta = beta * (vv - pred);
+  float out = 0.0f;
+  for (int e = 0; e < NE; ++e) {
+    s[e] += delta * kn[e];
+    out += s[e] * qn[e];
+  }
+  RED_OUT
+  if (live && p == 0) o[((size_t)t * HV + hv) * DV + row] = FROM_FLOAT(InT, out * qinv);
+  CAND_STORE
+}
+FINAL_STORE
+""".replace("RED_KSS", _reduce("kss"))
+    .replace("RED_QSS", _reduce("qss"))
+    .replace("RED_PRED", _reduce("pred"))
+    .replace("RED_OUT", _reduce("out"))
+    .replace("FINAL_STORE", _store_state("state_out", "seq"))
+)
+
+_IN = ["q", "k", "v", "a", "b", "A_log", "dt_bias", "state_pool", "qsl", "rows"]
+
+
+def _examples(cand: bool, chunk: int | None) -> list[KernelExample]:
+    """Qwen3.5-9B in bf16, and a small fp32 shape with r = 3, dk != dv, a tiny (constant) gate vector."""
+    out = []
+    for dt, T, B, Hk, Hv, dk, dv in ((mx.bfloat16, 8, 2, 16, 32, 128, 128), (mx.float32, 7, 2, 2, 6, 32, 48)):
+        tpr = 4 if chunk else _tpr(dk)
+        shapes = [(T, Hk, dk), (T, Hk, dk), (T, Hv, dv), (T, Hv), (T, Hv), (Hv,), (Hv,), (3, Hv, dv, dk), (B + 1,), (B,)]
+        dts = [dt, dt, dt, dt, dt, mx.float32, dt, mx.float32, mx.int32, mx.int32]
+        tmpl = [("InT", dt), ("HK", Hk), ("HV", Hv), ("DK", dk), ("DV", dv), ("TPR", tpr)]
+        tmpl += [("BV", chunk or 128 // tpr)] + ([("C", chunk)] if chunk else [])
+        outs = [dt, mx.float32] + ([mx.float32] if cand else [])
+        out.append(KernelExample(list(zip(dts, shapes)), outs, tmpl))
+    return out
+
+
+RECURRENT = portable_kernel(
+    name="gdn_recurrent",
+    input_names=_IN,
+    output_names=["o", "state_out"],
+    body=_RECURRENT.replace("CAND_STORE", ""),
+    examples=_examples(False, None),
+)
+RECURRENT_CAND = portable_kernel(
+    name="gdn_recurrent_cand",
+    input_names=_IN,
+    output_names=["o", "state_out", "all_states"],
+    body=_RECURRENT.replace("CAND_STORE", _store_state("all_states", "t")),
+    examples=_examples(True, None),
+)
+
+# Chunked scan (§2.8) in this layout (S rows r, columns c over dk), for a chunk of C tokens i, j:
+#   A[i,j] = b_i e^{g_i-g_j} k_i.k_j (j<i),  X_i = b_i (v_i - e^{g_i} S k_i),  (I + A) V' = X
+#   o_i = e^{g_i} S q_i + sum_{j<=i} e^{g_i-g_j} (q_i.k_j) V'_j,  S <- e^{g_L} S + sum_j e^{g_L-g_j} V'_j k_j^T
+# (g = in-chunk cumsum of the log decays). Thread row r doubles as token j = r of the chunk (BV == C).
+_CHUNK = (
+    _PROLOGUE
+    + """
+SHARED float Ks[C * DK];        // normalised k of the chunk [token][dk]
+SHARED float Qs[C * DK];        // normalised, scaled q
+SHARED float As[C * (C + 1)];   // A [i][j]; after the solve: e^{g_i} S q_i [i][row]
+SHARED float Ms[C * (C + 1)];   // e^{g_i-g_j} q_i.k_j [i][j], j <= i
+SHARED float Xs[C * (C + 1)];   // v, then X, then V' [token][row]
+SHARED float gs[C];
+SHARED float bs[C];
+SHARED float gam[C];
+float kj[NE];  // normalised k of token j = r, this thread's columns
+for (int c0 = t0; c0 < t1; c0 += C) {
+  const int n = (t1 - c0 < C) ? (t1 - c0) : C;
+  {
+    // 1. token r: normalise k and q, gates, v for the block's rows (zeros past the segment: no-ops)
+    const bool tv = r < n;
+    const size_t kb = ((size_t)(c0 + (tv ? r : 0)) * HK + hk) * DK;
+    float qv[NE];
+    float kss = 0.0f, qss = 0.0f;
+    for (int e = 0; e < NE; ++e) {
+      const int c = ((e / 4) * TPR + p) * 4 + e % 4;
+      kj[e] = tv ? TO_FLOAT(k[kb + c]) : 0.0f;
+      qv[e] = tv ? TO_FLOAT(q[kb + c]) : 0.0f;
+      kss += kj[e] * kj[e];
+      qss += qv[e] * qv[e];
+    }
+    RED_KSS
+    RED_QSS
+    const float kinv = RSQRT(kss + 1e-6f);
+    const float qinv = RSQRT(qss + 1e-6f) * q_scale;
+    for (int e = 0; e < NE; ++e) {
+      const int c = ((e / 4) * TPR + p) * 4 + e % 4;
+      kj[e] *= kinv;
+      Ks[r * DK + c] = kj[e];
+      Qs[r * DK + c] = qv[e] * qinv;
+    }
+    if (p == 0) {
+      const int tt = c0 + (tv ? r : 0);
+      const float xa = TO_FLOAT(a[tt * HV + hv]) + dtb;
+      gs[r] = tv ? neg_a * (FMAX(xa, 0.0f) + LOG1P(EXP(-FABS(xa)))) : 0.0f;
+      bs[r] = tv ? 1.0f / (1.0f + EXP(-TO_FLOAT(b[tt * HV + hv]))) : 0.0f;
+    }
+    for (int cc = p; cc < C; cc += TPR) {
+      const int vr = TGID_X * BV + cc;
+      Xs[r * (C + 1) + cc] = (tv && vr < DV) ? TO_FLOAT(v[((size_t)(c0 + r) * HV + hv) * DV + vr]) : 0.0f;
+    }
+  }
+  BARRIER;
+  if (tid < C) {
+    float acc = 0.0f;
+    for (int j = 0; j <= tid; ++j) acc += gs[j];
+    gam[tid] = acc;
+  }
+  BARRIER;
+  // 2. k_i.k_r -> A[i][r], and X[i][r] from k_i.S_r
+  for (int i = 0; i < C; ++i) {
+    float kk = 0.0f, ks = 0.0f;
+    for (int e = 0; e < NE; ++e) {
+      const float ki = Ks[i * DK + ((e / 4) * TPR + p) * 4 + e % 4];
+      kk += ki * kj[e];
+      ks += ki * s[e];
+    }
+    RED_KK
+    RED_KS
+    if (p == 0) {
+      const float gi = gam[i];
+      As[i * (C + 1) + r] = (r < i) ? bs[i] * EXP(gi - gam[r]) * kk : 0.0f;
+      Xs[i * (C + 1) + r] = bs[i] * (Xs[i * (C + 1) + r] - EXP(gi) * ks);
+    }
+  }
+  BARRIER;
+  // 3. forward substitution (I + A) V' = X; column r (state row r) per thread, kept in registers
+  if (p == 0) {
+    float vc[C];
+#pragma unroll
+    for (int i = 0; i < C; ++i) {
+      float acc = Xs[i * (C + 1) + r];
+#pragma unroll
+      for (int j = 0; j < i; ++j) acc -= As[i * (C + 1) + j] * vc[j];
+      vc[i] = acc;
+    }
+#pragma unroll
+    for (int i = 0; i < C; ++i) Xs[i * (C + 1) + r] = vc[i];
+  }
+  BARRIER;
+  // 4. q_i.k_r -> M[i][r] (j = r <= i), and the inter-chunk output e^{g_i} q_i.S_r -> As[i][r]
+  for (int i = 0; i < C; ++i) {
+    float qk = 0.0f, qs = 0.0f;
+    for (int e = 0; e < NE; ++e) {
+      const float qi = Qs[i * DK + ((e / 4) * TPR + p) * 4 + e % 4];
+      qk += qi * kj[e];
+      qs += qi * s[e];
+    }
+    RED_QK
+    RED_QS
+    if (p == 0) {
+      const float gi = gam[i];
+      Ms[i * (C + 1) + r] = (r <= i) ? EXP(gi - gam[r]) * qk : 0.0f;
+      As[i * (C + 1) + r] = EXP(gi) * qs;
+    }
+  }
+  BARRIER;
+  // 5. outputs of tokens i = p (mod TPR) for row r
+  for (int i = p; i < n; i += TPR) {
+    float acc = As[i * (C + 1) + r];
+    for (int j = 0; j <= i; ++j) acc += Ms[i * (C + 1) + j] * Xs[j * (C + 1) + r];
+    if (live) o[((size_t)(c0 + i) * HV + hv) * DV + row] = FROM_FLOAT(InT, acc);
+  }
+  // 6. carry the state to the end of the chunk
+  const float gl = gam[C - 1];
+  const float dl = EXP(gl);
+  for (int e = 0; e < NE; ++e) s[e] *= dl;
+  for (int j = 0; j < n; ++j) {
+    const float w = EXP(gl - gam[j]) * Xs[j * (C + 1) + r];
+    for (int e = 0; e < NE; ++e) s[e] += w * Ks[j * DK + ((e / 4) * TPR + p) * 4 + e % 4];
+  }
+  BARRIER;  // the next chunk overwrites the tiles
+}
+FINAL_STORE
+"""
+)
+for _v in ("kss", "qss", "kk", "ks", "qk", "qs"):
+    _CHUNK = _CHUNK.replace(f"RED_{_v.upper()}", _reduce(_v))
+_CHUNK = _CHUNK.replace("FINAL_STORE", _store_state("state_out", "seq"))
+
+CHUNK = portable_kernel(
+    name="gdn_chunk",
+    input_names=_IN,
+    output_names=["o", "state_out"],
+    body=_CHUNK,
+    examples=_examples(False, 16),
+)
+
+
+def run_gdn(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, *, candidates=False, chunk=None,
+            init_value=None):
+    """Launch one GDN kernel over the packed batch. Returns (o, states[, all_states]) or None if the
+    shapes are not covered. `chunk` forces (True) or forbids (False) the chunk kernel; tests poison the
+    outputs through `init_value`."""
+    backend = gpu_backend()
+    T, Hk, dk = q.shape
+    Hv, dv = v.shape[1], v.shape[2]
+    B = layout.num_seqs
+    if backend is None or T == 0 or B == 0 or state_pool.dtype != mx.float32 or Hv % Hk:
+        return None
+    if v.dtype not in (mx.float32, mx.float16, mx.bfloat16) or _tpr(dk) == 0:
+        return None
+    dt = v.dtype
+    q, k = q.astype(dt), k.astype(dt)
+    gdt = a.dtype if a.dtype in (mx.float32, mx.float16, mx.bfloat16) else mx.float32
+    a, b = a.astype(gdt), b.astype(gdt)
+    pdt = A_log.dtype if A_log.dtype in (mx.float32, mx.float16, mx.bfloat16) else mx.float32
+    A_log, dt_bias = A_log.astype(pdt), dt_bias.astype(pdt)
+    longest = max(layout.q_len(i) for i in range(B))
+    C = _chunk_fits(backend, dk)
+    use_chunk = (longest > CHUNK_MIN_T if chunk is None else chunk) and C and not candidates
+    if chunk and not use_chunk:
+        return None
+    tpr = 4 if use_chunk else _tpr(dk)
+    bv = C if use_chunk else 128 // tpr
+    kern = CHUNK if use_chunk else (RECURRENT_CAND if candidates else RECURRENT)
+    tmpl = [("InT", dt), ("HK", Hk), ("HV", Hv), ("DK", dk), ("DV", dv), ("TPR", tpr), ("BV", bv)] + ([("C", C)] if use_chunk else [])
+    nt = bv * tpr
+    nblk = -(-dv // bv)
+    shapes = [(T, Hv, dv), (B, Hv, dv, dk)] + ([(T, Hv, dv, dk)] if candidates else [])
+    dtypes = [dt, mx.float32] + ([mx.float32] if candidates else [])
+    return kern(
+        backend,
+        inputs=[q, k, v, a, b, A_log, dt_bias, state_pool, layout.array("query_start_loc"),
+                layout.array("state_rows")],
+        output_shapes=shapes,
+        output_dtypes=dtypes,
+        grid=(nt * nblk, Hv, B),
+        threadgroup=(nt, 1, 1),
+        template=tmpl,
+        init_value=init_value,
+    )
+
+
+@register_kernel("gated_delta")
+def gated_delta_kernel(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout):
+    out = run_gdn(q, k, v, a, b, A_log, dt_bias, state_pool, layout)
+    return None if out is None else (out[0], out[1])
+
+
+@register_kernel("gated_delta_candidates")
+def gated_delta_candidates_kernel(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout):
+    out = run_gdn(q, k, v, a, b, A_log, dt_bias, state_pool, layout, candidates=True)
+    return None if out is None else tuple(out)
