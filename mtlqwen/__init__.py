@@ -2,6 +2,7 @@
 
 from .kernels import SeqLayout
 from .model import CheckpointError, ConfigError, ModelCache, Qwen35Model, load
+from .runtime import Delta, Engine, Output, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -13,4 +14,7 @@ def load_tokenizer(path_or_repo):
     return _load(path_or_repo)
 
 
-__all__ = ["CheckpointError", "ConfigError", "ModelCache", "Qwen35Model", "SeqLayout", "load", "load_tokenizer"]
+__all__ = [
+    "CheckpointError", "ConfigError", "Delta", "Engine", "ModelCache", "Output", "Qwen35Model", "SamplingParams",
+    "SeqLayout", "load", "load_tokenizer",
+]
