@@ -1,0 +1,328 @@
+"""The engine end to end on a tiny random Qwen3.5 (CPU): greedy outputs equal the model run on each
+request alone, whatever the batching, chunking, arrival times and preemptions; bad requests fail
+alone; cancellation, streaming, stops, memory behaviour."""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mtlqwen
+from mtlqwen.runtime import Engine, SamplingParams
+from mtlqwen.runtime.block_pool import BlockPool
+
+from hf_checkpoints import random_token_ids, write_tiny_checkpoint
+
+EOS = (508, 510)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return mtlqwen.load(ckpt)
+
+
+def ref_logits(model, ids):
+    return np.array(model.logits(ids).astype(mx.float32))
+
+
+def assert_reference(model, prompt, out, max_tokens):
+    """Each generated token is the argmax of the model run alone on prompt + the tokens before it
+    (teacher forcing), or within 1e-4 x logit scale of it; the completion ends where it should."""
+    toks = out.token_ids
+    assert out.error is None and toks, out
+    rows = ref_logits(model, prompt + toks[:-1])[len(prompt) - 1 :]
+    for k, (tok, row) in enumerate(zip(toks, rows)):
+        ref = int(row.argmax())
+        if tok != ref:
+            gap = row[ref] - row[tok]
+            assert gap <= 1e-4 * np.abs(row).max(), f"token {k}: engine {tok}, alone {ref} (gap {gap:.3g})"
+    if any(t in EOS for t in toks):
+        assert toks.index(next(t for t in toks if t in EOS)) == len(toks) - 1 and out.finish_reason == "stop"
+    else:
+        assert len(toks) == max_tokens and out.finish_reason == "length"
+
+
+def assert_idle(eng):
+    st_ = eng.stats()
+    assert st_["free_blocks"] == st_["total_blocks"] and st_["running"] == st_["waiting"] == 0
+    assert st_["free_slots"] == eng.slots and not eng.has_work()
+    assert all(r == 0 for r in eng.pool.ref_counts)
+
+
+def run_arrivals(eng, requests):
+    """requests: (arrival step, prompt, SamplingParams). Returns outputs in request order."""
+    outs, ids, step = {}, {}, 0
+    while len(outs) < len(requests):
+        for i, (arrive, prompt, sp) in enumerate(requests):
+            if arrive == step:
+                ids[eng.submit(prompt, sp)] = i
+        for d in eng.step():
+            if d.finished:
+                outs[ids[d.request_id]] = d.output
+        step += 1
+        assert step < 20_000
+    return [outs[i] for i in range(len(requests))]
+
+
+@st.composite
+def workloads(draw):
+    slots = draw(st.integers(1, 8))
+    short = draw(st.lists(st.integers(1, 48), min_size=6, max_size=28))
+    long_ = draw(st.lists(st.integers(49, 700), min_size=0, max_size=2))
+    lens = draw(st.permutations(short + long_))
+    reqs = [
+        (draw(st.integers(0, 12)), n, draw(st.integers(1, 6)), draw(st.integers(0, 2**20)))
+        for n in lens
+    ]
+    return dict(
+        slots=slots,
+        step_tokens=draw(st.integers(max(16, slots), 128)),
+        block_tokens=draw(st.sampled_from([16, 32])),
+        extra_blocks=draw(st.integers(0, 24)),
+        reqs=reqs,
+    )
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(w=workloads())
+def test_random_workloads_match_each_request_alone(model, w):
+    bt = w["block_tokens"]
+    requests = [
+        (arrive, random_token_ids(n, 512, seed), SamplingParams(max_tokens=mt)) for arrive, n, mt, seed in w["reqs"]
+    ]
+    # the largest request must fit alone; the extra blocks decide how often sequences get preempted
+    need = max(BlockPool.blocks_for(len(p) + sp.max_tokens - 1, bt) for _, p, sp in requests)
+    eng = Engine(model, slots=w["slots"], step_tokens=w["step_tokens"], block_tokens=bt, num_blocks=need + w["extra_blocks"])
+    outs = run_arrivals(eng, requests)
+    for (_, prompt, sp), out in zip(requests, outs):
+        assert out.prompt_tokens == len(prompt)
+        assert_reference(model, prompt, out, sp.max_tokens)
+    assert_idle(eng)
+    assert eng.stats()["generated_tokens"] == sum(len(o.token_ids) for o in outs)
+
+
+def greedy(max_tokens, **kw):
+    return SamplingParams(max_tokens=max_tokens, **kw)
+
+
+def test_preemption_under_a_tight_pool_is_exact(model):
+    prompts = [random_token_ids(n, 512, seed=n) for n in (40, 33, 70, 5, 18, 61)]
+    eng = Engine(model, slots=4, step_tokens=32, block_tokens=16, num_blocks=7)
+    outs = eng.generate(prompts, greedy(8))
+    assert eng.stats()["preemptions"] > 0
+    assert sum(o.num_preemptions for o in outs) == eng.stats()["preemptions"]
+    for p, o in zip(prompts, outs):
+        assert_reference(model, p, o, 8)
+    assert_idle(eng)
+
+
+def test_bad_requests_fail_alone(model):
+    good = [random_token_ids(n, 512, seed=100 + n) for n in (9, 23)]
+    eng = Engine(model, slots=2, step_tokens=32, block_tokens=16, num_blocks=20)
+    prompts = [good[0], [], [3, 600, 4], [i % 500 for i in range(4097)], good[1], "some text", [5, 6], [7] * 300, [1, 2.5]]
+    sampling = [greedy(5)] * 6 + [{"max_tokens": 0}, greedy(30), greedy(5)]
+    outs = eng.generate(prompts, sampling)
+    assert [o.finish_reason for o in outs] == ["length", "error", "error", "error", "length", "error", "error", "error", "error"]
+    errors = [o.error for o in outs]
+    assert "empty prompt" in errors[1]
+    assert "token id 600 is outside the vocabulary [0, 512)" in errors[2]
+    assert "exceeds the context of 4096 tokens" in errors[3]
+    assert "no tokenizer" in errors[5]
+    assert "max_tokens" in errors[6]
+    assert "needs 21 KV blocks" in errors[7] and "pool has 20" in errors[7]
+    assert "integer token ids" in errors[8]
+    assert all(o.token_ids == [] for o in outs if o.finish_reason == "error")
+    assert_reference(model, good[0], outs[0], 5)
+    assert_reference(model, good[1], outs[4], 5)
+    for bad in ([], [600]):
+        with pytest.raises(ValueError):
+            eng.submit(bad)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    assert_idle(eng)
+
+
+def test_cancel_frees_slot_and_blocks_at_once(model):
+    eng = Engine(model, slots=2, step_tokens=16, block_tokens=16, num_blocks=40)
+    a = eng.submit(random_token_ids(60, 512, seed=1), greedy(20))
+    b_prompt = random_token_ids(30, 512, seed=2)
+    b = eng.submit(b_prompt, greedy(4))
+    for _ in range(3):
+        eng.step()
+    held = eng.stats()["total_blocks"] - eng.stats()["free_blocks"]
+    a_blocks = len(eng._seqs[a].block_table)
+    assert a_blocks > 0 and eng.stats()["running"] == 2
+    assert eng.cancel(a) and not eng.cancel(a) and not eng.cancel("nope")
+    assert eng.stats()["free_blocks"] == eng.stats()["total_blocks"] - (held - a_blocks)
+    assert eng.stats()["running"] == 1 and eng.stats()["free_slots"] == 1
+    deltas = eng.step()
+    (cancelled,) = [d for d in deltas if d.request_id == a]
+    assert cancelled.finished and cancelled.finish_reason == "cancelled"
+    outs = {}
+    while eng.has_work():
+        for d in eng.step():
+            assert d.request_id != a
+            if d.finished:
+                outs[d.request_id] = d.output
+    assert_reference(model, b_prompt, outs[b], 4)
+    assert_idle(eng)
+
+
+class FakeTokenizer:
+    """Token t is the text "<t>"; encode reads space-separated ids."""
+
+    eos_token_ids = []
+
+    def encode(self, text):
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids):
+        return "".join(f"<{i}>" for i in ids)
+
+    def detokenizer(self):
+        return _FakeStream()
+
+
+class _FakeStream:
+    def add(self, i):
+        return f"<{i}>"
+
+    def finish(self):
+        return ""
+
+
+def _stream_all(eng, prompts, sampling):
+    toks, texts, final = {}, {}, {}
+    for d in eng.stream(prompts, sampling):
+        toks.setdefault(d.request_id, []).extend(d.token_ids)
+        texts[d.request_id] = texts.get(d.request_id, "") + d.text
+        if d.finished:
+            final[d.request_id] = d.output
+    return toks, texts, final
+
+
+def test_stream_stop_tokens_and_stop_strings(model):
+    tok = FakeTokenizer()
+    prompt = random_token_ids(12, 512, seed=5)
+    eng = Engine(model, slots=3, step_tokens=32, block_tokens=16, num_blocks=30, tokenizer=tok)
+    (full,) = eng.generate([" ".join(map(str, prompt))], greedy(8))
+    assert_reference(model, prompt, full, 8)
+    out = full.token_ids
+    assert full.text == tok.decode(out)
+    k = out.index(out[3])  # first occurrence of the stop token
+    by_id = greedy(8, stop_token_ids=[out[3]])
+    across = f"{out[1]}><{out[2]}"  # a stop string spanning two tokens
+    by_str = greedy(8, stop=["<zzz>", across])
+    toks, texts, final = _stream_all(eng, [prompt, prompt, prompt], [by_id, by_str, greedy(8)])
+    rid_id, rid_str, rid_full = sorted(final)
+    assert final[rid_id].token_ids == out[: k + 1] and final[rid_id].finish_reason == "stop"
+    assert final[rid_id].text == tok.decode(out[:k])  # the stop token's text is not part of the completion
+    cut = tok.decode(out).find(across)
+    assert final[rid_str].finish_reason == "stop" and final[rid_str].text == tok.decode(out)[:cut]
+    assert final[rid_str].token_ids == out[:3]
+    assert final[rid_full].text == full.text and final[rid_full].token_ids == out
+    for rid in final:  # deltas add up to the outputs; held-back text is released at the end
+        assert toks[rid] == final[rid].token_ids and texts[rid] == final[rid].text
+    # EOS: the model's eos ids end a completion unless ignore_eos
+    eng.eos = {out[2]}
+    (stopped, ignored) = eng.generate([prompt, prompt], [greedy(8), greedy(8, ignore_eos=True)])
+    assert stopped.token_ids == out[: out.index(out[2]) + 1] and stopped.finish_reason == "stop"
+    assert ignored.token_ids == out and ignored.finish_reason == "length"
+    assert_idle(eng)
+
+
+def test_seeded_sampling_is_independent_of_batching_and_preemption(model):
+    prompt = random_token_ids(20, 512, seed=9)
+    hot = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=10, seed=1234)
+    alone = Engine(model, slots=1, step_tokens=16, block_tokens=16, num_blocks=8).generate([prompt], hot)[0]
+    others = [random_token_ids(n, 512, seed=n) for n in (50, 7, 33)]
+    eng = Engine(model, slots=4, step_tokens=16, block_tokens=16, num_blocks=6)
+    outs = eng.generate(others + [prompt], [greedy(10)] * 3 + [hot])
+    assert eng.stats()["preemptions"] > 0
+    assert outs[-1].token_ids == alone.token_ids
+    other_seed = Engine(model, slots=1, step_tokens=16, block_tokens=16, num_blocks=8).generate(
+        [prompt], SamplingParams(temperature=1.0, top_p=0.95, max_tokens=10, seed=4321))[0]
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_blocks_are_taken_only_as_tokens_cross_boundaries(model):
+    eng = Engine(model, slots=2, step_tokens=16, block_tokens=16, num_blocks=12)
+    eng.submit(random_token_ids(20, 512, seed=3), greedy(30))
+    eng.submit(random_token_ids(3, 512, seed=4), greedy(30))
+    seen = set()
+    while eng.has_work():
+        eng.step()
+        used = 0
+        for s in eng.scheduler.running:
+            assert len(s.block_table) == BlockPool.blocks_for(s.kv_valid, 16)
+            seen.add(len(s.block_table))
+            used += len(s.block_table)
+        assert eng.pool.num_used == used
+    assert {1, 2, 3} <= seen
+    assert_idle(eng)
+
+
+def test_a_step_writes_the_kv_pools_in_place(model):
+    # 4 pools (2 attention layers x K/V) of 2048 x 16 x 2 x 64 fp32 = 16 MiB each
+    eng = Engine(model, slots=4, step_tokens=32, block_tokens=16, num_blocks=2048)
+    pool_bytes = eng.cache.k_pools[0].nbytes
+    for i in range(4):
+        eng.submit(random_token_ids(30 + i, 512, seed=i), greedy(12))
+    for _ in range(3):  # warm-up: prefill and the first decodes
+        eng.step()
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    for _ in range(4):
+        eng.step()
+    mx.synchronize()
+    assert mx.get_peak_memory() - base < pool_bytes // 4, "a step copied a KV pool"
+    while eng.has_work():
+        eng.step()
+
+
+def test_padding_to_buckets_is_exact(model):
+    prompts = [random_token_ids(n, 512, seed=n) for n in (21, 5, 44)]
+    eng = Engine(model, slots=3, step_tokens=32, block_tokens=16, num_blocks=16, pad_buckets=True)
+    assert eng.buckets == [1, 2, 4, 8, 16, 32]
+    outs = eng.generate(prompts, greedy(5))
+    assert eng.stats()["padding_tokens"] > 0
+    for p, o in zip(prompts, outs):
+        assert_reference(model, p, o, 5)
+    assert_idle(eng)
+
+
+def test_engine_from_a_path_with_the_step_api(ckpt, model):
+    eng = Engine(str(ckpt), slots=2, step_tokens=16, block_tokens=32, num_blocks=10)
+    assert eng.tokenizer is None
+    with pytest.raises(ValueError, match="tokenizer"):
+        eng.submit("hello")
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        eng.submit([1, 2], greedy(3, stop=["x"]))
+    prompt = random_token_ids(7, 512, seed=11)
+    rid = eng.submit(prompt, greedy(4), request_id="r1")
+    with pytest.raises(ValueError, match="already live"):
+        eng.submit(prompt, request_id="r1")
+    got = []
+    while eng.has_work():
+        for d in eng.step():
+            assert d.request_id == rid
+            got.extend(d.token_ids)
+            last = d
+    assert last.finished and last.output.token_ids == got
+    assert last.output.ttft is not None and last.output.total_time >= last.output.ttft > 0
+    assert_reference(model, prompt, last.output, 4)
+    s = eng.stats()
+    for key in ("total_blocks", "free_blocks", "running", "waiting", "prompt_tokens", "generated_tokens", "preemptions"):
+        assert key in s
+    assert (s["prompt_tokens"], s["generated_tokens"], s["total_blocks"]) == (7, 4, 10)
+    (single,) = eng.generate(prompt, greedy(4), progress=True)  # one token-id prompt -> one output
+    assert single.token_ids == got
