@@ -330,3 +330,36 @@ def test_quantize_at_load(target_dir, target, prompt, tmp_path):
         dr.write_context(feat, layout([0], [P], [TABLE]), dc)
         outs.append(np.array(draft_one(dr, dc, anchor, P, TABLE, 8)[1][0]))
     assert rel_err(outs[1], outs[0]) <= 0.05
+
+
+def test_prequantized_mixed_bits_checkpoint(target_dir, target, prompt, tmp_path):
+    """An mlx-style quantized drafter (config `quantization` + per-module override): k_proj of layer 0 at
+    4 bits cannot share the stacked context GEMM, so its layer projects k and v apart."""
+    ids, anchor = prompt
+    d = D.write_tiny_drafter(tmp_path / "f", target_dir, seed=9)
+    w = mx.load(str(d / "model.safetensors"))
+    odd = "layers.0.self_attn.k_proj"
+    q = {}
+    for k, v in w.items():
+        if "norm" in k:
+            q[k] = v
+            continue
+        m = k[: -len(".weight")]
+        q[k], q[f"{m}.scales"], q[f"{m}.biases"] = mx.quantize(v, group_size=64, bits=4 if m == odd else 8)
+    qd = tmp_path / "q"
+    qd.mkdir()
+    mx.save_safetensors(str(qd / "model.safetensors"), q)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization"] = {"group_size": 64, "bits": 8, odd: {"group_size": 64, "bits": 4}}
+    (qd / "config.json").write_text(json.dumps(cfg))
+    fp, qm = load_drafter(d, target), load_drafter(qd, target)
+    assert qm.ctx_kv is None and qm.layers[0].kv_proj is None and qm.layers[1].kv_proj.bits == 8
+    feat = mx.array(hf_taps(target_dir, ids, fp.tap_layers), dtype=mx.float32)
+    outs = []
+    for dr in (fp, qm):
+        dc = fresh_cache(dr, target)
+        dr.write_context(feat, layout([0], [P], [TABLE]), dc)
+        outs.append(np.array(draft_one(dr, dc, anchor, P, TABLE, 8)[1][0]))
+    assert rel_err(outs[1], outs[0]) <= 0.1
+    with pytest.raises(ConfigError, match="already quantized"):
+        load_drafter(qd, target, quantize="4bit")

@@ -161,15 +161,27 @@ def _rows(p: LinearParams, start: int, stop: int) -> LinearParams:
 class DrafterLayer:
     """Pre-norm Qwen3 block whose attention also sees the paged context K/V (§1.4)."""
 
-    def __init__(self, w, i: int, c: DFlashConfig, kv: LinearParams):
+    def __init__(self, w, i: int, c: DFlashConfig, kv: LinearParams | None, k: LinearParams, v: LinearParams):
         p = f"layers.{i}"
         self.input_norm, self.post_norm = w[f"{p}.input_layernorm.weight"], w[f"{p}.post_attention_layernorm.weight"]
         self.q_proj, self.o_proj = _lin(w, f"{p}.self_attn.q_proj", c), _lin(w, f"{p}.self_attn.o_proj", c)
-        self.kv_proj = kv  # [2 * nKV * hd, H]: k rows then v rows (a slice of the stacked context GEMM)
+        # kv_proj [2 * nKV * hd, H]: k rows then v rows, one GEMM (a view into the stacked context GEMM);
+        # None only when k_proj and v_proj are quantized differently, then they run apart.
+        self.kv_proj, self.k_proj, self.v_proj = kv, (None if kv is not None else k), (None if kv is not None else v)
+        self.kv_shape = (2, c.num_key_value_heads, c.head_dim)
         self.q_norm, self.k_norm = w[f"{p}.self_attn.q_norm.weight"], w[f"{p}.self_attn.k_norm.weight"]
         self.gate_proj, self.up_proj = _lin(w, f"{p}.mlp.gate_proj", c), _lin(w, f"{p}.mlp.up_proj", c)
         self.down_proj = _lin(w, f"{p}.mlp.down_proj", c)
         self.causal, self.window = c.causal[i], c.window(i)
+
+    def project_kv(self, h: mx.array) -> tuple[mx.array, mx.array]:
+        """h [T, H] -> k, v [T, nKV, hd] (k before its norm and RoPE)."""
+        T = h.shape[0]
+        if self.kv_proj is not None:
+            kv = linear(h, self.kv_proj).reshape(T, *self.kv_shape)
+            return kv[:, 0], kv[:, 1]
+        return (linear(h, self.k_proj).reshape(T, *self.kv_shape[1:]),
+                linear(h, self.v_proj).reshape(T, *self.kv_shape[1:]))
 
 
 class Drafter:
@@ -195,10 +207,9 @@ class Drafter:
         kvw = 2 * c.num_key_value_heads * c.head_dim
         self.layers = []
         for i in range(c.num_hidden_layers):
-            kv = _rows(self.ctx_kv, i * kvw, (i + 1) * kvw) if self.ctx_kv is not None else \
-                _stack(per_layer[2 * i : 2 * i + 2]) or per_layer[2 * i]
-            self.layers.append(DrafterLayer(weights, i, c, kv))
-        self._per_layer = None if self.ctx_kv is not None else per_layer
+            k, v = per_layer[2 * i], per_layer[2 * i + 1]
+            kv = _rows(self.ctx_kv, i * kvw, (i + 1) * kvw) if self.ctx_kv is not None else _stack([k, v])
+            self.layers.append(DrafterLayer(weights, i, c, kv, k, v))
 
     # -- geometry the engine reads
     @property
@@ -222,15 +233,10 @@ class Drafter:
     def _context_kv(self, ctx: mx.array) -> list[tuple[mx.array, mx.array]]:
         """ctx [T, H] -> per layer (k [T, nKV, hd] before norm/rope, v [T, nKV, hd])."""
         c, T = self.config, ctx.shape[0]
-        shape = (T, 2, c.num_key_value_heads, c.head_dim)
-        if self.ctx_kv is not None:
-            kv = linear(ctx, self.ctx_kv).reshape(T, c.num_hidden_layers, *shape[1:])
-            return [(kv[:, i, 0], kv[:, i, 1]) for i in range(c.num_hidden_layers)]
-        out = []
-        for i in range(c.num_hidden_layers):
-            k, v = linear(ctx, self._per_layer[2 * i]), linear(ctx, self._per_layer[2 * i + 1])
-            out.append((k.reshape(T, *shape[2:]), v.reshape(T, *shape[2:])))
-        return out
+        if self.ctx_kv is None:
+            return [L.project_kv(ctx) for L in self.layers]
+        kv = linear(ctx, self.ctx_kv).reshape(T, c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim)
+        return [(kv[:, i, 0], kv[:, i, 1]) for i in range(c.num_hidden_layers)]
 
     def write_context(self, tap_feat: mx.array, layout: SeqLayout, cache: DrafterCache) -> None:
         """Project committed positions' taps into every drafter layer's context K/V (§1.3, §1.4).
@@ -274,13 +280,13 @@ class Drafter:
         if c.input_embedding_scale != 1.0:
             x = x * c.input_embedding_scale
         pos = bl.array("positions")
-        T, nH, nKV, hd = S * B, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        T, nH, hd = S * B, c.num_attention_heads, c.head_dim
         for i, L in enumerate(self.layers):
             h = rms_norm(x, L.input_norm, self.eps)
             q = apply_rope(rms_norm(linear(h, L.q_proj).reshape(T, nH, hd), L.q_norm, self.eps), pos, self.rope)
-            kv = linear(h, L.kv_proj).reshape(T, 2, nKV, hd)
-            k = apply_rope(rms_norm(kv[:, 0], L.k_norm, self.eps), pos, self.rope)
-            a = drafter_attention(q, k, kv[:, 1], cache.k_pools[i], cache.v_pools[i], bl, self.scale, L.causal, L.window)
+            k, v = L.project_kv(h)
+            k = apply_rope(rms_norm(k, L.k_norm, self.eps), pos, self.rope)
+            a = drafter_attention(q, k, v, cache.k_pools[i], cache.v_pools[i], bl, self.scale, L.causal, L.window)
             x = x + linear(a.reshape(T, nH * hd), L.o_proj)
             h = rms_norm(x, L.post_norm, self.eps)
             g = linear(h, L.gate_proj)
