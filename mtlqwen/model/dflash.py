@@ -210,6 +210,11 @@ class Drafter:
             k, v = per_layer[2 * i], per_layer[2 * i + 1]
             kv = _rows(self.ctx_kv, i * kvw, (i + 1) * kvw) if self.ctx_kv is not None else _stack([k, v])
             self.layers.append(DrafterLayer(weights, i, c, kv, k, v))
+        if self.ctx_kv is not None:  # the stacked copy replaces the per-layer tensors: do not hold both
+            for i in range(c.num_hidden_layers):
+                for n in ("k", "v"):
+                    for part in ("weight", "scales", "biases"):
+                        weights.pop(f"layers.{i}.self_attn.{n}_proj.{part}", None)
 
     # -- geometry the engine reads
     @property
