@@ -1,0 +1,347 @@
+"""Decode attention over paged KV (FlashAttention-2 style, split over the context).
+
+One threadgroup (128 lanes) owns (sequence, KV head, query tile, context split): the query rows of the
+tile are its tokens x the KV head's REP query heads (GQA: the REP heads share every loaded K/V row). Per
+chunk of 32 keys: (1) 4 lanes per key take the q.k dots over hd (q, pre-scaled, in threadgroup memory);
+(2) one SIMD group per row does the online softmax over the 32 scores (lane = key), causal limit per row;
+(3) lanes split hd x keys for P.V. Long contexts split into NS ranges whose partial (o, m, l) a second
+kernel merges. Packed sequences are located through query_start_loc / kv_valid / block_tables.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from .backend import gpu_backend, kernel_for, register_kernel
+from .paged_attention import paged_attention_ref
+from .portable import KernelExample, portable_kernel
+from .seqs import SeqLayout
+
+POISON: float | None = None  # tests set NaN: every output element must then be written by the kernel
+_KIND = {mx.float32: 0, mx.bfloat16: 1, mx.float16: 2}
+
+_HEADER = r"""
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)  // nvcc / NVRTC; otherwise Metal
+#define PA_AS_FLOAT(u) __uint_as_float(u)
+#define PA_HALF_BITS(u) __half2float(__ushort_as_half((unsigned short)(u)))
+#else
+#define PA_AS_FLOAT(u) as_type<float>(u)
+#define PA_HALF_BITS(u) float(as_type<half>((ushort)(u)))
+#endif
+INLINE float pa_elem(uint32_t w, int hi, int kind) {
+  if (kind == 0) return PA_AS_FLOAT(w);
+  if (kind == 1) return PA_AS_FLOAT(hi ? (w & 0xffff0000u) : (w << 16));
+  return PA_HALF_BITS(hi ? (w >> 16) : (w & 0xffffu));
+}
+#define PA_NEG_INF (-PA_AS_FLOAT(0x7f800000u))
+INLINE uint32_t pa_word(uint4 v, int i) { return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w)); }
+"""
+
+# Template constants: TQ (q / out dtype), KK (pool kind), HD, REP (query heads per KV head), TPT (tokens
+# per query tile), BT (block tokens); variants: gated output, split (partials po/pm/pl for the merge).
+# prm = [NS splits, CS keys per split, NQT query tiles].
+_BODY = r"""
+  constexpr int RT = REP * TPT;           // query rows of the tile
+  constexpr int KB = KK == 0 ? 4 : 2;     // pool element bytes
+  constexpr int EPV = 16 / KB;            // elements per uint4
+  constexpr int NV = HD / EPV / 4;        // uint4 per lane per key (4 lanes per key)
+  constexpr int DPT = 4;                  // hd columns per lane in P.V
+  constexpr int NKG = 128 / (HD / DPT);   // key groups in P.V
+  SHARED float qs[RT * HD];               // scaled q rows; reused to merge the P.V key groups
+  SHARED float sp[RT * 32];               // scores, then probabilities, of the current chunk
+  SHARED float al[RT];                    // rescale factor of the chunk, then final l per row
+  SHARED float mr[RT];
+  const int nH = q_shape[1];
+  const int nKV = k_pool_shape[2];
+  const int nbt = block_tables_shape[1];
+  const int T = q_shape[0];
+  const int NS = prm[0], CS = prm[1], NQT = prm[2];
+  const int tid = TID_X, lane = LANE, warp = SIMD_ID;
+  int id = TGID_X;
+  const int split = id % NS; id /= NS;
+  const int qt = id % NQT; id /= NQT;
+  const int g = id % nKV;
+  const int seq = id / nKV;
+  const int q0 = query_start_loc[seq];
+  const int qlen = query_start_loc[seq + 1] - q0;
+  const int past = kv_valid[seq];
+  const int t0 = qt * TPT;
+  if (t0 >= qlen) return;                 // uniform: this tile has no tokens in this sequence
+  const int ntok = min(TPT, qlen - t0);
+  const int kbeg = split * CS;
+  const int kend = min(kbeg + CS, past + t0 + ntok);
+  const float scale = scale_arr[0];
+
+  for (int i = tid; i < RT * HD; i += 128) {
+    const int r = i / HD, d = i % HD, tl = r / REP;
+    qs[i] = tl < ntok ? scale * TO_FLOAT(q[((size_t)(q0 + t0 + tl) * nH + g * REP + r % REP) * HD + d]) : 0.0f;
+  }
+  float m_run[(RT + 3) / 4], l_run[(RT + 3) / 4];
+  for (int i = 0; i < (RT + 3) / 4; ++i) { m_run[i] = PA_NEG_INF; l_run[i] = 0.0f; }
+  const int kg = tid / (HD / DPT), dc = (tid % (HD / DPT)) * DPT;
+  float acc[RT][DPT];
+  for (int r = 0; r < RT; ++r)
+    for (int i = 0; i < DPT; ++i) acc[r][i] = 0.0f;
+  BARRIER;
+
+  for (int kc = kbeg; kc < kend; kc += 32) {
+    // (1) scores: key ck = warp*8 + lane/4, lane part = lane%4 takes uint4s part, part+4, ...
+    {
+      const int ck = warp * 8 + lane / 4, part = lane % 4, l = kc + ck;
+      float kf[NV * EPV];
+      if (l < kend) {
+        const int blk = block_tables[seq * nbt + l / BT];
+        CONST_PTR uint4* kp = (CONST_PTR uint4*)(k_pool + ((size_t)(blk * BT + l % BT) * nKV + g) * HD);
+        uint4 kv[NV];
+#pragma unroll
+        for (int i = 0; i < NV; ++i) kv[i] = kp[part + 4 * i];
+#pragma unroll
+        for (int i = 0; i < NV; ++i)
+#pragma unroll
+          for (int e = 0; e < EPV; ++e)
+            kf[i * EPV + e] = pa_elem(pa_word(kv[i], (e * KB) / 4), ((e * KB) / 2) & 1, KK);
+      } else {
+#pragma unroll
+        for (int i = 0; i < NV * EPV; ++i) kf[i] = 0.0f;
+      }
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NV; ++i)
+#pragma unroll
+          for (int e = 0; e < EPV; ++e) s += kf[i * EPV + e] * qs[r * HD + (part + 4 * i) * EPV + e];
+        s += SIMD_SHUFFLE_XOR(s, 1);
+        s += SIMD_SHUFFLE_XOR(s, 2);
+        if (part == 0) sp[r * 32 + ck] = s;
+      }
+    }
+    BARRIER;
+    // (2) online softmax: SIMD group w owns rows w, w+4, ...; lane = key of the chunk
+#pragma unroll
+    for (int i = 0; i < (RT + 3) / 4; ++i) {
+      const int r = warp + 4 * i;
+      if (r >= RT) break;
+      const int lim = past + t0 + r / REP + 1;   // causal: row sees keys < lim
+      const float s = (kc + lane < min(lim, kend)) ? sp[r * 32 + lane] : PA_NEG_INF;
+      const float m_new = max(m_run[i], SIMD_MAX(s));
+      const float p = m_new == PA_NEG_INF ? 0.0f : EXP(s - m_new);
+      const float a = m_new == PA_NEG_INF ? 1.0f : EXP(m_run[i] - m_new);
+      l_run[i] = l_run[i] * a + SIMD_SUM(p);
+      m_run[i] = m_new;
+      sp[r * 32 + lane] = p;
+      if (lane == 0) { al[r] = a; mr[r] = m_new; }
+    }
+    BARRIER;
+    // (3) P.V: key group kg takes keys kg, kg+NKG, ...; DPT hd columns per lane
+    for (int r = 0; r < RT; ++r) {
+      const float a = al[r];
+      for (int i = 0; i < DPT; ++i) acc[r][i] *= a;
+    }
+#pragma unroll
+    for (int j = 0; j < 32 / NKG; ++j) {
+      const int ck = kg + j * NKG, l = kc + ck;
+      if (l < kend) {
+        const int blk = block_tables[seq * nbt + l / BT];
+        CONST_PTR TV* vp = v_pool + ((size_t)(blk * BT + l % BT) * nKV + g) * HD + dc;
+        float vf[DPT];
+        if (KB == 2) {
+          const uint2 u = *((CONST_PTR uint2*)vp);
+          vf[0] = pa_elem(u.x, 0, KK); vf[1] = pa_elem(u.x, 1, KK);
+          vf[2] = pa_elem(u.y, 0, KK); vf[3] = pa_elem(u.y, 1, KK);
+        } else {
+          const uint4 u = *((CONST_PTR uint4*)vp);
+          vf[0] = PA_AS_FLOAT(u.x); vf[1] = PA_AS_FLOAT(u.y); vf[2] = PA_AS_FLOAT(u.z); vf[3] = PA_AS_FLOAT(u.w);
+        }
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+          const float p = sp[r * 32 + ck];
+#pragma unroll
+          for (int i = 0; i < DPT; ++i) acc[r][i] += p * vf[i];
+        }
+      }
+    }
+    BARRIER;
+  }
+#pragma unroll
+  for (int i = 0; i < (RT + 3) / 4; ++i)
+    if (warp + 4 * i < RT && lane == 0) { al[warp + 4 * i] = l_run[i]; mr[warp + 4 * i] = m_run[i]; }
+  // merge the key groups' partial P.V through qs (no longer needed)
+  for (int gi = NKG - 1; gi > 0; --gi) {
+    if (kg == gi)
+      for (int r = 0; r < RT; ++r)
+        for (int i = 0; i < DPT; ++i) qs[r * HD + dc + i] = acc[r][i];
+    BARRIER;
+    if (kg == gi - 1)
+      for (int r = 0; r < RT; ++r)
+        for (int i = 0; i < DPT; ++i) acc[r][i] += qs[r * HD + dc + i];
+    BARRIER;
+  }
+  if (kg == 0) {
+    for (int r = 0; r < RT; ++r) {
+      const int tl = r / REP;
+      if (tl < ntok) {
+        const size_t row = (size_t)(q0 + t0 + tl) * nH + g * REP + r % REP;
+        WRITE_OUT
+      }
+    }
+  }
+"""
+
+_WRITE_FINAL = r"""const float inv = al[r] > 0.0f ? 1.0f / al[r] : 0.0f;
+        for (int i = 0; i < DPT; ++i) {
+          float o = acc[r][i] * inv;
+          GATE_CODE
+          out[row * HD + dc + i] = FROM_FLOAT(TQ, o);
+        }"""
+
+_WRITE_SPLIT = r"""const size_t prow = (size_t)split * T * nH + row;
+        for (int i = 0; i < DPT; ++i) po[prow * HD + dc + i] = acc[r][i];
+        if (dc == 0) { pm[prow] = mr[r]; pl[prow] = al[r]; }"""
+
+# Merge of the splits: one threadgroup of 64 lanes per (token, head); skipped splits have m = -inf.
+_MERGE = r"""
+  const int T = q_shape[0];
+  const int nH = q_shape[1];
+  const int NS = prm[0];
+  const size_t row = TGID_X;
+  float mx_ = PA_NEG_INF;
+  for (int s = 0; s < NS; ++s) mx_ = max(mx_, pm[(size_t)s * T * nH + row]);
+  float wsum = 0.0f;
+  for (int s = 0; s < NS; ++s) {
+    const float m = pm[(size_t)s * T * nH + row];
+    if (m != PA_NEG_INF) wsum += EXP(m - mx_) * pl[(size_t)s * T * nH + row];
+  }
+  const float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
+  for (int d = TID_X; d < HD; d += 64) {
+    float o = 0.0f;
+    for (int s = 0; s < NS; ++s) {
+      const float m = pm[(size_t)s * T * nH + row];
+      if (m != PA_NEG_INF) o += EXP(m - mx_) * po[((size_t)s * T * nH + row) * HD + d];
+    }
+    o *= inv;
+    GATE_MERGE
+    out[row * HD + d] = FROM_FLOAT(TQ, o);
+  }
+"""
+
+_K: dict = {}
+
+
+def _kernel(split: int, gate: bool):
+    key = ("attn", split, gate)
+    if key not in _K:
+        ins = ["q", "k_pool", "v_pool", "block_tables", "kv_valid", "query_start_loc", "prm", "scale_arr"]
+        ins += ["gate"] if gate and not split else []
+        outs = ["po", "pm", "pl"] if split else ["out"]
+        body = _BODY.replace("WRITE_OUT", _WRITE_SPLIT if split else _WRITE_FINAL).replace(
+            "GATE_CODE", "o = o / (1.0f + EXP(-TO_FLOAT(gate[row * HD + dc + i])));" if gate else "")
+        ex = [KernelExample(
+            inputs=[(dt, (4, 16, 256)), (dt, (64, 128, 4, 256)), (dt, (64, 128, 4, 256)), (mx.int32, (2, 8)),
+                    (mx.int32, (2,)), (mx.int32, (3,)), (mx.int32, (3,)), (mx.float32, (1,))]
+            + ([(dt, (4, 4096))] if gate and not split else []),
+            outputs=[mx.float32] * 3 if split else [dt],
+            template=[("TQ", dt), ("TV", dt), ("KK", _KIND[dt]), ("HD", 256), ("REP", 4), ("TPT", 2), ("BT", 128)],
+        ) for dt in (mx.bfloat16, mx.float32)]
+        _K[key] = portable_kernel(name=f"mtl_paged_attn_s{split}_g{int(gate)}", input_names=ins,
+                                  output_names=outs, body=body, header=_HEADER, examples=ex)
+    return _K[key]
+
+
+def _merge_kernel(gate: bool):
+    key = ("merge", gate)
+    if key not in _K:
+        ins = ["q", "po", "pm", "pl", "prm"] + (["gate"] if gate else [])
+        ex = [KernelExample(inputs=[(mx.bfloat16, (4, 16, 256)), (mx.float32, (8, 4, 16, 256)),
+                                    (mx.float32, (8, 4, 16)), (mx.float32, (8, 4, 16)), (mx.int32, (3,))]
+                            + ([(mx.bfloat16, (4, 4096))] if gate else []),
+                            outputs=[mx.bfloat16], template=[("TQ", mx.bfloat16), ("HD", 256)])]
+        _K[key] = portable_kernel(name=f"mtl_paged_attn_merge_g{int(gate)}", input_names=ins, examples=ex,
+                                  output_names=["out"], header=_HEADER, body=_MERGE.replace(
+            "GATE_MERGE", "o = o / (1.0f + EXP(-TO_FLOAT(gate[row * HD + d])));" if gate else ""))
+    return _K[key]
+
+
+for _sg in ((0, False), (0, True), (1, False)):  # declared at import so check_metal sees them
+    _kernel(*_sg)
+for _g in (False, True):
+    _merge_kernel(_g)
+
+TARGET_GROUPS = 528  # ~4 threadgroups per H200 SM keep enough K/V loads in flight
+MIN_SPLIT_KEYS = 256  # below this a split's fixed cost (q load, merge traffic) outweighs its parallelism
+
+
+def plan(layout: SeqLayout, nKV: int, rep: int, max_splits: int | None = None) -> tuple[int, int, int, int]:
+    """(NS splits, CS keys per split, NQT query tiles, TPT tokens per tile) for a batch."""
+    qmax = max(layout.q_len(i) for i in range(layout.num_seqs))
+    tpt = max(1, min(qmax, 16 // rep))
+    nqt = (qmax + tpt - 1) // tpt
+    lmax = max(layout.kv_valid[i] + layout.q_len(i) for i in range(layout.num_seqs))
+    work = layout.num_seqs * nKV * nqt
+    ns = max(1, min(math.ceil(lmax / MIN_SPLIT_KEYS), math.ceil(TARGET_GROUPS / work)))
+    if max_splits is not None:
+        ns = min(ns, max_splits)
+    cs = (math.ceil(lmax / ns) + 31) // 32 * 32
+    ns = math.ceil(lmax / cs)
+    return ns, cs, nqt, tpt
+
+
+def paged_attention_gpu(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate=None, max_splits=None):
+    """q [T, nH, hd] -> [T, nH, hd]; gate [T, nH*hd] (optional) multiplies by sigmoid(gate)."""
+    T, nH, hd = q.shape
+    nKV = k_pool.shape[2]
+    if (nH % nKV or hd % 32 or hd > 512 or k_pool.dtype not in _KIND or q.dtype not in _KIND
+            or v_pool.dtype != k_pool.dtype or 128 % (hd // 4) or layout.num_seqs == 0 or T == 0):
+        return None
+    rep = nH // nKV
+    if rep > 16:
+        return None
+    ns, cs, nqt, tpt = plan(layout, nKV, rep, max_splits)
+    prm = mx.array([ns, cs, nqt], dtype=mx.int32)
+    sc = mx.array([scale], dtype=mx.float32)
+    arrays = [q, k_pool, v_pool, layout.array("block_tables"), layout.array("kv_valid"),
+              layout.array("query_start_loc"), prm, sc]
+    tmpl = [("TQ", q.dtype), ("TV", v_pool.dtype), ("KK", _KIND[k_pool.dtype]), ("HD", hd), ("REP", rep),
+            ("TPT", tpt), ("BT", layout.block_tokens)]
+    groups = layout.num_seqs * nKV * nqt * ns
+    be = gpu_backend()
+    if gate is not None:
+        gate = gate.reshape(T, nH * hd)
+    if ns == 1:
+        return _kernel(0, gate is not None)(
+            be, inputs=arrays + ([gate] if gate is not None else []), output_shapes=[(T, nH, hd)],
+            output_dtypes=[q.dtype], grid=(groups * 128, 1, 1), threadgroup=(128, 1, 1), template=tmpl,
+            init_value=POISON)[0]
+    po, pm, pl = _kernel(1, False)(
+        be, inputs=arrays, output_shapes=[(ns, T, nH, hd), (ns, T, nH), (ns, T, nH)],
+        output_dtypes=[mx.float32] * 3, grid=(groups * 128, 1, 1), threadgroup=(128, 1, 1),
+        template=tmpl, init_value=POISON)
+    return _merge_kernel(gate is not None)(
+        be, inputs=[q, po, pm, pl, prm] + ([gate] if gate is not None else []), output_shapes=[(T, nH, hd)],
+        output_dtypes=[q.dtype], grid=(T * nH * 64, 1, 1), threadgroup=(64, 1, 1),
+        template=[("TQ", q.dtype), ("HD", hd)], init_value=POISON)[0]
+
+
+@register_kernel("paged_attention")
+def paged_attention_kernel(q, k_pool, v_pool, layout, scale):
+    return paged_attention_gpu(q, k_pool, v_pool, layout, scale)
+
+
+def paged_attention_gated_ref(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate: mx.array) -> mx.array:
+    """Attention, then the output gate of qwen35-architecture.md §3.6: o * sigmoid(gate), gate [T, nH*hd]."""
+    o = paged_attention_ref(q, k_pool, v_pool, layout, scale)
+    g = gate.reshape(o.shape).astype(mx.float32)
+    return (o.astype(mx.float32) * mx.sigmoid(g)).astype(q.dtype)
+
+
+@register_kernel("paged_attention_gated")
+def paged_attention_gated_kernel(q, k_pool, v_pool, layout, scale, gate):
+    return paged_attention_gpu(q, k_pool, v_pool, layout, scale, gate=gate)
+
+
+def paged_attention_gated(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate: mx.array) -> mx.array:
+    kern = kernel_for("paged_attention_gated")
+    out = kern(q, k_pool, v_pool, layout, scale, gate) if kern is not None else None
+    return out if out is not None else paged_attention_gated_ref(q, k_pool, v_pool, layout, scale, gate)

@@ -1,0 +1,310 @@
+"""Quantized matmul on GPU back-ends: a GEMV kernel for decode-sized M (1..8 rows) over MLX affine 4/8-bit
+weights, with fused variants (several projections of one input in one launch, gate+up with the SwiGLU
+epilogue); larger M goes to MLX's quantized GEMM or dequantize-then-bf16-GEMM per `selection.py`.
+
+Math (qwen35-architecture.md §5.4): w = s*q + b per group of G input columns, so per group
+    y += s * sum(x*q) + b * sum(x).
+A 4-bit (8-bit) q becomes a float without a convert: OR-ing it under the exponent of 2^BITS gives the float
+2^BITS + q exactly. We accumulate sum(x*(2^BITS+q)) and fold the offset into the bias,
+    y += s * sum(x*f) + (b - 2^BITS*s) * sum(x),
+which costs a shift+LOP3+FMA per weight (the instruction budget at M=1 is ~4 per weight at full bandwidth).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .backend import gpu_backend, register_kernel
+from .linear import LinearParams
+from .portable import KernelExample, portable_kernel
+from .selection import SELECT, qmv_config
+
+# x kind -> how the kernel reads raw activation bits (bf16 and fp32 are pure bit moves, fp16 converts)
+_XKIND = {mx.float32: 0, mx.bfloat16: 1, mx.float16: 2}
+
+# Header helpers. The only back-end difference is the bit cast and the half conversion.
+_HEADER = r"""
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)  // nvcc / NVRTC; otherwise Metal
+#define QM_AS_FLOAT(u) __uint_as_float(u)
+#define QM_HALF_BITS(u) __half2float(__ushort_as_half((unsigned short)(u)))
+#else
+#define QM_AS_FLOAT(u) as_type<float>(u)
+#define QM_HALF_BITS(u) float(as_type<half>((ushort)(u)))
+#endif
+// one element of an activation word: kind 0 fp32 (the whole word), 1 bf16, 2 fp16 (hi selects the half)
+INLINE float qm_x(uint32_t w, int hi, int kind) {
+  if (kind == 0) return QM_AS_FLOAT(w);
+  if (kind == 1) return QM_AS_FLOAT(hi ? (w & 0xffff0000u) : (w << 16));
+  return QM_HALF_BITS(hi ? (w >> 16) : (w & 0xffffu));
+}
+INLINE uint32_t qm_word(uint4 v, int i) { return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w)); }
+INLINE float qm_silu(float g) { return g / (1.0f + EXP(-g)); }
+"""
+
+# Portable body. Template constants: T (x / y dtype), XK (_XKIND), BITS, GS, MT (max x rows, M <= MT),
+# R (weight rows per SIMD group), U (16-byte chunks in flight per lane and row), P (projections), EPI
+# (0: y_p = x W_p^T for each p; 1: P == 2 and y = silu(x W_0^T) * (x W_1^T)).
+# Threadgroup = 4 SIMD groups (128 lanes); SIMD group w of block b owns rows [b*4R + w*R, +R) of one
+# projection (EPI 1: R/2 gate rows and the same R/2 up rows). A lane walks the 16-byte chunks c = lane,
+# lane+32, ... of its rows: K split across lanes, SIMD_SUM at the end.
+_BODY = r"""
+  constexpr int CE = 128 / BITS;          // weights per 16-byte chunk (32 or 16), all in one group
+  constexpr int EPW = 32 / BITS;          // weights per uint32 word
+  constexpr int CPG = GS / CE;            // chunks per group
+  constexpr uint32_t MAGIC = (uint32_t)(127 + BITS) << 23;        // float bits of 2^BITS
+  constexpr uint32_t QMASK = ((1u << BITS) - 1u) << (23 - BITS);  // q in the top mantissa bits
+  constexpr float OFF = (float)(1 << BITS);
+  constexpr int XB = XK == 0 ? 4 : 2;     // activation bytes
+  constexpr int XW = EPW * XB / 4;        // activation uint32 words per weight word (2, 4 or 1, 2)
+  constexpr int RP = EPI == 1 ? R / 2 : R;  // output rows per SIMD group
+  const int M = x_shape[0];
+  const int K = x_shape[1];
+  const int NC = K / CE;                  // chunks per row
+  const int KW = K / EPW;                 // uint32 words per row
+  const int NG = K / GS;                  // groups per row
+  const int lane = LANE;
+  const int warp = SIMD_ID;
+
+  // which projection and rows this threadgroup owns
+  int blk = TGID_X;
+  int p = 0;
+  PROJ_SELECT
+  const int n0 = blk * 4 * RP + warp * RP;
+
+  float acc[MT][R];
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
+
+  for (int c0 = lane; c0 < NC; c0 += 32 * U) {
+    uint4 wv[U][R];
+    float sc[U][R];
+    float bo[U][R];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = min(c0 + 32 * u, NC - 1);   // clamped: out-of-range chunks are loaded but skipped
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        ROW_SELECT
+        wv[u][r] = ((CONST_PTR uint4*)(W + (size_t)row * KW))[c];
+        const float s = TO_FLOAT(S[(size_t)row * NG + c / CPG]);
+        sc[u][r] = s;
+        bo[u][r] = TO_FLOAT(B[(size_t)row * NG + c / CPG]) - OFF * s;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + 32 * u;
+      if (c < NC) {
+        float dot[MT][R];
+        float xs[MT];
+        for (int m = 0; m < MT; ++m) {
+          xs[m] = 0.0f;
+          for (int r = 0; r < R; ++r) dot[m][r] = 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float wf[R][EPW];
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const uint32_t w = qm_word(wv[u][r], j);
+#pragma unroll
+            for (int e = 0; e < EPW; ++e) {
+              const int sh = e * BITS;   // move q from bits [sh, sh+BITS) to [23-BITS, 23)
+              const uint32_t t = sh <= 23 - BITS ? (w << (23 - BITS - sh)) : (w >> (sh - (23 - BITS)));
+              wf[r][e] = QM_AS_FLOAT((t & QMASK) | MAGIC);
+            }
+          }
+#pragma unroll
+          for (int m = 0; m < MT; ++m) {
+            if (m < M) {
+              CONST_PTR uint2* xp = (CONST_PTR uint2*)(x + (size_t)m * K + c * CE + j * EPW);
+              uint2 xv[(XW + 1) / 2];
+#pragma unroll
+              for (int i = 0; i < (XW + 1) / 2; ++i) xv[i] = xp[i];
+#pragma unroll
+              for (int e = 0; e < EPW; ++e) {
+                const int wi = (e * XB) / 4;
+                const uint32_t xw = (wi & 1) ? xv[wi / 2].y : xv[wi / 2].x;
+                const float xf = qm_x(xw, ((e * XB) / 2) & 1, XK);
+                xs[m] += xf;
+#pragma unroll
+                for (int r = 0; r < R; ++r) dot[m][r] = fma(xf, wf[r][e], dot[m][r]);
+              }
+            }
+          }
+        }
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+          for (int r = 0; r < R; ++r) acc[m][r] += sc[u][r] * dot[m][r] + bo[u][r] * xs[m];
+      }
+    }
+  }
+
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[m][r] = SIMD_SUM(acc[m][r]);
+
+  if (lane == 0) {
+    for (int m = 0; m < MT && m < M; ++m) {
+      for (int r = 0; r < RP; ++r) {
+        const int n = n0 + r;
+        WRITE_OUT
+      }
+    }
+  }
+"""
+
+
+def _proj_select(P: int, epi: int) -> str:
+    """Code that maps the threadgroup to (p, blk within p) and binds N."""
+    if epi == 1:
+        return "  const int N = w0_shape[0];\n"
+    lines = [f"  const int N{i} = w{i}_shape[0];" for i in range(P)]
+    for i in range(P - 1):
+        lines.append(f"  if (p == {i} && blk >= (N{i} + 4 * RP - 1) / (4 * RP)) {{ blk -= (N{i} + 4 * RP - 1) / (4 * RP); p = {i + 1}; }}")
+    sel = " : ".join(f"(p == {i} ? N{i}" for i in range(P - 1))
+    lines.append(f"  const int N = {sel + ' : ' if P > 1 else ''}N{P - 1}{')' * (P - 1)};")
+    return "\n".join(lines) + "\n"
+
+
+def _ptr_select(prefix: str, P: int) -> str:
+    if P == 1:
+        return f"{prefix}0"
+    return " : ".join(f"(p == {i} ? {prefix}{i}" for i in range(P - 1)) + f" : {prefix}{P - 1}" + ")" * (P - 1)
+
+
+def _row_select(P: int, epi: int) -> str:
+    if epi == 1:  # first R/2 rows from the gate projection, the next R/2 from up (same output rows)
+        return ("const bool up = r >= RP; const int row = min(n0 + (up ? r - RP : r), N - 1);\n"
+                "        CONST_PTR uint32_t* W = up ? w1 : w0; CONST_PTR T* S = up ? s1 : s0;"
+                " CONST_PTR T* B = up ? b1 : b0;")
+    return (f"const int row = min(n0 + r, N - 1);\n        CONST_PTR uint32_t* W = {_ptr_select('w', P)};"
+            f" CONST_PTR T* S = {_ptr_select('s', P)}; CONST_PTR T* B = {_ptr_select('b', P)};")
+
+
+def _write_out(P: int, epi: int) -> str:
+    if epi == 1:
+        return ("if (n < N) y0[(size_t)m * N + n] = FROM_FLOAT(T, qm_silu(acc[m][r]) * acc[m][r + RP]);")
+    return (f"if (n < N) {{ DEVICE_PTR T* Y = {_ptr_select('y', P)}; "
+            "Y[(size_t)m * N + n] = FROM_FLOAT(T, acc[m][r]); }")
+
+
+_KERNELS: dict = {}
+
+
+def _kernel(P: int, epi: int):
+    key = (P, epi)
+    if key not in _KERNELS:
+        body = (_BODY.replace("PROJ_SELECT", _proj_select(P, epi))
+                .replace("ROW_SELECT", _row_select(P, epi))
+                .replace("WRITE_OUT", _write_out(P, epi)))
+        ins = ["x"] + [f"{a}{i}" for i in range(P) for a in ("w", "s", "b")]
+        outs = ["y0"] if epi == 1 else [f"y{i}" for i in range(P)]
+        _KERNELS[key] = portable_kernel(
+            name=f"mtl_qmv_p{P}_e{epi}", input_names=ins, output_names=outs, body=body, header=_HEADER,
+            examples=[_example(P, epi, dt, bits) for dt in (mx.bfloat16, mx.float32) for bits in (4, 8)],
+        )
+    return _KERNELS[key]
+
+
+def _example(P: int, epi: int, dt, bits: int) -> KernelExample:
+    """A Qwen3.5-9B-like call (K=4096, g64) for the Metal compile check."""
+    wq = [(mx.uint32, (4096, 4096 * bits // 32)), (dt, (4096, 64)), (dt, (4096, 64))]
+    tmpl = [("T", dt), ("XK", _XKIND[dt]), ("BITS", bits), ("GS", 64), ("MT", 4), ("R", 4), ("U", 1),
+            ("P", P), ("EPI", epi)]
+    return KernelExample(inputs=[(dt, (4, 4096))] + wq * P, outputs=[dt] * (1 if epi else P), template=tmpl)
+
+
+def _mt(M: int) -> int:
+    return 1 if M == 1 else 2 if M == 2 else 4 if M <= 4 else 8
+
+
+def qmv_supported(x: mx.array, ps: list[LinearParams]) -> bool:
+    """Shapes and types the qmv kernel covers; the scales must share x's dtype unless x is fp32."""
+    p0 = ps[0]
+    if not (x.ndim == 2 and 1 <= x.shape[0] <= 8 and x.dtype in _XKIND):
+        return False
+    return all(
+        p.quantized and p.bits in (4, 8) and p.group_size in (32, 64, 128)
+        and p.bits == p0.bits and p.group_size == p0.group_size and p.in_features == x.shape[1]
+        and (p.scales.dtype == x.dtype or x.dtype == mx.float32)
+        for p in ps
+    )
+
+
+def qmv(x: mx.array, ps: list[LinearParams], epi: int = 0, cfg: tuple[int, int] | None = None) -> list[mx.array]:
+    """x [M, K], M <= 8 -> [y_p [M, N_p]] (epi 0) or [silu(x W_0^T) * (x W_1^T)] (epi 1).
+    `cfg` = (R, U) overrides the selection table (benchmarks sweep it)."""
+    M, K = x.shape
+    p0 = ps[0]
+    mt = _mt(M)
+    R, U = cfg if cfg is not None else qmv_config(mt, K, p0.bits, swiglu=epi == 1)
+    if epi == 1:
+        R *= 2  # gate and up rows share the activation loads
+    rp = R // 2 if epi == 1 else R
+    nblocks = sum((p.out_features + 4 * rp - 1) // (4 * rp) for p in ([p0] if epi == 1 else ps))
+    dt = x.dtype  # qmv_supported: x has the scales' dtype, or is fp32 (scales are then cast)
+    inputs = [x]
+    for p in ps:
+        inputs += [p.weight, p.scales.astype(dt) if p.scales.dtype != dt else p.scales,
+                   p.biases.astype(dt) if p.biases.dtype != dt else p.biases]
+    shapes = [(M, p0.out_features)] if epi == 1 else [(M, p.out_features) for p in ps]
+    kern = _kernel(len(ps), epi)
+    return kern(
+        gpu_backend(),
+        inputs=inputs,
+        output_shapes=shapes,
+        output_dtypes=[dt] * len(shapes),
+        grid=(nblocks * 128, 1, 1),
+        threadgroup=(128, 1, 1),
+        template=[("T", dt), ("XK", _XKIND[dt]), ("BITS", p0.bits), ("GS", p0.group_size), ("MT", mt),
+                  ("R", R), ("U", U), ("P", len(ps)), ("EPI", epi)],
+    )
+
+
+def _flat(x: mx.array) -> tuple[mx.array, tuple]:
+    lead = x.shape[:-1]
+    return x.reshape(-1, x.shape[-1]), lead
+
+
+def _big_m(x2: mx.array, p: LinearParams) -> mx.array:
+    """More than 8 rows: MLX's quantized GEMM or dequantize + bf16 GEMM, whichever the table says."""
+    M = x2.shape[0]
+    if SELECT["dequant_gemm_min_rows"] <= M and x2.dtype in (mx.bfloat16, mx.float16):
+        return x2 @ p.dequantized().astype(x2.dtype).T
+    if M <= SELECT["qmv_loop_max_rows"]:  # a few qmv launches beat MLX's GEMM for small M
+        return mx.concatenate([qmv(x2[i:i + 8], [p])[0] for i in range(0, M, 8)], axis=0)
+    return None
+
+
+for _pe in ((1, 0), (2, 0), (3, 0), (2, 1)):  # declared at import so check_metal sees them
+    _kernel(*_pe)
+
+
+@register_kernel("linear")
+def linear_kernel(x: mx.array, p: LinearParams):
+    if not p.quantized:
+        return None
+    x2, lead = _flat(x)
+    if not qmv_supported(x2 if x2.shape[0] <= 8 else x2[:8], [p]):
+        return None
+    y = qmv(x2, [p])[0] if x2.shape[0] <= SELECT["qmv_max_rows"] else _big_m(x2, p)
+    return None if y is None else y.reshape(*lead, p.out_features)
+
+
+@register_kernel("linear_multi")
+def linear_multi_kernel(x: mx.array, ps: list[LinearParams]):
+    x2, lead = _flat(x)
+    if x2.shape[0] > 8 or len(ps) > 4 or not qmv_supported(x2, ps):
+        return None
+    return [y.reshape(*lead, p.out_features) for y, p in zip(qmv(x2, ps), ps)]
+
+
+@register_kernel("swiglu_linear")
+def swiglu_linear_kernel(x: mx.array, gate: LinearParams, up: LinearParams):
+    x2, lead = _flat(x)
+    if x2.shape[0] > 8 or gate.out_features != up.out_features or not qmv_supported(x2, [gate, up]):
+        return None
+    return qmv(x2, [gate, up], epi=1)[0].reshape(*lead, gate.out_features)
