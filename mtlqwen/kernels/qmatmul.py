@@ -19,6 +19,7 @@ from .linear import LinearParams
 from .portable import KernelExample, portable_kernel
 from .selection import SELECT, qmv_config
 
+POISON: float | None = None  # tests set NaN: every output element must then be written by the kernel
 # x kind -> how the kernel reads raw activation bits (bf16 and fp32 are pure bit moves, fp16 converts)
 _XKIND = {mx.float32: 0, mx.bfloat16: 1, mx.float16: 2}
 
@@ -261,6 +262,7 @@ def qmv(x: mx.array, ps: list[LinearParams], epi: int = 0, cfg: tuple[int, int] 
         threadgroup=(128, 1, 1),
         template=[("T", dt), ("XK", _XKIND[dt]), ("BITS", p0.bits), ("GS", p0.group_size), ("MT", mt),
                   ("R", R), ("U", U), ("P", len(ps)), ("EPI", epi)],
+        init_value=POISON,
     )
 
 

@@ -1,0 +1,146 @@
+"""Quantized GEMV kernels (qmatmul.py) against their references; fused-op references against plain ops.
+
+GPU tests draw fresh random shapes and data per example (odd M, K a multiple of the group size, odd N so
+the last threadgroup has a row tail) over every bits x group size x activation dtype, poison the outputs
+with NaN before the kernel writes, and compare with an fp32 dequantize-then-matmul reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mlx.core as mx
+from mtlqwen.kernels import backend, linear_fused, selection
+from mtlqwen.kernels.linear import LinearParams, linear_ref
+
+NEEDS_GPU = "needs a GPU back-end (Metal or CUDA); CPU runs the reference"
+needs_gpu = pytest.mark.skipif(backend.gpu_backend() is None, reason=NEEDS_GPU)
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+# ||out - ref|| / ||ref||: fp32 accumulation everywhere, so the bound is the output dtype's rounding
+TOL = {mx.float32: 1e-4, mx.bfloat16: 1.5e-2, mx.float16: 3e-3}
+
+
+def make_params(rng, n, k, bits, gs, dtype) -> LinearParams:
+    w = mx.array(rng.standard_normal((n, k)).astype(np.float32) * 0.05).astype(dtype)
+    wq, s, b = mx.quantize(w, group_size=gs, bits=bits)
+    return LinearParams(weight=wq, scales=s, biases=b, bits=bits, group_size=gs)
+
+
+def ref32(x: mx.array, p: LinearParams) -> np.ndarray:
+    """fp32 dequantize-then-matmul: the function every quantized path must compute."""
+    w = mx.dequantize(p.weight, p.scales.astype(mx.float32), p.biases.astype(mx.float32),
+                      group_size=p.group_size, bits=p.bits)
+    return np.array(x.astype(mx.float32) @ w.T)
+
+
+def rel_err(out, ref) -> float:
+    out = np.array(out.astype(mx.float32)) if isinstance(out, mx.array) else out
+    assert np.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite output"
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+# ---------------------------------------------------------------- CPU: references and selection table
+@settings(max_examples=15, deadline=None)
+@given(m=st.integers(1, 9), k=st.sampled_from([64, 128, 192]), n=st.integers(1, 40),
+       bits=st.sampled_from([4, 8]), seed=st.integers(0, 2**31 - 1))
+def test_fused_references_match_plain_ops(m, k, n, bits, seed):
+    rng = np.random.default_rng(seed)
+    x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
+    ps = [make_params(rng, n + i, k, bits, 64, mx.float32) for i in range(3)]
+    for y, p in zip(linear_fused.linear_multi_ref(x, ps), ps):
+        assert rel_err(y, ref32(x, p)) < 1e-5
+    gate, up = ps[0], make_params(rng, n, k, bits, 64, mx.float32)
+    g, u = ref32(x, gate), ref32(x, up)
+    want = g / (1 + np.exp(-g)) * u
+    assert rel_err(linear_fused.swiglu_linear_ref(x, gate, up), want) < 1e-5
+
+
+def test_dispatchers_run_references_on_cpu():
+    with mx.stream(mx.cpu):
+        rng = np.random.default_rng(0)
+        x = mx.array(rng.standard_normal((3, 128)).astype(np.float32))
+        gate, up = (make_params(rng, 24, 128, 4, 32, mx.float32) for _ in range(2))
+        ys = linear_fused.linear_multi(x, [gate, up])
+        assert [y.shape for y in ys] == [(3, 24), (3, 24)]
+        assert rel_err(ys[1], np.array(linear_ref(x, up))) < 1e-6
+        assert rel_err(linear_fused.swiglu_linear(x, gate, up), np.array(linear_fused.swiglu_linear_ref(x, gate, up))) < 1e-6
+
+
+def test_selection_table_covers_every_qmv_variant():
+    for mt in (1, 2, 4, 8):
+        for bits in (4, 8):
+            R, U = selection.qmv_config(mt, 4096, bits)
+            assert R >= 1 and U >= 1
+            assert selection.qmv_config(mt, 4096, bits, swiglu=True)[0] >= 1
+    assert selection.SELECT["qmv_max_rows"] == 8  # the kernel's MT variants stop at 8
+
+
+# ---------------------------------------------------------------- GPU: kernels against references
+def _poisoned():
+    from mtlqwen.kernels import qmatmul  # noqa: PLC0415  (GPU module)
+    qmatmul.POISON = float("nan")
+    return qmatmul
+
+
+shape = dict(
+    m=st.sampled_from([1, 2, 3, 4, 5, 7, 8]), kg=st.integers(1, 12), n=st.integers(1, 70),
+    bits=st.sampled_from([4, 8]), gs=st.sampled_from([32, 64, 128]),
+    dtype=st.sampled_from(list(DTYPES)), seed=st.integers(0, 2**31 - 1),
+)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**shape)
+def test_qmv_matches_reference(m, kg, n, bits, gs, dtype, seed):
+    qm = _poisoned()
+    dt = DTYPES[dtype]
+    rng = np.random.default_rng(seed)
+    k = kg * gs
+    p = make_params(rng, 2 * n + 1, k, bits, gs, dt)  # odd N: a row tail in the last threadgroup
+    x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dt)
+    y = qm.linear_kernel(x, p)
+    assert y is not None and y.shape == (m, 2 * n + 1) and y.dtype == dt
+    assert rel_err(y, ref32(x, p)) < TOL[dt]
+    assert rel_err(y, np.array(linear_ref(x, p).astype(mx.float32))) < TOL[dt]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**shape, nproj=st.integers(2, 4))
+def test_linear_multi_and_swiglu_match_reference(m, kg, n, bits, gs, dtype, seed, nproj):
+    qm = _poisoned()
+    dt = DTYPES[dtype]
+    rng = np.random.default_rng(seed)
+    k = kg * gs
+    ps = [make_params(rng, n + 7 * i, k, bits, gs, dt) for i in range(nproj)]  # unequal N per projection
+    x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dt)
+    ys = qm.linear_multi_kernel(x, ps)
+    assert ys is not None and len(ys) == nproj
+    for y, p in zip(ys, ps):
+        assert rel_err(y, ref32(x, p)) < TOL[dt]
+    up = make_params(rng, n, k, bits, gs, dt)
+    y = qm.swiglu_linear_kernel(x, ps[0], up)
+    g, u = ref32(x, ps[0]), ref32(x, up)
+    assert rel_err(y, g / (1 + np.exp(-g)) * u) < TOL[dt]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(m=st.sampled_from([9, 15, 17, 33, 300]), bits=st.sampled_from([4, 8]), gs=st.sampled_from([32, 64, 128]),
+       dtype=st.sampled_from(["bfloat16", "float32"]), seed=st.integers(0, 2**31 - 1))
+def test_linear_large_m_paths(m, bits, gs, dtype, seed):
+    """Rows past the GEMV: qmv per 8 rows, MLX's GEMM, or dequantize + GEMM, per the selection table."""
+    _poisoned()
+    from mtlqwen.kernels.linear import linear  # noqa: PLC0415
+    dt = DTYPES[dtype]
+    rng = np.random.default_rng(seed)
+    p = make_params(rng, 96, 4 * gs, bits, gs, dt)
+    x = mx.array(rng.standard_normal((m, 4 * gs)).astype(np.float32)).astype(dt)
+    assert rel_err(linear(x, p), ref32(x, p)) < TOL[dt]
