@@ -1,0 +1,221 @@
+"""Gated DeltaNet: the reference twins against a naive float64 numpy recurrence (CPU, CI), and the GPU
+kernels against the references over random packed batches (`-m gpu`, on Metal or CUDA)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mlx.core as mx
+from mtlqwen.kernels import backend
+from mtlqwen.kernels.gated_delta import (
+    _chunked,
+    _recurrent,
+    gated_delta,
+    gated_delta_candidates,
+    gated_delta_candidates_ref,
+    gated_delta_ref,
+)
+from mtlqwen.kernels.seqs import SeqLayout
+
+NEEDS_GPU = "needs a GPU back-end (Metal or CUDA); CPU runs the reference"
+needs_gpu = pytest.mark.skipif(backend.gpu_backend() is None, reason=NEEDS_GPU)
+# segment lengths around the 16-token recurrence threshold and the 32 / 64-token chunks
+LENGTHS = st.one_of(st.sampled_from([1, 2, 3, 15, 16, 17, 31, 32, 33, 63, 64, 65]), st.integers(1, 80))
+# (Hk, r, dk, dv): r = Hv / Hk in {1, 2, 3}, dk != dv, and the Qwen3.5 head shape
+GEOMS = [(2, 3, 32, 48), (2, 2, 64, 32), (1, 1, 128, 128), (3, 1, 48, 16), (1, 2, 128, 128)]
+TOL = {mx.float32: 1e-4, mx.bfloat16: 1e-2}
+
+
+def make_case(seed: int, lens: list[int], Hk: int, r: int, dk: int, dv: int, dtype=mx.float32):
+    """Fresh random inputs for a packed batch; state rows are a random subset of a larger pool."""
+    rng = np.random.default_rng(seed)
+    T, Hv, B = sum(lens), Hk * r, len(lens)
+    S = B + 2
+    layout = SeqLayout(
+        query_start_loc=[0] + [int(x) for x in np.cumsum(lens)],
+        kv_valid=[0] * B,
+        block_tables=[[0]] * B,
+        state_rows=[int(x) for x in rng.permutation(S)[:B]],
+    )
+
+    def rand(*shape, scale=1.0):
+        return mx.array((scale * rng.standard_normal(shape)).astype(np.float32))
+
+    args = dict(
+        q=rand(T, Hk, dk).astype(dtype),
+        k=rand(T, Hk, dk).astype(dtype),
+        v=rand(T, Hv, dv).astype(dtype),
+        a=rand(T, Hv).astype(dtype),
+        b=rand(T, Hv).astype(dtype),
+        A_log=mx.array(np.log(rng.uniform(1, 16, Hv)).astype(np.float32)),  # HF-like decay range
+        dt_bias=rand(Hv, scale=0.5),
+        state_pool=rand(S, Hv, dv, dk, scale=0.1),
+    )
+    return args, layout
+
+
+def naive_gdn(args, layout):
+    """float64 numpy, straight from §2.4-2.7, one token at a time: (o [T,Hv,dv], final [B,...], all [T,...])."""
+    f = {k: np.array(v.astype(mx.float32), dtype=np.float64) for k, v in args.items()}
+    q, k, v, a, b = f["q"], f["k"], f["v"], f["a"], f["b"]
+    Hk, dk = q.shape[1], q.shape[2]
+    Hv = v.shape[1]
+    r = Hv // Hk
+    beta = 1 / (1 + np.exp(-b))
+    g = -np.exp(f["A_log"]) * np.logaddexp(a + f["dt_bias"], 0)
+    o = np.zeros(v.shape)
+    every = np.zeros((q.shape[0],) + f["state_pool"].shape[1:])
+    finals = []
+    for i in range(layout.num_seqs):
+        S = f["state_pool"][layout.state_rows[i]].copy()  # [Hv, dv, dk]
+        for t in range(layout.query_start_loc[i], layout.query_start_loc[i + 1]):
+            for j in range(Hv):
+                kk = k[t, j // r] / math.sqrt((k[t, j // r] ** 2).sum() + 1e-6)
+                qq = q[t, j // r] / math.sqrt((q[t, j // r] ** 2).sum() + 1e-6) / math.sqrt(dk)
+                S[j] *= math.exp(g[t, j])
+                delta = beta[t, j] * (v[t, j] - S[j] @ kk)
+                S[j] += np.outer(delta, kk)
+                o[t, j] = S[j] @ qq
+            every[t] = S
+        finals.append(S)
+    return o, np.stack(finals), every
+
+
+def rel(out, ref) -> float:
+    out = np.array(out.astype(mx.float32), dtype=np.float64) if isinstance(out, mx.array) else out
+    ref = np.array(ref.astype(mx.float32), dtype=np.float64) if isinstance(ref, mx.array) else ref
+    assert out.shape == ref.shape
+    assert np.isfinite(out).all(), "non-finite (unwritten?) elements"
+    return float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+# ---- CPU: reference twins vs float64 ---------------------------------------------------------------
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31), lens=st.lists(LENGTHS, min_size=1, max_size=3), geom=st.sampled_from(GEOMS[:4]))
+def test_reference_matches_float64(seed, lens, geom):
+    args, layout = make_case(seed, lens, *geom)
+    with mx.stream(mx.cpu):
+        o, states = gated_delta_ref(**args, layout=layout)
+    no, nstates, _ = naive_gdn(args, layout)
+    assert rel(o, no) < 1e-4
+    assert rel(states, nstates) < 1e-4
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31), T=LENGTHS, dk=st.sampled_from([16, 32]), dv=st.sampled_from([8, 24]))
+def test_chunked_matches_recurrent(seed, T, dk, dv):
+    """The 64-token chunked scan and the recurrence are one function, incl. across chunk boundaries."""
+    rng = np.random.default_rng(seed)
+    Hv = 2
+
+    def rand(*s):
+        return mx.array(rng.standard_normal(s).astype(np.float32))
+
+    kn = rand(Hv, T, dk)
+    kn = kn / mx.sqrt((kn * kn).sum(-1, keepdims=True))
+    qn = rand(Hv, T, dk) / math.sqrt(dk)
+    g = -mx.array(rng.uniform(0.0, 2.0, (Hv, T)).astype(np.float32))
+    beta = mx.array(rng.uniform(0, 1, (Hv, T)).astype(np.float32))
+    S0 = rand(Hv, dv, dk) * 0.1
+    with mx.stream(mx.cpu):
+        v = rand(Hv, T, dv)
+        o1, s1 = _recurrent(qn, kn, v, g, beta, S0)
+        o2, s2 = _chunked(qn, kn, v, g, beta, S0)
+    assert rel(o2, o1) < 1e-4 and rel(s2, s1) < 1e-4
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**31), lens=st.lists(st.integers(1, 9), min_size=1, max_size=3), geom=st.sampled_from(GEOMS[:4]))
+def test_candidate_states_reference(seed, lens, geom):
+    """Candidate states = the states of the token-by-token recurrence; last one = the committed state."""
+    args, layout = make_case(seed, lens, *geom)
+    with mx.stream(mx.cpu):
+        o, states, every = gated_delta_candidates_ref(**args, layout=layout)
+        o_ref, states_ref = gated_delta_ref(**args, layout=layout)
+    no, nstates, nevery = naive_gdn(args, layout)
+    assert rel(every, nevery) < 1e-4 and rel(o, no) < 1e-4 and rel(states, nstates) < 1e-4
+    ends = [layout.query_start_loc[i + 1] - 1 for i in range(layout.num_seqs)]
+    assert rel(every[mx.array(ends)], states_ref) < 1e-5
+    assert rel(o, o_ref) < 1e-5
+
+
+# ---- GPU: kernels vs references ---------------------------------------------------------------------
+
+
+def _check(out, ref, dtype, what):
+    assert len(out) == len(ref)
+    tol = TOL[dtype]
+    assert rel(out[0], ref[0]) < tol, f"{what}: o"
+    for got, want in zip(out[1:], ref[1:]):  # states are fp32 whatever the activation dtype
+        assert got.dtype == mx.float32
+        assert rel(got, want) < (1e-4 if dtype == mx.float32 else 1e-3), f"{what}: states"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**31),
+    lens=st.lists(LENGTHS, min_size=1, max_size=4),
+    geom=st.sampled_from(GEOMS),
+    dtype=st.sampled_from([mx.float32, mx.bfloat16]),
+    chunk=st.sampled_from([None, True, False]),
+)
+def test_gdn_kernel_matches_reference(seed, lens, geom, dtype, chunk):
+    from mtlqwen.kernels.gdn_kernels import run_gdn  # noqa: PLC0415
+
+    args, layout = make_case(seed, lens, *geom, dtype=dtype)
+    out = run_gdn(**args, layout=layout, chunk=chunk, init_value=float("nan"))  # poisoned outputs
+    assert out is not None
+    mx.eval(out)
+    _check(out, gated_delta_ref(**args, layout=layout), dtype, f"chunk={chunk}")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_gdn_chunk_boundaries(dtype):
+    """Segments of 31/32/33/64/65 tokens packed together through the chunk kernel, vs float64."""
+    from mtlqwen.kernels.gdn_kernels import run_gdn  # noqa: PLC0415
+
+    args, layout = make_case(7, [31, 32, 33, 64, 65, 1], 2, 2, 128, 64, dtype=dtype)
+    out = run_gdn(**args, layout=layout, chunk=True, init_value=float("nan"))
+    no, nstates, _ = naive_gdn(args, layout)
+    assert rel(out[0], no) < TOL[dtype] and rel(out[1], nstates) < 1e-3
+
+
+@pytest.mark.gpu
+@needs_gpu
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**31),
+    lens=st.lists(st.integers(1, 20), min_size=1, max_size=4),
+    geom=st.sampled_from(GEOMS),
+    dtype=st.sampled_from([mx.float32, mx.bfloat16]),
+)
+def test_gdn_candidates_kernel(seed, lens, geom, dtype):
+    from mtlqwen.kernels.gdn_kernels import run_gdn  # noqa: PLC0415
+
+    args, layout = make_case(seed, lens, *geom, dtype=dtype)
+    out = run_gdn(**args, layout=layout, candidates=True, init_value=float("nan"))
+    _check(out, gated_delta_candidates_ref(**args, layout=layout), dtype, "candidates")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_dispatchers_use_the_kernels():
+    """gated_delta / gated_delta_candidates pick the kernels on a GPU back-end and agree with the twins."""
+    assert backend.kernel_for("gated_delta") is not None
+    assert backend.kernel_for("gated_delta_candidates") is not None
+    for lens in ([1, 1, 1], [3, 40]):
+        args, layout = make_case(3, lens, 2, 3, 32, 48)
+        _check(gated_delta(**args, layout=layout), gated_delta_ref(**args, layout=layout), mx.float32, "dispatch")
+        _check(gated_delta_candidates(**args, layout=layout), gated_delta_candidates_ref(**args, layout=layout),
+               mx.float32, "dispatch candidates")

@@ -1,0 +1,176 @@
+"""conv1d + SiLU, RMSNorm, gated RMSNorm, fused add + RMSNorm and RoPE: reference twins against float64
+numpy (CPU, CI) and the GPU kernels against the twins (`-m gpu`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mlx.core as mx
+from mtlqwen.kernels import backend
+from mtlqwen.kernels.conv1d import causal_conv1d, causal_conv1d_ref
+from mtlqwen.kernels.fused_small import add_rms_norm_ref
+from mtlqwen.kernels.norms import gated_rms_norm_ref, rms_norm, rms_norm_ref
+from mtlqwen.kernels.rope import RopeTables, apply_rope_ref
+from mtlqwen.kernels.seqs import SeqLayout
+
+NEEDS_GPU = "needs a GPU back-end (Metal or CUDA); CPU runs the reference"
+needs_gpu = pytest.mark.skipif(backend.gpu_backend() is None, reason=NEEDS_GPU)
+DTYPES = st.sampled_from([mx.float32, mx.bfloat16])
+TOL = {mx.float32: 1e-5, mx.bfloat16: 1e-2}  # bf16: one rounding of the output (2^-8) and some slack
+NAN = float("nan")
+
+
+def f64(x) -> np.ndarray:
+    return np.array(x.astype(mx.float32), dtype=np.float64)
+
+
+def rel(out, ref) -> float:
+    out, ref = (f64(t) if isinstance(t, mx.array) else t for t in (out, ref))
+    assert out.shape == ref.shape
+    assert np.isfinite(out).all(), "non-finite (unwritten?) elements"
+    return float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+def rand(rng, *shape, dtype=mx.float32, scale=1.0):
+    return mx.array((scale * rng.standard_normal(shape)).astype(np.float32)).astype(dtype)
+
+
+def conv_case(seed, lens, C, K, xdt, pdt):
+    rng = np.random.default_rng(seed)
+    B, S = len(lens), len(lens) + 2
+    layout = SeqLayout([0] + [int(x) for x in np.cumsum(lens)], [0] * B, [[0]] * B,
+                       [int(x) for x in rng.permutation(S)[:B]])
+    return rand(rng, sum(lens), C, dtype=xdt), rand(rng, C, K, dtype=xdt), rand(rng, S, K - 1, C, dtype=pdt), layout
+
+
+def naive_conv(x, w, pool, layout):
+    x, w, pool = f64(x), f64(w), f64(pool)
+    K = w.shape[1]
+    ys, states = [], []
+    for i in range(layout.num_seqs):
+        s, e = layout.query_start_loc[i], layout.query_start_loc[i + 1]
+        xs = np.concatenate([pool[layout.state_rows[i]], x[s:e]])
+        acc = np.stack([(xs[t : t + K] * w.T).sum(0) for t in range(e - s)])
+        ys.append(acc / (1 + np.exp(-acc)))
+        states.append(xs[e - s :])
+    return np.concatenate(ys), np.stack(states)
+
+
+# ---- CPU: references vs float64 ---------------------------------------------------------------------
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31), lens=st.lists(st.integers(1, 9), min_size=1, max_size=4), K=st.sampled_from([2, 4]))
+def test_conv_reference(seed, lens, K):
+    x, w, pool, layout = conv_case(seed, lens, 24, K, mx.float32, mx.float32)
+    y, st_ = causal_conv1d_ref(x, w, pool, layout)
+    ny, nst = naive_conv(x, w, pool, layout)
+    assert rel(y, ny) < 1e-5 and rel(st_, nst) == 0.0
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31), N=st.integers(1, 9), D=st.sampled_from([8, 48, 256]))
+def test_norm_references(seed, N, D):
+    rng = np.random.default_rng(seed)
+    x, z, d, w = rand(rng, N, D), rand(rng, N, D), rand(rng, N, D), 1 + rand(rng, D, scale=0.2)
+    xf, zf, wf = f64(x), f64(z), f64(w)
+    y = xf / np.sqrt((xf**2).mean(-1, keepdims=True) + 1e-6) * wf
+    assert rel(rms_norm_ref(x, w, 1e-6), y) < 1e-5
+    assert rel(gated_rms_norm_ref(x, z, w, 1e-6), y * zf / (1 + np.exp(-zf))) < 1e-5
+    hs, yn = add_rms_norm_ref(x, d, w, 1e-6)
+    hf = xf + f64(d)
+    assert rel(hs, hf) < 1e-6
+    assert rel(yn, hf / np.sqrt((hf**2).mean(-1, keepdims=True) + 1e-6) * wf) < 1e-5
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**31), T=st.integers(1, 7), D=st.sampled_from([64, 256]))
+def test_rope_reference(seed, T, D):
+    rng = np.random.default_rng(seed)
+    tables = RopeTables(64, 1e7, initial=64)
+    x = rand(rng, T, 3, D)
+    pos = rng.integers(0, 1000, T)
+    tables.ensure(int(pos.max()))
+    out = apply_rope_ref(x, mx.array(pos.astype(np.int32)), tables)
+    xf = f64(x)
+    phase = pos[:, None, None] * 1e7 ** (-np.arange(0, 64, 2) / 64)[None, None, :]
+    x1, x2 = xf[..., :32], xf[..., 32:64]
+    want = np.concatenate([x1 * np.cos(phase) - x2 * np.sin(phase), x2 * np.cos(phase) + x1 * np.sin(phase),
+                           xf[..., 64:]], axis=-1)
+    assert rel(out, want) < 1e-4  # fp32 angles of positions up to 1000
+
+
+# ---- GPU: kernels vs references -----------------------------------------------------------------------
+
+GPU_SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@GPU_SETTINGS
+@given(seed=st.integers(0, 2**31), lens=st.lists(st.one_of(st.integers(1, 4), st.integers(5, 70)), min_size=1,
+                                                  max_size=5),
+       C=st.sampled_from([24, 416, 300]), xdt=DTYPES, pdt=DTYPES)
+def test_conv_kernel(seed, lens, C, xdt, pdt):
+    from mtlqwen.kernels.conv_kernels import run_conv  # noqa: PLC0415
+
+    x, w, pool, layout = conv_case(seed, lens, C, 4, xdt, pdt)
+    y, st_ = run_conv(x, w, pool, layout, init_value=NAN)
+    ry, rst = causal_conv1d_ref(x, w, pool, layout)
+    assert y.dtype == xdt and st_.dtype == pdt
+    assert rel(y, ry) < TOL[xdt]
+    assert rel(st_, rst) == 0.0  # states are copies
+
+
+@pytest.mark.gpu
+@needs_gpu
+@GPU_SETTINGS
+@given(seed=st.integers(0, 2**31), shape=st.sampled_from([(1, 4096), (7, 4096), (5, 1024), (9, 48), (3, 5, 256),
+                                                          (2, 3, 128), (33, 1000)]),
+       dtype=DTYPES, wdt=DTYPES)
+def test_norm_kernels(seed, shape, dtype, wdt):
+    from mtlqwen.kernels.fused_small import add_rms_norm_kernel, gated_rms_norm_kernel, rms_norm_kernel  # noqa: PLC0415
+
+    rng = np.random.default_rng(seed)
+    x, z, d = (rand(rng, *shape, dtype=dtype) for _ in range(3))
+    w = 1 + rand(rng, shape[-1], dtype=wdt, scale=0.2)
+    eps = float(rng.choice([1e-6, 1e-5]))
+    assert rel(rms_norm_kernel(x, w, eps, init_value=NAN), rms_norm_ref(x, w, eps)) < TOL[dtype]
+    assert rel(gated_rms_norm_kernel(x, z, w, eps, init_value=NAN), gated_rms_norm_ref(x, z, w, eps)) < TOL[dtype]
+    hs, y = add_rms_norm_kernel(x, d, w, eps, init_value=NAN)
+    rhs, ry = add_rms_norm_ref(x, d, w, eps)
+    assert rel(hs, rhs) == 0.0 and rel(y, ry) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@GPU_SETTINGS
+@given(seed=st.integers(0, 2**31), T=st.integers(1, 40), H=st.sampled_from([1, 3, 16]), D=st.sampled_from([64, 256]),
+       dtype=DTYPES)
+def test_rope_kernel(seed, T, H, D, dtype):
+    from mtlqwen.kernels.fused_small import rope_kernel  # noqa: PLC0415
+
+    rng = np.random.default_rng(seed)
+    tables = RopeTables(64, 1e7, initial=256)
+    x = rand(rng, T, H, D, dtype=dtype)
+    pos = mx.array(rng.integers(0, 256, T).astype(np.int32))
+    out = rope_kernel(x, pos, tables, init_value=NAN)
+    ref = apply_rope_ref(x, pos, tables)
+    assert rel(out, ref) < TOL[dtype]
+    assert mx.array_equal(out[..., 64:], x[..., 64:]).item()  # pass-through dims are copied bit for bit
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_dispatchers_use_the_kernels():
+    for op in ("causal_conv1d", "rms_norm", "gated_rms_norm", "rope", "add_rms_norm"):
+        assert backend.kernel_for(op) is not None, op
+    x, w, pool, layout = conv_case(1, [3, 1, 20], 416, 4, mx.bfloat16, mx.bfloat16)
+    for got, want in zip(causal_conv1d(x, w, pool, layout), causal_conv1d_ref(x, w, pool, layout)):
+        assert rel(got, want) < TOL[mx.bfloat16]
+    rng = np.random.default_rng(2)
+    x, w = rand(rng, 4, 4096, dtype=mx.bfloat16), rand(rng, 4096, dtype=mx.bfloat16)
+    assert rel(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6)) < TOL[mx.bfloat16]
