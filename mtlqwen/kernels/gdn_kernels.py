@@ -305,10 +305,10 @@ CHUNK = portable_kernel(
 
 
 def run_gdn(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, *, candidates=False, chunk=None,
-            init_value=None):
+            init_value=None, tpr=None):
     """Launch one GDN kernel over the packed batch. Returns (o, states[, all_states]) or None if the
     shapes are not covered. `chunk` forces (True) or forbids (False) the chunk kernel; tests poison the
-    outputs through `init_value`."""
+    outputs through `init_value`; benchmarks try other lanes-per-row splits of the recurrence (`tpr`)."""
     backend = gpu_backend()
     T, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
@@ -328,7 +328,9 @@ def run_gdn(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, *, can
     use_chunk = (longest > CHUNK_MIN_T if chunk is None else chunk) and C and not candidates
     if chunk and not use_chunk:
         return None
-    tpr = 4 if use_chunk else _tpr(dk)
+    tpr = 4 if use_chunk else (tpr or _tpr(dk))
+    if dk % (4 * tpr) or tpr > 32:
+        return None
     bv = C if use_chunk else 128 // tpr
     kern = CHUNK if use_chunk else (RECURRENT_CAND if candidates else RECURRENT)
     tmpl = [("InT", dt), ("HK", Hk), ("HV", Hv), ("DK", dk), ("DV", dv), ("TPR", tpr), ("BV", bv)] + ([("C", C)] if use_chunk else [])

@@ -1,0 +1,159 @@
+"""GDN / conv kernels vs their plain-MLX references on the Qwen3.5-9B GDN shape
+(Hk=16, Hv=32, dk=dv=128, conv_dim=8192), bf16 activations, fp32 state.
+
+`python benchmarks/kernels_gdn.py [--out results.json]` on a GPU back-end. Each case is checked against
+the reference once, then timed two ways after warm-up: `chain` = N independent launches (each on other
+state slots of a 64-slot pool, so the state comes from HBM, not L2) in one mx.eval, per launch; `eval`
+= one launch + mx.eval, median of many (adds the host and synchronisation cost). GB/s counts the
+state read + write (+ activations for prefill) over the chained time, against ~4.3 TB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+
+from mtlqwen.kernels.conv1d import causal_conv1d_ref  # noqa: E402
+from mtlqwen.kernels.conv_kernels import run_conv  # noqa: E402
+from mtlqwen.kernels.gated_delta import gated_delta_candidates_ref, gated_delta_ref  # noqa: E402
+from mtlqwen.kernels.gdn_kernels import run_gdn  # noqa: E402
+from mtlqwen.kernels.seqs import SeqLayout  # noqa: E402
+
+HK, HV, DK, DV, CONV, SLOTS = 16, 32, 128, 128, 8192, 64
+PEAK = 4.3e12
+STATE = HV * DV * DK * 4  # bytes of one sequence's state (2 MiB)
+rng = np.random.default_rng(0)
+
+
+def rand(*shape, dtype=mx.bfloat16, scale=1.0):
+    return mx.array((scale * rng.standard_normal(shape)).astype(np.float32)).astype(dtype)
+
+
+def layouts(lens: list[int], n: int) -> list[SeqLayout]:
+    """n layouts of the same packed shape, each on other pool slots (round robin over SLOTS)."""
+    B = len(lens)
+    qsl = [0] + [int(x) for x in np.cumsum(lens)]
+    return [SeqLayout(qsl, [0] * B, [[0]] * B, [(j * B + i) % SLOTS for i in range(B)]) for j in range(n)]
+
+
+def gdn_inputs(T: int):
+    return dict(q=rand(T, HK, DK), k=rand(T, HK, DK), v=rand(T, HV, DV), a=rand(T, HV), b=rand(T, HV),
+                A_log=mx.array(np.log(rng.uniform(1, 16, HV)).astype(np.float32)),
+                dt_bias=rand(HV, dtype=mx.float32, scale=0.5))
+
+
+def time_eval(fn, iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        mx.eval(fn())
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        mx.eval(fn())
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def time_chain(fns, reps: int = 5) -> float:
+    """Median over reps of (one mx.eval of all fns) / len(fns)."""
+    mx.eval([f() for f in fns])
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        mx.eval([f() for f in fns])
+        ts.append((time.perf_counter() - t) / len(fns))
+    return statistics.median(ts)
+
+
+def rel(a, b) -> float:
+    a, b = np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+ROWS: list[dict] = []
+
+
+def report(case: str, impl: str, t_chain: float | None, t_eval: float, nbytes: float, err: float | None = None):
+    row = dict(case=case, impl=impl, chain_us=None if t_chain is None else t_chain * 1e6, eval_us=t_eval * 1e6,
+               gbs=None if t_chain is None else nbytes / t_chain / 1e9, err=err)
+    row["pct_peak"] = None if t_chain is None else 100 * nbytes / t_chain / PEAK
+    ROWS.append(row)
+    c = "-" if t_chain is None else f"{t_chain * 1e6:9.1f}"
+    g = "-" if t_chain is None else f"{row['gbs']:7.0f} ({row['pct_peak']:4.1f}%)"
+    e = "" if err is None else f"  err {err:.1e}"
+    print(f"{case:28s} {impl:22s} chain {c} us  eval {t_eval * 1e6:9.1f} us  {g}{e}", flush=True)
+
+
+def bench_gdn(case: str, lens: list[int], n_chain: int, ref_iters: int, variants: list[dict], cand=False):
+    T, B = sum(lens), len(lens)
+    x = gdn_inputs(T)
+    pool = rand(SLOTS, HV, DV, DK, dtype=mx.float32, scale=0.1)
+    mx.eval(pool, *x.values())
+    lays = layouts(lens, n_chain)
+    act = T * (2 * HK * DK + 2 * HV * DV) * 2  # q, k, v in + o out, bf16
+    nbytes = 2 * B * STATE + act + (T * STATE if cand else 0)
+    ref_fn = gated_delta_candidates_ref if cand else gated_delta_ref
+    ref = ref_fn(**x, state_pool=pool, layout=lays[0])
+    mx.eval(ref)
+    for kw in variants:
+        out = run_gdn(**x, state_pool=pool, layout=lays[0], candidates=cand, **kw)
+        if out is None:
+            continue
+        err = max(rel(o, r) for o, r in zip(out, ref))
+        tc = time_chain([lambda L=L: run_gdn(**x, state_pool=pool, layout=L, candidates=cand, **kw) for L in lays])
+        te = time_eval(lambda: run_gdn(**x, state_pool=pool, layout=lays[0], candidates=cand, **kw), 50)
+        name = "chunk" if kw.get("chunk") else f"recurrent tpr={kw.get('tpr') or 'auto'}"
+        report(case, name + (" +cand" if cand else ""), tc, te, nbytes, err)
+    te = time_eval(lambda: ref_fn(**x, state_pool=pool, layout=lays[0]), ref_iters, warmup=1)
+    report(case, "reference", None, te, nbytes)
+
+
+def bench_conv(case: str, lens: list[int], n_chain: int, ref_iters: int):
+    T, B = sum(lens), len(lens)
+    xx, w = rand(T, CONV), rand(CONV, 4, scale=0.5)
+    pool = rand(SLOTS, 3, CONV)
+    lays = layouts(lens, n_chain)
+    ref = causal_conv1d_ref(xx, w, pool, lays[0])
+    out = run_conv(xx, w, pool, lays[0])
+    err = max(rel(o, r) for o, r in zip(out, ref))
+    nbytes = 2 * T * CONV * 2 + 2 * B * 3 * CONV * 2
+    tc = time_chain([lambda L=L: run_conv(xx, w, pool, L) for L in lays])
+    report(case, "conv kernel", tc, time_eval(lambda: run_conv(xx, w, pool, lays[0]), 50), nbytes, err)
+    report(case, "conv reference", None, time_eval(lambda: causal_conv1d_ref(xx, w, pool, lays[0]), ref_iters, 1),
+           nbytes)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help="fewer cases (TPR sweep and crossover off)")
+    args = ap.parse_args()
+    print(f"MLX {mx.__version__}, device {mx.default_device()}", flush=True)
+    rec = [dict(chunk=False)] if args.quick else [dict(chunk=False, tpr=t) for t in (4, 8, 16, 32)]
+    bench_gdn("decode B=1", [1], 64, 20, rec)
+    bench_gdn("decode B=8", [1] * 8, 16, 20, rec)
+    bench_gdn("verify B=8 x16", [16] * 8, 8, 5, [dict(chunk=False), dict(chunk=True)])
+    bench_gdn("verify B=8 x16", [16] * 8, 4, 3, [dict(chunk=False)], cand=True)
+    if not args.quick:
+        for T in (16, 32, 64, 128):
+            bench_gdn(f"crossover B=1 T={T}", [T], 8, 2, [dict(chunk=False), dict(chunk=True)])
+    bench_gdn("prefill T=4096", [4096], 2, 2, [dict(chunk=True), dict(chunk=False)])
+    bench_gdn("prefill 4 x 1024", [1024] * 4, 2, 2, [dict(chunk=True)])
+    bench_conv("conv decode B=1", [1], 64, 20)
+    bench_conv("conv decode B=8", [1] * 8, 16, 20)
+    bench_conv("conv prefill T=4096", [4096], 4, 5)
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(mlx=mx.__version__, rows=ROWS), indent=1))
+
+
+if __name__ == "__main__":
+    main()
