@@ -1,7 +1,7 @@
 """mtlqwen: an inference engine for the Qwen3.5 family on MLX."""
 
 from .kernels import SeqLayout
-from .model import CheckpointError, ConfigError, ModelCache, Qwen35Model, load
+from .model import CheckpointError, ConfigError, ModelCache, Qwen35Model, load, load_drafter
 from .runtime import Delta, Engine, Output, SamplingParams
 
 __version__ = "0.1.0"
@@ -16,5 +16,5 @@ def load_tokenizer(path_or_repo):
 
 __all__ = [
     "CheckpointError", "ConfigError", "Delta", "Engine", "ModelCache", "Output", "Qwen35Model", "SamplingParams",
-    "SeqLayout", "load", "load_tokenizer",
+    "SeqLayout", "load", "load_drafter", "load_tokenizer",
 ]

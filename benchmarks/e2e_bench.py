@@ -1,0 +1,166 @@
+"""End-to-end speed: mtlqwen against mlx-lm on the same MLX, same shape, same quantization.
+
+Random weights at a real shape (default: Qwen3.5-9B, MLX affine 4-bit g64). Measures, for each engine:
+batch-1 decode tok/s (512-token prompt, 256 new tokens), prefill tok/s of a 4096-token prompt, and
+aggregate decode tok/s of 8 concurrent requests (512 in / 256 out). Warm-up runs first; every number
+is the median of --repeats runs; timings synchronise with the device (token ids are read back).
+
+    python benchmarks/e2e_bench.py                      # 9B shape, both engines
+    python benchmarks/e2e_bench.py --shape demo --skip-mlxlm --repeats 1   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import mlx.core as mx
+
+from mtlqwen import Engine, SamplingParams
+from mtlqwen.model.builtin import demo_config, qwen35_9b_config, random_model
+from mtlqwen.model.config import QuantSpec
+
+
+def median_of(fn, repeats: int):
+    vals = [fn() for _ in range(repeats)]
+    return statistics.median(vals), vals
+
+
+def rand_prompt(n: int, vocab: int, seed: int) -> list[int]:
+    key = mx.random.key(seed)
+    return mx.random.randint(0, vocab - 1000, (n,), key=key).tolist()
+
+
+# ---------------------------------------------------------------- mtlqwen
+def ours(config, args) -> dict:
+    model = random_model(config, quantize=QuantSpec(4, 64), dtype=mx.bfloat16)
+    vocab = config.vocab_size
+    res = {}
+    greedy = SamplingParams(max_tokens=args.gen, ignore_eos=True)
+
+    def decode_rate(n_req: int, prompt_len: int, step_tokens: int):
+        eng = Engine(model, slots=max(n_req, 1), step_tokens=step_tokens, num_blocks=n_req * ((prompt_len + args.gen) // 128 + 2))
+        prompts = [rand_prompt(prompt_len, vocab, 100 + i) for i in range(n_req)]
+        t0 = time.perf_counter()
+        outs = eng.generate(prompts, greedy)
+        total = time.perf_counter() - t0
+        last_first = max(o.ttft for o in outs)
+        gen = sum(len(o.token_ids) - 1 for o in outs)
+        return gen / (total - last_first), statistics.median(o.ttft for o in outs)
+
+    def prefill_rate(step_tokens: int):
+        eng = Engine(model, slots=1, step_tokens=step_tokens, num_blocks=args.prefill // 128 + 4)
+        p = rand_prompt(args.prefill, vocab, 7)
+        t0 = time.perf_counter()
+        eng.generate([p], SamplingParams(max_tokens=1, ignore_eos=True))
+        return args.prefill / (time.perf_counter() - t0)
+
+    decode_rate(1, 64, 128)  # warm-up: compiles kernels, fills caches
+    res["decode_b1"], _ = median_of(lambda: decode_rate(1, args.prompt, 128)[0], args.repeats)
+    for st in args.prefill_steps:
+        prefill_rate(st)
+        res[f"prefill_{args.prefill}_step{st}"], _ = median_of(lambda st=st: prefill_rate(st), args.repeats)
+    decode_rate(args.batch, 64, 128)
+    r8 = [decode_rate(args.batch, args.prompt, 128) for _ in range(args.repeats)]
+    res[f"decode_b{args.batch}"] = statistics.median(r[0] for r in r8)
+    res[f"ttft_b{args.batch}_s"] = statistics.median(r[1] for r in r8)
+    del model
+    mx.clear_cache()
+    return res
+
+
+# ---------------------------------------------------------------- mlx-lm
+def mlxlm(config, args) -> dict:
+    import mlx.nn as nn  # noqa: PLC0415
+    from mlx_lm.generate import BatchGenerator, generate_step  # noqa: PLC0415
+    from mlx_lm.models import qwen3_5  # noqa: PLC0415
+
+    text = config.to_text_dict()
+    text["model_type"] = "qwen3_5_text"
+    margs = qwen3_5.ModelArgs.from_dict({"model_type": "qwen3_5", "text_config": text})
+    model = qwen3_5.Model(margs)
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=64, bits=4)
+    mx.eval(model.parameters())
+    vocab = config.vocab_size
+    res = {}
+
+    def b1(prompt_len, gen):
+        prompt = mx.array(rand_prompt(prompt_len, vocab, 5))
+        t0 = time.perf_counter()
+        first = None
+        n = 0
+        for tok, _ in generate_step(prompt, model, max_tokens=gen):
+            int(tok)
+            n += 1
+            if first is None:
+                first = time.perf_counter()
+        end = time.perf_counter()
+        return (n - 1) / (end - first), prompt_len / (first - t0)
+
+    b1(64, 8)
+    res["decode_b1"], _ = median_of(lambda: b1(args.prompt, args.gen)[0], args.repeats)
+    res[f"prefill_{args.prefill}"], _ = median_of(lambda: b1(args.prefill, 1)[1], 1)
+
+    def batched(n_req):
+        gen = BatchGenerator(model, max_tokens=args.gen, completion_batch_size=n_req, prefill_batch_size=n_req)
+        gen.insert([rand_prompt(args.prompt, vocab, 200 + i) for i in range(n_req)])
+        first, count, done = None, 0, 0
+        t0 = time.perf_counter()
+        while done < n_req:
+            for r in gen.next_generated():
+                count += 1
+                if getattr(r, "finish_reason", None) is not None:
+                    done += 1
+            if first is None and count >= n_req:
+                first, count = time.perf_counter(), 0
+        end = time.perf_counter()
+        gen.close()
+        return count / (end - first), first - t0
+
+    batched(args.batch)
+    r8 = [batched(args.batch) for _ in range(args.repeats)]
+    res[f"decode_b{args.batch}"] = statistics.median(r[0] for r in r8)
+    res[f"ttft_b{args.batch}_s"] = statistics.median(r[1] for r in r8)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=["9b", "demo"], default="9b")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--gen", type=int, default=256)
+    ap.add_argument("--prefill", type=int, default=4096)
+    ap.add_argument("--prefill-steps", type=int, nargs="+", default=[128, 1024, 4096],
+                    help="step_tokens budgets to time the prefill with")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-mlxlm", action="store_true")
+    ap.add_argument("--skip-ours", action="store_true")
+    ap.add_argument("--json", default=None, help="write results here too")
+    args = ap.parse_args()
+    config = qwen35_9b_config() if args.shape == "9b" else demo_config()
+    out = {"mlx": mx.__version__, "device": str(mx.default_device()), "shape": args.shape}
+    if not args.skip_ours:
+        out["mtlqwen"] = ours(config, args)
+    if not args.skip_mlxlm:
+        import mlx_lm  # noqa: PLC0415
+
+        out["mlx_lm_version"] = mlx_lm.__version__
+        out["mlx-lm"] = mlxlm(config, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    print(json.dumps(out, indent=2))
+    a, b = out.get("mtlqwen", {}), out.get("mlx-lm", {})
+    print(f"\n{'metric':32s} {'mtlqwen':>12s} {'mlx-lm':>12s} {'ratio':>8s}")
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        ratio = f"{va / vb:8.2f}" if va and vb else ""
+        print(f"{k:32s} {va if va is None else round(va, 2)!s:>12s} {vb if vb is None else round(vb, 2)!s:>12s} {ratio}")
+
+
+if __name__ == "__main__":
+    main()
