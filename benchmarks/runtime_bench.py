@@ -1,0 +1,122 @@
+"""Runtime benchmark: aggregate decode tok/s and time to first token at 1, 4 and 8 concurrent requests.
+
+    python benchmarks/runtime_bench.py                          # Qwen3.5-9B shape, random weights, 4-bit g64
+    python benchmarks/runtime_bench.py --model PATH             # a real checkpoint
+    python benchmarks/runtime_bench.py --shape demo --prompt-len 64 --gen-len 16   # quick CPU smoke run
+
+Each concurrency level submits that many requests of random prompt tokens at once (EOS ignored, so
+every request generates exactly --gen-len tokens) and runs them to completion, --repeats times after a
+warm-up that compiles the kernels. Reported per level (medians over repeats):
+  decode tok/s   sum over requests of (generated - 1) / (last finish - first first-token): the
+                 aggregate rate once requests are decoding (prefill of later requests overlaps it)
+  output tok/s   generated tokens / wall time, prefill included
+  TTFT           submission -> first token read back, mean and max over the requests
+  prefill tok/s  prompt tokens / time until the last request's first token
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+
+import mtlqwen
+from mtlqwen.model import QuantSpec
+from mtlqwen.runtime import Engine, SamplingParams
+from mtlqwen.runtime.block_pool import BlockPool
+
+
+def build_model(args):
+    if args.model:
+        return mtlqwen.load(args.model), args.model
+    from mtlqwen.model import builtin  # noqa: PLC0415
+
+    config = builtin.qwen35_9b_config() if args.shape == "9b" else builtin.demo_config()
+    quant = QuantSpec(args.bits, args.group_size) if args.bits else None
+    model = builtin.random_model(config=config, seed=0, quantize=quant)
+    return model, f"random {args.shape} ({f'{args.bits}-bit g{args.group_size}' if quant else 'bf16'})"
+
+
+def run_level(engine: Engine, concurrency: int, prompt_len: int, gen_len: int, seed: int) -> dict:
+    vocab = engine.config.vocab_size
+    key = mx.random.key(seed)
+    prompts = mx.random.randint(0, vocab, (concurrency, prompt_len), key=key).tolist()
+    params = SamplingParams(max_tokens=gen_len, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    assert all(o.finish_reason == "length" for o in outs), [o.error for o in outs]
+    first = [o.ttft for o in outs]
+    finish = [o.total_time for o in outs]  # all submitted at t0 (to within microseconds)
+    decode_span = max(finish) - min(first)
+    gen = sum(len(o.token_ids) for o in outs)
+    return {
+        "decode_tok_s": sum(len(o.token_ids) - 1 for o in outs) / decode_span if decode_span > 0 else float("nan"),
+        "output_tok_s": gen / wall,
+        "ttft_mean_ms": 1e3 * statistics.mean(first),
+        "ttft_max_ms": 1e3 * max(first),
+        "prefill_tok_s": concurrency * prompt_len / max(first),
+        "wall_s": wall,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="checkpoint directory or repo id; default: random weights of --shape")
+    ap.add_argument("--shape", choices=["9b", "demo"], default="9b")
+    ap.add_argument("--bits", type=int, default=4, help="quantize random weights (0: bf16)")
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--concurrency", default="1,4,8")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--gen-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--step-tokens", type=int, default=128)
+    ap.add_argument("--block-tokens", type=int, default=128)
+    ap.add_argument("--pad-buckets", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args()
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    t = time.perf_counter()
+    model, name = build_model(args)
+    load_s = time.perf_counter() - t
+    slots = max(levels)
+    # a pool just big enough for every level, instead of the device-sized default
+    blocks = slots * BlockPool.blocks_for(args.prompt_len + args.gen_len, args.block_tokens)
+    pad = {"auto": None, "on": True, "off": False}[args.pad_buckets]
+    engine = Engine(model, slots=slots, step_tokens=max(args.step_tokens, slots), block_tokens=args.block_tokens,
+                    num_blocks=blocks, pad_buckets=pad)
+    print(f"model: {name} (built/loaded in {load_s:.1f} s) | device: {mx.default_device()} | "
+          f"slots {slots}, step_tokens {engine.step_tokens}, block_tokens {args.block_tokens}, "
+          f"pool {blocks} blocks, pad_buckets {engine.pad_buckets}", flush=True)
+    print(f"prompt {args.prompt_len} tokens, generate {args.gen_len} tokens, {args.repeats} repeats (median)", flush=True)
+
+    t = time.perf_counter()
+    run_level(engine, slots, min(args.prompt_len, 2 * args.step_tokens), min(args.gen_len, 8), seed=999)
+    print(f"warm-up: {time.perf_counter() - t:.1f} s", flush=True)
+
+    results = []
+    header = f"{'conc':>4} {'decode tok/s':>13} {'output tok/s':>13} {'TTFT mean ms':>13} {'TTFT max ms':>12} {'prefill tok/s':>14}"
+    print(header)
+    for c in levels:
+        mx.reset_peak_memory()
+        runs = [run_level(engine, c, args.prompt_len, args.gen_len, seed=r) for r in range(args.repeats)]
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        med.update(concurrency=c, peak_memory_gb=mx.get_peak_memory() / 1e9)
+        results.append(med)
+        print(f"{c:>4} {med['decode_tok_s']:>13.1f} {med['output_tok_s']:>13.1f} {med['ttft_mean_ms']:>13.1f} "
+              f"{med['ttft_max_ms']:>12.1f} {med['prefill_tok_s']:>14.1f}", flush=True)
+    print(f"peak memory: {max(r['peak_memory_gb'] for r in results):.2f} GB | engine stats: "
+          f"{ {k: engine.stats()[k] for k in ('steps', 'preemptions', 'padding_tokens')} }")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": name, "args": vars(args), "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
