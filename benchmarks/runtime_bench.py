@@ -76,7 +76,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--step-tokens", type=int, default=128)
     ap.add_argument("--block-tokens", type=int, default=128)
-    ap.add_argument("--pad-buckets", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--pad-buckets", choices=["on", "off"], default="off")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
 
@@ -87,7 +87,7 @@ def main():
     slots = max(levels)
     # a pool just big enough for every level, instead of the device-sized default
     blocks = slots * BlockPool.blocks_for(args.prompt_len + args.gen_len, args.block_tokens)
-    pad = {"auto": None, "on": True, "off": False}[args.pad_buckets]
+    pad = args.pad_buckets == "on"
     engine = Engine(model, slots=slots, step_tokens=max(args.step_tokens, slots), block_tokens=args.block_tokens,
                     num_blocks=blocks, pad_buckets=pad)
     print(f"model: {name} (built/loaded in {load_s:.1f} s) | device: {mx.default_device()} | "

@@ -19,7 +19,6 @@ from typing import Any, Iterator
 
 import mlx.core as mx
 
-from ..kernels import use_kernels
 from .batch import PackedBatch, pack, token_buckets
 from .block_pool import BlockPool
 from .memory import resolve_num_blocks
@@ -60,8 +59,13 @@ class Engine:
     encode/decode/detokenizer (or a path for `mtlqwen.load_tokenizer`); when None and the model is a
     checkpoint directory holding tokenizer.json, that tokenizer is loaded. Without a tokenizer prompts
     must be token ids and outputs carry no text. The KV pool holds num_blocks bundles of block_tokens
-    tokens, or kv_bytes worth, or a device-sized default (memory.py). pad_buckets pads each step's
-    token count to a power-of-two bucket (default: on when GPU kernels run)."""
+    tokens, or kv_bytes worth, or a device-sized default (memory.py). pad_buckets=True pads each
+    step's token count to a power-of-two bucket with a dummy sequence (exact: it owns a scratch slot
+    and block). Off by default: MLX caches CUDA graphs by topology, not shape, and the kernels are
+    specialised by dtype and head geometry, not by T, so padding would only add work; it is there
+    for back-ends or compiled paths that key on shapes (runtime_bench.py --pad-buckets on measures it).
+
+    Not thread-safe: one thread calls submit/step/cancel (a server feeds it through a queue)."""
 
     def __init__(
         self,
@@ -73,15 +77,16 @@ class Engine:
         kv_bytes: int | None = None,
         tokenizer=None,
         max_model_len: int | None = None,
-        pad_buckets: bool | None = None,
+        pad_buckets: bool = False,
         seed: int | None = None,
     ):
         if isinstance(model_or_path, (str, Path)):
-            from ..model import load  # noqa: PLC0415
+            from ..model import load, resolve_model_path  # noqa: PLC0415
 
-            model = load(model_or_path)
-            if tokenizer is None and (Path(model_or_path) / "tokenizer.json").is_file():
-                tokenizer = model_or_path
+            local = resolve_model_path(model_or_path)  # a repo id is downloaded once, here
+            model = load(local)
+            if tokenizer is None and (local / "tokenizer.json").is_file():
+                tokenizer = local
         else:
             model = model_or_path
         if isinstance(tokenizer, (str, Path)):
@@ -102,7 +107,7 @@ class Engine:
         # one spare bundle and slot beyond what the scheduler hands out: the padding sequence's scratch
         self.cache = model.make_cache(self.num_blocks + 1, slots + 1, block_tokens)
         self.scratch = (slots, self.num_blocks)
-        self.pad_buckets = use_kernels() if pad_buckets is None else pad_buckets
+        self.pad_buckets = bool(pad_buckets)
         self.buckets = token_buckets(step_tokens) if self.pad_buckets else None
         self.eos = set(self.config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", None) or ())
         self._rng = random.Random(seed)
