@@ -168,7 +168,7 @@ class EngineLoop:
             sink = self._sinks.pop(arg, None)
             if sink is not None:
                 self.engine.cancel(arg)  # slot and blocks are free before the next step
-                self.metrics.on_finished("cancelled", time.perf_counter(), sink.arrival)
+                self.metrics.on_finished("abort", time.perf_counter(), sink.arrival)  # vLLM's label
 
     def _deliver(self, d, now: float) -> None:
         sink = self._sinks.get(d.request_id)

@@ -136,6 +136,7 @@ class Metrics:
                 ("prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache.", hits),
                 ("prefix_cache_query_tokens_total", "Prompt tokens looked up in the prefix cache.",
                  first_stat(stats, PREFIX_QUERY_KEYS)),
+                ("engine_steps_total", "Engine steps (one batched forward pass each).", stats.get("steps", 0)),
                 ("spec_decode_num_draft_tokens_total", "Draft tokens proposed by speculative decoding.",
                  first_stat(stats, SPEC_DRAFT_KEYS)),
                 ("spec_decode_num_accepted_tokens_total", "Draft tokens accepted by verification.",
@@ -145,7 +146,7 @@ class Metrics:
                 out += [f"# HELP {PREFIX}{name} {help_}", f"# TYPE {PREFIX}{name} counter", f"{PREFIX}{name}{{{L}}} {_fmt(v)}"]
             name = f"{PREFIX}request_success_total"
             out += [f"# HELP {name} Finished requests by finish reason.", f"# TYPE {name} counter"]
-            for reason in sorted(set(self.finished) | {"stop", "length"}):
+            for reason in sorted(set(self.finished) | {"stop", "length", "abort"}):
                 out.append(f'{name}{{{L},finished_reason="{reason}"}} {self.finished.get(reason, 0)}')
             name = f"{PREFIX}request_rejected_total"
             out += [f"# HELP {name} Requests refused before running, by HTTP status.", f"# TYPE {name} counter"]

@@ -1,0 +1,243 @@
+"""`mtlqwen chat`: a multi-turn chat in the terminal.
+
+Each turn's prompt is the previous turn's prompt + completion tokens, exactly as they ran, followed
+by what the chat template writes after a reply (the turn end, the new user message and the
+generation prompt). So the conversation's tokens only ever grow at the end, which is what a prefix
+cache needs to reuse the earlier turns. Past replies therefore keep their thinking text, as in
+mlx-lm's chat; /reset starts over.
+
+Ctrl-C while a reply streams cancels that reply (the turn is dropped) and returns to the prompt;
+Ctrl-C or Ctrl-D at the prompt exits.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import signal
+import sys
+import time
+
+from ..cli import add_model_args, add_sampling_args, load_model_and_tokenizer, sampling_from_args
+from .prompting import continuation, has_chat_template, render
+from .reasoning import ReasoningSplitter, prompt_opens_thinking
+
+PROMPT = ">> "
+HELP = ("commands: /think and /no_think switch thinking for the next replies, /reset clears the "
+        "conversation, /help shows this, /exit (or Ctrl-D) quits; Ctrl-C stops a reply")
+# C0 controls (except newline and tab) and DEL shown as visible symbols: model text must not drive the terminal.
+_CONTROL = {c: 0x2400 + c for c in range(32) if c not in (9, 10)} | {0x7F: 0x2421}
+DIM, RESET = "\x1b[2m", "\x1b[0m"
+
+
+def register(subparsers) -> None:
+    c = subparsers.add_parser(
+        "chat", help="multi-turn chat in the terminal (streams replies, keeps the conversation)",
+        description="Chat with a model in the terminal. The checkpoint's chat template is applied; "
+                    "each turn extends the previous turn's tokens so a prefix cache can reuse them. " + HELP)
+    add_model_args(c)
+    c.add_argument("--system-prompt", default=None, help="system message for the conversation")
+    c.add_argument("--chat-template-args", default=None, metavar="JSON",
+                   help='chat template arguments, e.g. \'{"enable_thinking": false}\'')
+    add_sampling_args(c, max_tokens=512)
+    c.add_argument("--prefix-interval", type=int, default=None,
+                   help="prefix-cache checkpoint interval in tokens (when this build has a prefix cache)")
+    c.add_argument("--verbose", "-v", action="store_true", help="print token counts and speed after each reply")
+    c.add_argument("--debug-token-log", default=None, metavar="PATH",
+                   help="debugging aid: append each turn's prompt and completion token ids (JSON lines) to PATH")
+    c.set_defaults(func=cmd_chat)
+
+
+class Conversation:
+    """The token history of a chat and how the next turn's prompt extends it."""
+
+    def __init__(self, tokenizer, system_prompt: str | None, template_kwargs: dict, eos_ids):
+        self.tok = tokenizer
+        self.system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        self.kwargs = dict(template_kwargs)
+        self.eos_ids = set(eos_ids)
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages: list[dict] = []
+        self.ids: list[int] = []  # every turn's prompt + completion, as the engine ran them
+        self.end_text = ""  # text of the last reply's final token when it was an end-of-turn token
+
+    def prompt_for(self, user_text: str) -> tuple[list[int], str]:
+        """(token ids, prompt text of the new part) for a new user message."""
+        new = [{"role": "user", "content": user_text}]
+        if self.ids:
+            tail = continuation(self.tok, self.system, new, **self.kwargs)
+            if tail is not None:
+                if self.end_text and tail.startswith(self.end_text):
+                    tail = tail[len(self.end_text):]  # the reply already ended with the turn-end token
+                return self.ids + list(self.tok.encode(tail)), tail
+        # first turn, or a template that does not show replies verbatim: render everything
+        text = render(self.tok, self.system + self.messages + new, add_generation_prompt=True, **self.kwargs)
+        return list(self.tok.encode(text)), text
+
+    def commit(self, user_text: str, prompt_ids: list[int], completion_ids: list[int], reply: str) -> None:
+        self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": reply}]
+        self.ids = list(prompt_ids) + list(completion_ids)
+        last = completion_ids[-1] if completion_ids else None
+        self.end_text = self.tok.decode([last]) if last in self.eos_ids else ""
+
+
+class _Interrupt:
+    """SIGINT sets a flag while a reply streams (the engine is stepped to a safe point, never torn)."""
+
+    def __init__(self):
+        self.hit = False
+
+    def __enter__(self):
+        self.old = signal.signal(signal.SIGINT, self._on)
+        return self
+
+    def _on(self, *_):
+        self.hit = True
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.old)
+
+
+class _Printer:
+    """Streams reply text; thinking is dimmed on a terminal."""
+
+    def __init__(self, out, in_reasoning: bool):
+        self.out, self.tty = out, out.isatty()
+        self.split = ReasoningSplitter(in_reasoning)
+        self.dim = False
+
+    def write(self, text: str, final: bool = False) -> None:
+        r, c = self.split.feed(text)
+        if final:
+            r2, c2 = self.split.finish()
+            r, c = r + r2, c + c2
+        if r:
+            self._emit(r, True)
+        if c:
+            self._emit(c, False)
+        if final and self.dim and self.tty:
+            self.out.write(RESET)
+        self.out.flush()
+
+    def _emit(self, s: str, reasoning: bool) -> None:
+        if self.tty and reasoning != self.dim:
+            self.out.write(DIM if reasoning else RESET)
+        self.dim = reasoning
+        self.out.write(s.translate(_CONTROL))
+
+
+def _generate(engine, ids, sampling, printer: _Printer):
+    """Run one reply; returns (Output or None when cancelled by Ctrl-C)."""
+    with _Interrupt() as intr:
+        rid = engine.submit(ids, sampling)
+        while True:
+            if intr.hit:
+                engine.cancel(rid)
+                while engine.has_work():  # let the in-flight step land; its tokens are dropped
+                    engine.step()
+                printer.write("", final=True)
+                return None
+            for d in engine.step():
+                if d.request_id != rid:
+                    continue
+                printer.write(d.text, final=d.finished)
+                if d.finished:
+                    return d.output
+
+
+def _engine_kwargs(args) -> dict:
+    from ..runtime import Engine  # noqa: PLC0415
+
+    kw = {"slots": 1}
+    if args.prefix_interval is not None:
+        if "prefix_interval" not in inspect.signature(Engine.__init__).parameters:
+            raise ValueError("prefix caching not available in this build (--prefix-interval)")
+        kw["prefix_interval"] = args.prefix_interval
+    return kw
+
+
+def cmd_chat(args) -> int:
+    from ..runtime import Engine  # noqa: PLC0415
+
+    try:
+        kwargs = json.loads(args.chat_template_args) if args.chat_template_args else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--chat-template-args is not valid JSON: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError("--chat-template-args must be a JSON object")
+    sampling = sampling_from_args(args)
+    engine_kw = _engine_kwargs(args)
+    model, tok, note = load_model_and_tokenizer(args)
+    if note:
+        print(note, file=sys.stderr)
+    engine = Engine(model, tokenizer=tok, **engine_kw)
+    eos = set(getattr(engine, "eos", ())) | set(getattr(tok, "eos_token_ids", ()) or ())
+    convo = Conversation(tok, args.system_prompt, kwargs, eos)
+    thinking_switch = bool(getattr(tok, "has_thinking", False))
+    if not has_chat_template(tok):
+        print("(no chat template in this tokenizer: using plain ChatML)", file=sys.stderr)
+    log = open(args.debug_token_log, "a", encoding="utf-8") if args.debug_token_log else None
+    try:
+        import readline  # noqa: F401,PLC0415  line editing and history for input()
+    except ImportError:
+        pass
+    print(HELP)
+    turn = 0
+    try:
+        while True:
+            try:
+                line = input(PROMPT)
+            except (EOFError, KeyboardInterrupt):
+                print()
+                return 0
+            text = line.strip()
+            if not text:
+                continue
+            if text in ("/exit", "/quit"):
+                return 0
+            if text == "/help":
+                print(HELP)
+                continue
+            if text == "/reset":
+                convo.reset()
+                print("(conversation cleared)")
+                continue
+            if text in ("/think", "/no_think"):
+                if not thinking_switch:
+                    print("(this model's template has no thinking switch)")
+                    continue
+                convo.kwargs["enable_thinking"] = text == "/think"
+                print(f"(thinking {'on' if text == '/think' else 'off'})")
+                continue
+            ids, new_text = convo.prompt_for(line)
+            printer = _Printer(sys.stdout, prompt_opens_thinking(new_text))
+            t0 = time.perf_counter()
+            try:
+                out = _generate(engine, ids, sampling, printer)
+            except ValueError as e:  # e.g. the conversation outgrew the context
+                print(f"\n(error: {e}; /reset starts a new conversation)")
+                continue
+            print()
+            if out is None:
+                print("(reply cancelled)")
+                continue
+            if out.finish_reason == "error":
+                print(f"(error: {out.error})")
+                continue
+            turn += 1
+            convo.commit(line, ids, out.token_ids, out.text)
+            cached = getattr(out, "cached_tokens", 0) or 0
+            if args.verbose:
+                dt = max(time.perf_counter() - t0, 1e-9)
+                print(f"[prompt {out.prompt_tokens} tokens ({cached} cached), reply {len(out.token_ids)} tokens, "
+                      f"{len(out.token_ids) / dt:.1f} tokens/s]")
+            if log is not None:
+                log.write(json.dumps({"turn": turn, "prompt_ids": ids, "completion_ids": out.token_ids,
+                                      "finish_reason": out.finish_reason, "cached_tokens": cached,
+                                      "stats": engine.stats()}) + "\n")
+                log.flush()
+    finally:
+        if log is not None:
+            log.close()
