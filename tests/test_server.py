@@ -9,15 +9,19 @@ killed at the end of the module.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import re
+import subprocess
+import sys
 import time
 
 import httpx
 import openai
 import pytest
 
-from frontend_fixtures import ServerProcess, write_tiny_chat_checkpoint
+from frontend_fixtures import REPO, ServerProcess, free_port, subprocess_env, write_tiny_chat_checkpoint
+from mtlqwen.runtime import Engine
 
 TIMEOUT = httpx.Timeout(30.0)
 KEY = "test-key-123"
@@ -82,7 +86,7 @@ def sse_events(lines) -> list:
     """Parse `data: <json>` events up to `data: [DONE]` (which must come last)."""
     events, done = [], False
     for line in lines:
-        if not line:
+        if not line or line.startswith(":"):  # blank separators and keepalive comments
             continue
         assert not done, "data after [DONE]"
         assert line.startswith("data: "), line
@@ -307,3 +311,18 @@ def test_queue_full_answers_429_then_recovers(guarded):
         time.sleep(0.05)
     r = httpx.post(b + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=h, timeout=TIMEOUT)
     assert r.status_code == 200, r.text
+
+
+# ---- start-up errors
+
+def test_startup_errors_are_one_line(ckpt):
+    def serve(*args):
+        cmd = [sys.executable, "-m", "mtlqwen", "serve", "--port", str(free_port()), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO, env=subprocess_env())
+
+    r = serve("--model", "/nonexistent/checkpoint")
+    assert r.returncode == 1 and "mtlqwen serve: error: no checkpoint directory" in r.stderr
+    assert "Traceback" not in r.stderr
+    if "draft" not in inspect.signature(Engine.__init__).parameters:
+        r = serve("--model", str(ckpt), "--draft", str(ckpt))
+        assert r.returncode == 1 and "speculative decoding not available in this build" in r.stderr, r.stderr

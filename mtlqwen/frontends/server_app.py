@@ -60,15 +60,22 @@ async def _disconnected(receive) -> None:
             return
 
 
-async def _next_or_gone(handle: RequestHandle, watcher: asyncio.Task):
-    """The handle's next item, or None when the client disconnected first (the request is cancelled)."""
+KEEPALIVE = object()
+KEEPALIVE_S = 15.0  # an SSE comment this often while nothing is produced (long prefills), so proxies keep the stream
+
+
+async def _next_or_gone(handle: RequestHandle, watcher: asyncio.Task, keepalive: float | None = None):
+    """The handle's next item; KEEPALIVE when `keepalive` seconds pass without one; None when the client
+    disconnected first (the request is then cancelled). A cancelled queue read loses no item."""
     get = asyncio.ensure_future(handle.next())
-    done, _ = await asyncio.wait({get, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    done, _ = await asyncio.wait({get, watcher}, timeout=keepalive, return_when=asyncio.FIRST_COMPLETED)
     if get in done:
         return get.result()
     get.cancel()
-    handle.cancel()
-    return None
+    if watcher in done:
+        handle.cancel()
+        return None
+    return KEEPALIVE
 
 
 class _Formatter:
@@ -129,9 +136,12 @@ class SSEResponse:
             for c in self.fmt.start():
                 await send({"type": "http.response.body", "body": _sse(c), "more_body": True})
             while True:
-                item = await _next_or_gone(self.handle, watcher)
+                item = await _next_or_gone(self.handle, watcher, KEEPALIVE_S)
                 if item is None:
                     return  # client gone: nothing more can be sent
+                if item is KEEPALIVE:
+                    await send({"type": "http.response.body", "body": b": keepalive\n\n", "more_body": True})
+                    continue
                 if isinstance(item, Failed):
                     body = _sse(oa.APIError(item.message, item.status, type_="server_error").body())
                 elif item.finished and item.finish_reason == "error":  # the request failed alone
