@@ -222,7 +222,14 @@ def test_client_disconnect_frees_slot_and_blocks(server):
         assert time.monotonic() < deadline, "blocks not freed after the client disconnected"
         time.sleep(0.05)
     assert metric(server.base, "request_success_total", 'finished_reason="abort"') == aborted0 + 1
-    assert metric(server.base, "generation_tokens_total") < 10_000
+    # the same for a client that gives up waiting for a non-streaming answer
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base + "/v1/completions", json={**body, "stream": False}, timeout=httpx.Timeout(30, read=0.5))
+    deadline = time.monotonic() + 10
+    while (metric(server.base, "request_success_total", 'finished_reason="abort"') < aborted0 + 2
+           or metric(server.base, "kv_blocks_used") > 0):
+        assert time.monotonic() < deadline, "a non-streaming request was not cancelled when its client left"
+        time.sleep(0.05)
 
 
 # ---- errors
