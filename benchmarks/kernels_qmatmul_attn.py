@@ -53,7 +53,7 @@ def timed(make_outputs, reps: int) -> float:
 
 def quantized(rng, n, k, dt=mx.bfloat16, bits=4, gs=64) -> LinearParams:
     """Random packed words and random scales/biases made on the device (quantizing 1e9 floats is slow)."""
-    wq = mx.random.bits((n, k * bits // 32), width=4)
+    wq = mx.random.randint(0, 2**31 - 1, (n, k * bits // 32)).astype(mx.uint32)
     s = (mx.random.normal((n, k // gs)) * 0.01).astype(dt)
     b = (mx.random.normal((n, k // gs)) * 0.01).astype(dt)
     mx.eval(wq, s, b)
@@ -110,6 +110,24 @@ def bench_stacked(rng, rows: list) -> None:
                 t = timed(lambda: ([f() for _ in range(4)], 4), 7)
                 rows.append(dict(kind="stacked", shape=name, M=m, cand=cname, us=t * 1e6, gbs=nbytes(p) / t / 1e9))
                 print(f"{name:22s} M={m:5d} {cname:13s} {t * 1e6:9.1f} us {nbytes(p) / t / 1e9:7.0f} GB/s", flush=True)
+
+
+def bench_sweep(rng, rows: list) -> None:
+    """(R, U) blocking of the qmv kernel per shape class (feeds selection.QMV_BLOCKING)."""
+    for name, n, k in [("z/o 4096x4096", 4096, 4096), ("gate/up 12288x4096", 12288, 4096),
+                       ("down 4096x12288", 4096, 12288)]:
+        p0 = quantized(rng, n, k)
+        nw = max(1, min(48, math.ceil(WORKING_SET / nbytes(p0))))
+        ps = [p0] + [quantized(rng, n, k) for _ in range(nw - 1)]
+        for m, cfgs in ((1, [(1, 4), (2, 4), (4, 2), (4, 4), (2, 8)]), (8, [(2, 1), (4, 1), (8, 1), (2, 2)])):
+            x = mx.random.normal((m, k)).astype(mx.bfloat16)
+            for cfg in cfgs:
+                t = timed(lambda: ([qm.qmv(x, [ps[i % nw]], cfg=cfg)[0] for i in range(max(nw, 8))], max(nw, 8)), 5)
+                rows.append(dict(kind="sweep", shape=name, M=m, cand=f"R{cfg[0]}U{cfg[1]}", us=t * 1e6,
+                                 gbs=nbytes(p0) / t / 1e9))
+                print(f"sweep {name:20s} M={m} R={cfg[0]} U={cfg[1]} {t * 1e6:8.1f} us {nbytes(p0) / t / 1e9:6.0f} GB/s",
+                      flush=True)
+        del ps
 
 
 def bench_fused(rng, rows: list) -> None:
@@ -185,6 +203,8 @@ def main() -> None:
         bench_attention(rng, a.quick, rows)
     if "stacked" in only:
         bench_stacked(rng, rows)
+    if "sweep" in only:
+        bench_sweep(rng, rows)
     if "fused" in only:
         bench_fused(rng, rows)
     if "qmm" in only:

@@ -5,15 +5,28 @@ sequence, several sequences packed, bf16 and fp32, single-pass and split-context
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import mlx.core as mx
 from mtlqwen.kernels import backend
 from mtlqwen.kernels.paged_attention import paged_attention_ref
 from mtlqwen.kernels.seqs import SeqLayout
+
+# MTLQWEN_FAST_HYPOTHESIS=1 (device runs): a third of the examples and no shrinking, so a failure
+# reports its first falsifying example quickly instead of recompiling kernels while shrinking.
+FAST = os.environ.get("MTLQWEN_FAST_HYPOTHESIS", "0") == "1"
+GPU_SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), print_blob=True,
+                    phases=[Phase.explicit, Phase.reuse, Phase.generate] if FAST else list(Phase))
+
+
+def n_examples(n: int) -> int:
+    return max(4, n // 3) if FAST else n
+
 
 NEEDS_GPU = "needs a GPU back-end (Metal or CUDA); CPU runs the reference"
 needs_gpu = pytest.mark.skipif(backend.gpu_backend() is None, reason=NEEDS_GPU)
@@ -98,7 +111,7 @@ def test_gated_reference_is_attention_times_sigmoid():
 
 @pytest.mark.gpu
 @needs_gpu
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=n_examples(40), **GPU_SETTINGS)
 @given(data=st.data(), bt=st.sampled_from([16, 128]), nkv=st.integers(1, 2), rep=st.sampled_from([1, 2, 4]),
        hd=st.sampled_from([64, 128, 256]), nseq=st.integers(1, 4), dtype=st.sampled_from(["bfloat16", "float32"]),
        splits=st.sampled_from([None, 1, 3, 8]), gated=st.booleans(), seed=st.integers(0, 2**31 - 1))

@@ -7,14 +7,27 @@ with NaN before the kernel writes, and compare with an fp32 dequantize-then-matm
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import mlx.core as mx
 from mtlqwen.kernels import backend, linear_fused, selection
 from mtlqwen.kernels.linear import LinearParams, linear_ref
+
+# MTLQWEN_FAST_HYPOTHESIS=1 (device runs): a third of the examples and no shrinking, so a failure
+# reports its first falsifying example quickly instead of recompiling kernels while shrinking.
+FAST = os.environ.get("MTLQWEN_FAST_HYPOTHESIS", "0") == "1"
+GPU_SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), print_blob=True,
+                    phases=[Phase.explicit, Phase.reuse, Phase.generate] if FAST else list(Phase))
+
+
+def n_examples(n: int) -> int:
+    return max(4, n // 3) if FAST else n
+
 
 NEEDS_GPU = "needs a GPU back-end (Metal or CUDA); CPU runs the reference"
 needs_gpu = pytest.mark.skipif(backend.gpu_backend() is None, reason=NEEDS_GPU)
@@ -24,16 +37,19 @@ TOL = {mx.float32: 1e-4, mx.bfloat16: 1.5e-2, mx.float16: 3e-3}
 
 
 def make_params(rng, n, k, bits, gs, dtype) -> LinearParams:
+    """Quantized on the CPU stream: the reference side never depends on the GPU back-end's own ops."""
     w = mx.array(rng.standard_normal((n, k)).astype(np.float32) * 0.05).astype(dtype)
-    wq, s, b = mx.quantize(w, group_size=gs, bits=bits)
+    wq, s, b = mx.quantize(w, group_size=gs, bits=bits, stream=mx.cpu)
+    mx.eval(wq, s, b)
     return LinearParams(weight=wq, scales=s, biases=b, bits=bits, group_size=gs)
 
 
 def ref32(x: mx.array, p: LinearParams) -> np.ndarray:
     """fp32 dequantize-then-matmul: the function every quantized path must compute."""
-    w = mx.dequantize(p.weight, p.scales.astype(mx.float32), p.biases.astype(mx.float32),
-                      group_size=p.group_size, bits=p.bits)
-    return np.array(x.astype(mx.float32) @ w.T)
+    with mx.stream(mx.cpu):
+        w = mx.dequantize(p.weight, p.scales.astype(mx.float32), p.biases.astype(mx.float32),
+                          group_size=p.group_size, bits=p.bits)
+        return np.array(x.astype(mx.float32) @ w.T)
 
 
 def rel_err(out, ref) -> float:
@@ -94,7 +110,7 @@ shape = dict(
 
 @pytest.mark.gpu
 @needs_gpu
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=n_examples(40), **GPU_SETTINGS)
 @given(**shape)
 def test_qmv_matches_reference(m, kg, n, bits, gs, dtype, seed):
     qm = _poisoned()
@@ -106,12 +122,14 @@ def test_qmv_matches_reference(m, kg, n, bits, gs, dtype, seed):
     y = qm.linear_kernel(x, p)
     assert y is not None and y.shape == (m, 2 * n + 1) and y.dtype == dt
     assert rel_err(y, ref32(x, p)) < TOL[dt]
-    assert rel_err(y, np.array(linear_ref(x, p).astype(mx.float32))) < TOL[dt]
+    with mx.stream(mx.cpu):
+        want = np.array(linear_ref(x, p).astype(mx.float32))
+    assert rel_err(y, want) < TOL[dt]
 
 
 @pytest.mark.gpu
 @needs_gpu
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=n_examples(20), **GPU_SETTINGS)
 @given(**shape, nproj=st.integers(2, 4))
 def test_linear_multi_and_swiglu_match_reference(m, kg, n, bits, gs, dtype, seed, nproj):
     qm = _poisoned()
@@ -132,7 +150,7 @@ def test_linear_multi_and_swiglu_match_reference(m, kg, n, bits, gs, dtype, seed
 
 @pytest.mark.gpu
 @needs_gpu
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=n_examples(10), **GPU_SETTINGS)
 @given(m=st.sampled_from([9, 15, 17, 33, 300]), bits=st.sampled_from([4, 8]), gs=st.sampled_from([32, 64, 128]),
        dtype=st.sampled_from(["bfloat16", "float32"]), seed=st.integers(0, 2**31 - 1))
 def test_linear_large_m_paths(m, bits, gs, dtype, seed):

@@ -168,6 +168,7 @@ _BODY = r"""
 #pragma unroll
   for (int i = 0; i < (RT + 3) / 4; ++i)
     if (warp + 4 * i < RT && lane == 0) { al[warp + 4 * i] = l_run[i]; mr[warp + 4 * i] = m_run[i]; }
+  BARRIER;  // al / mr are read by other lanes below (no merge-loop barrier when NKG == 1)
   // merge the key groups' partial P.V through qs (no longer needed)
   for (int gi = NKG - 1; gi > 0; --gi) {
     if (kg == gi)
@@ -288,6 +289,19 @@ def plan(layout: SeqLayout, nKV: int, rep: int, splits: int | None = None) -> tu
     return ns, cs, nqt, tpt
 
 
+_CONSTS: dict = {}
+
+
+def _consts(ns: int, cs: int, nqt: int, scale: float) -> tuple[mx.array, mx.array]:
+    """Small parameter arrays, made once per distinct value (every layer of a step shares them)."""
+    key = (ns, cs, nqt, scale)
+    if key not in _CONSTS:
+        if len(_CONSTS) > 4096:
+            _CONSTS.clear()
+        _CONSTS[key] = (mx.array([ns, cs, nqt], dtype=mx.int32), mx.array([scale], dtype=mx.float32))
+    return _CONSTS[key]
+
+
 def paged_attention_gpu(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate=None, splits=None):
     """q [T, nH, hd] -> [T, nH, hd]; gate [T, nH*hd] (optional) multiplies by sigmoid(gate)."""
     T, nH, hd = q.shape
@@ -299,8 +313,7 @@ def paged_attention_gpu(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate
     if rep > 16:
         return None
     ns, cs, nqt, tpt = plan(layout, nKV, rep, splits)
-    prm = mx.array([ns, cs, nqt], dtype=mx.int32)
-    sc = mx.array([scale], dtype=mx.float32)
+    prm, sc = _consts(ns, cs, nqt, scale)
     arrays = [q, k_pool, v_pool, layout.array("block_tables"), layout.array("kv_valid"),
               layout.array("query_start_loc"), prm, sc]
     tmpl = [("TQ", q.dtype), ("TV", v_pool.dtype), ("KK", _KIND[k_pool.dtype]), ("HD", hd), ("REP", rep),
