@@ -108,11 +108,12 @@ _BODY = r"""
       }
 #pragma unroll
       for (int r = 0; r < RT; ++r) {
-        float s = 0.0f;
+        float s4[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // 4 independent FMA chains instead of one of length HD/4
 #pragma unroll
         for (int i = 0; i < NV; ++i)
 #pragma unroll
-          for (int e = 0; e < EPV; ++e) s += kf[i * EPV + e] * qs[r * HD + (part + 4 * i) * EPV + e];
+          for (int e = 0; e < EPV; ++e) s4[e & 3] += kf[i * EPV + e] * qs[r * HD + (part + 4 * i) * EPV + e];
+        float s = (s4[0] + s4[1]) + (s4[2] + s4[3]);
         s += SIMD_SHUFFLE_XOR(s, 1);
         s += SIMD_SHUFFLE_XOR(s, 2);
         if (part == 0) sp[r * 32 + ck] = s;
@@ -202,25 +203,44 @@ _WRITE_SPLIT = r"""const size_t prow = (size_t)split * T * nH + row;
         for (int i = 0; i < DPT; ++i) po[prow * HD + dc + i] = acc[r][i];
         if (dc == 0) { pm[prow] = mr[r]; pl[prow] = al[r]; }"""
 
-# Merge of the splits: one threadgroup of 64 lanes per (token, head); skipped splits have m = -inf.
+# Merge of the splits: one threadgroup of 128 lanes per (token, head). The split weights
+# exp(m_s - max) / sum go to threadgroup memory once; then each lane sums its hd columns over the splits
+# with independent loads in flight (a serial loop over splits was latency-bound at 100+ splits).
+MAX_SPLITS = 1024
 _MERGE = r"""
+  SHARED float ws[MAX_SPLITS];
+  SHARED float red[4];
   const int T = q_shape[0];
   const int nH = q_shape[1];
   const int NS = prm[0];
   const size_t row = TGID_X;
-  float mx_ = PA_NEG_INF;
-  for (int s = 0; s < NS; ++s) mx_ = max(mx_, pm[(size_t)s * T * nH + row]);
-  float wsum = 0.0f;
-  for (int s = 0; s < NS; ++s) {
-    const float m = pm[(size_t)s * T * nH + row];
-    if (m != PA_NEG_INF) wsum += EXP(m - mx_) * pl[(size_t)s * T * nH + row];
+  const size_t stride = (size_t)T * nH;
+  const int tid = TID_X;
+  float mloc = PA_NEG_INF;
+  for (int s = tid; s < NS; s += 128) mloc = max(mloc, pm[s * stride + row]);
+  mloc = SIMD_MAX(mloc);
+  if (LANE == 0) red[SIMD_ID] = mloc;
+  BARRIER;
+  const float mx_ = max(max(red[0], red[1]), max(red[2], red[3]));
+  BARRIER;
+  float wloc = 0.0f;
+  for (int s = tid; s < NS; s += 128) {
+    const float m = pm[s * stride + row];
+    const float w = m == PA_NEG_INF ? 0.0f : EXP(m - mx_);
+    ws[s] = w;
+    wloc += w * pl[s * stride + row];
   }
+  wloc = SIMD_SUM(wloc);
+  if (LANE == 0) red[SIMD_ID] = wloc;
+  BARRIER;
+  const float wsum = (red[0] + red[1]) + (red[2] + red[3]);
   const float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
-  for (int d = TID_X; d < HD; d += 64) {
+  for (int d = tid; d < HD; d += 128) {
     float o = 0.0f;
+#pragma unroll 8
     for (int s = 0; s < NS; ++s) {
-      const float m = pm[(size_t)s * T * nH + row];
-      if (m != PA_NEG_INF) o += EXP(m - mx_) * po[((size_t)s * T * nH + row) * HD + d];
+      const float w = ws[s];
+      if (w != 0.0f) o += w * po[(s * stride + row) * HD + d];  // skipped splits were never written
     }
     o *= inv;
     GATE_MERGE
@@ -260,7 +280,7 @@ def _merge_kernel(gate: bool):
                             + ([(mx.bfloat16, (4, 4096))] if gate else []),
                             outputs=[mx.bfloat16], template=[("TQ", mx.bfloat16), ("HD", 256)])]
         _K[key] = portable_kernel(name=f"mtl_paged_attn_merge_g{int(gate)}", input_names=ins, examples=ex,
-                                  output_names=["out"], header=_HEADER, body=_MERGE.replace(
+                                  output_names=["out"], header=_HEADER, body=_MERGE.replace("MAX_SPLITS", str(MAX_SPLITS)).replace(
             "GATE_MERGE", "o = o / (1.0f + EXP(-TO_FLOAT(gate[row * HD + d])));" if gate else ""))
     return _K[key]
 
@@ -284,6 +304,7 @@ def plan(layout: SeqLayout, nKV: int, rep: int, splits: int | None = None) -> tu
     ns = max(1, min(math.ceil(lmax / MIN_SPLIT_KEYS), math.ceil(TARGET_GROUPS / work)))
     if splits is not None:  # tests and benchmarks force the split path
         ns = min(splits, lmax)
+    ns = min(ns, MAX_SPLITS)
     cs = (math.ceil(lmax / ns) + 31) // 32 * 32
     ns = math.ceil(lmax / cs)
     return ns, cs, nqt, tpt
@@ -333,7 +354,7 @@ def paged_attention_gpu(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate
         template=tmpl, init_value=POISON)
     return _merge_kernel(gate is not None)(
         be, inputs=[q, po, pm, pl, prm] + ([gate] if gate is not None else []), output_shapes=[(T, nH, hd)],
-        output_dtypes=[q.dtype], grid=(T * nH * 64, 1, 1), threadgroup=(64, 1, 1),
+        output_dtypes=[q.dtype], grid=(T * nH * 128, 1, 1), threadgroup=(128, 1, 1),
         template=[("TQ", q.dtype), ("HD", hd)], init_value=POISON)[0]
 
 
