@@ -20,6 +20,8 @@ from .portable import KernelExample, portable_kernel
 from .seqs import SeqLayout
 
 CHUNK_MIN_T = 16  # a batch whose longest segment exceeds this runs the chunk kernel
+CHUNK_TPR = 4  # lanes per state row in the chunk kernel (threadgroup = C * CHUNK_TPR)
+_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 _LIMITS = {"cuda": (32, 48 * 1024), "metal": (16, 32 * 1024)}  # (chunk, static shared bytes)
 
 
@@ -224,7 +226,8 @@ for (int c0 = t0; c0 < t1; c0 += C) {
     gam[tid] = acc;
   }
   BARRIER;
-  // 2. k_i.k_r -> A[i][r], and X[i][r] from k_i.S_r
+  // 2. k_i.k_r -> A[i][r], and X[i][r] from k_i.S_r (unrolled: iterations are independent)
+#pragma unroll 4
   for (int i = 0; i < C; ++i) {
     float kk = 0.0f, ks = 0.0f;
     for (int e = 0; e < NE; ++e) {
@@ -256,6 +259,7 @@ for (int c0 = t0; c0 < t1; c0 += C) {
   }
   BARRIER;
   // 4. q_i.k_r -> M[i][r] (j = r <= i), and the inter-chunk output e^{g_i} q_i.S_r -> As[i][r]
+#pragma unroll 4
   for (int i = 0; i < C; ++i) {
     float qk = 0.0f, qs = 0.0f;
     for (int e = 0; e < NE; ++e) {
@@ -282,6 +286,7 @@ for (int c0 = t0; c0 < t1; c0 += C) {
   const float gl = gam[C - 1];
   const float dl = EXP(gl);
   for (int e = 0; e < NE; ++e) s[e] *= dl;
+#pragma unroll 4
   for (int j = 0; j < n; ++j) {
     const float w = EXP(gl - gam[j]) * Xs[j * (C + 1) + r];
     for (int e = 0; e < NE; ++e) s[e] += w * Ks[j * DK + ((e / 4) * TPR + p) * 4 + e % 4];
@@ -315,21 +320,18 @@ def run_gdn(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, *, can
     B = layout.num_seqs
     if backend is None or T == 0 or B == 0 or state_pool.dtype != mx.float32 or Hv % Hk:
         return None
-    if v.dtype not in (mx.float32, mx.float16, mx.bfloat16) or _tpr(dk) == 0:
+    if v.dtype not in _FLOATS or _tpr(dk) == 0:
         return None
     dt = v.dtype
-    q, k = q.astype(dt), k.astype(dt)
-    gdt = a.dtype if a.dtype in (mx.float32, mx.float16, mx.bfloat16) else mx.float32
-    a, b = a.astype(gdt), b.astype(gdt)
-    pdt = A_log.dtype if A_log.dtype in (mx.float32, mx.float16, mx.bfloat16) else mx.float32
-    A_log, dt_bias = A_log.astype(pdt), dt_bias.astype(pdt)
+    q, k = (x if x.dtype == dt else x.astype(dt) for x in (q, k))
+    a, b, A_log, dt_bias = (x if x.dtype in _FLOATS else x.astype(mx.float32) for x in (a, b, A_log, dt_bias))
     longest = max(layout.q_len(i) for i in range(B))
     C = _chunk_fits(backend, dk)
     use_chunk = (longest > CHUNK_MIN_T if chunk is None else chunk) and C and not candidates
     if chunk and not use_chunk:
         return None
-    tpr = 4 if use_chunk else (tpr or _tpr(dk))
-    if dk % (4 * tpr) or tpr > 32:
+    tpr = tpr or (CHUNK_TPR if use_chunk else _tpr(dk))
+    if dk % (4 * tpr) or tpr > (8 if use_chunk else 32):
         return None
     bv = C if use_chunk else 128 // tpr
     kern = CHUNK if use_chunk else (RECURRENT_CAND if candidates else RECURRENT)
