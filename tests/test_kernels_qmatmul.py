@@ -91,7 +91,7 @@ def test_selection_table_covers_every_qmv_variant():
             R, U = selection.qmv_config(mt, 4096, bits)
             assert R >= 1 and U >= 1
             assert selection.qmv_config(mt, 4096, bits, swiglu=True)[0] >= 1
-    assert selection.SELECT["qmv_max_rows"] == 8  # the kernel's MT variants stop at 8
+    assert selection.SELECT["qmv_max_rows"] <= 8  # the kernel's MT variants stop at 8
 
 
 # ---------------------------------------------------------------- GPU: kernels against references
@@ -119,12 +119,13 @@ def test_qmv_matches_reference(m, kg, n, bits, gs, dtype, seed):
     k = kg * gs
     p = make_params(rng, 2 * n + 1, k, bits, gs, dt)  # odd N: a row tail in the last threadgroup
     x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dt)
-    y = qm.linear_kernel(x, p)
-    assert y is not None and y.shape == (m, 2 * n + 1) and y.dtype == dt
+    y = qm.qmv(x, [p])[0]  # the kernel itself, also at M=8 where the dispatcher prefers MLX's GEMM
+    assert y.shape == (m, 2 * n + 1) and y.dtype == dt
     assert rel_err(y, ref32(x, p)) < TOL[dt]
-    with mx.stream(mx.cpu):
-        want = np.array(linear_ref(x, p).astype(mx.float32))
-    assert rel_err(y, want) < TOL[dt]
+    if dt == mx.float32:  # MLX's own CPU qmm accumulates 16-bit inputs loosely (~3e-2 seen): fp32 only
+        with mx.stream(mx.cpu):
+            want = np.array(linear_ref(x, p).astype(mx.float32))
+        assert rel_err(y, want) < TOL[dt]
 
 
 @pytest.mark.gpu
@@ -138,12 +139,12 @@ def test_linear_multi_and_swiglu_match_reference(m, kg, n, bits, gs, dtype, seed
     k = kg * gs
     ps = [make_params(rng, n + 7 * i, k, bits, gs, dt) for i in range(nproj)]  # unequal N per projection
     x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dt)
-    ys = qm.linear_multi_kernel(x, ps)
-    assert ys is not None and len(ys) == nproj
+    ys = qm.qmv(x, ps)
+    assert len(ys) == nproj
     for y, p in zip(ys, ps):
         assert rel_err(y, ref32(x, p)) < TOL[dt]
     up = make_params(rng, n, k, bits, gs, dt)
-    y = qm.swiglu_linear_kernel(x, ps[0], up)
+    y = qm.qmv(x, [ps[0], up], epi=1)[0]
     g, u = ref32(x, ps[0]), ref32(x, up)
     assert rel_err(y, g / (1 + np.exp(-g)) * u) < TOL[dt]
 

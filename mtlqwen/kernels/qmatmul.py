@@ -241,7 +241,7 @@ def qmv(x: mx.array, ps: list[LinearParams], epi: int = 0, cfg: tuple[int, int] 
     M, K = x.shape
     p0 = ps[0]
     mt = _mt(M)
-    R, U = cfg if cfg is not None else qmv_config(mt, K, p0.bits, swiglu=epi == 1)
+    R, U = cfg if cfg is not None else qmv_config(mt, K, p0.bits, swiglu=epi == 1, N=p0.out_features)
     if epi == 1:
         R *= 2  # gate and up rows share the activation loads
     rp = R // 2 if epi == 1 else R
@@ -272,7 +272,7 @@ def _flat(x: mx.array) -> tuple[mx.array, tuple]:
 
 
 def _big_m(x2: mx.array, p: LinearParams) -> mx.array:
-    """More than 8 rows: MLX's quantized GEMM or dequantize + bf16 GEMM, whichever the table says."""
+    """More rows than qmv takes: MLX's quantized GEMM (None: the reference) or dequantize + GEMM."""
     M = x2.shape[0]
     if SELECT["dequant_gemm_min_rows"] <= M and x2.dtype in (mx.bfloat16, mx.float16):
         return x2 @ p.dequantized().astype(x2.dtype).T
@@ -299,7 +299,7 @@ def linear_kernel(x: mx.array, p: LinearParams):
 @register_kernel("linear_multi")
 def linear_multi_kernel(x: mx.array, ps: list[LinearParams]):
     x2, lead = _flat(x)
-    if x2.shape[0] > 8 or len(ps) > 4 or not qmv_supported(x2, ps):
+    if x2.shape[0] > SELECT["qmv_max_rows"] or len(ps) > 4 or not qmv_supported(x2, ps):
         return None
     return [y.reshape(*lead, p.out_features) for y, p in zip(qmv(x2, ps), ps)]
 
@@ -307,6 +307,7 @@ def linear_multi_kernel(x: mx.array, ps: list[LinearParams]):
 @register_kernel("swiglu_linear")
 def swiglu_linear_kernel(x: mx.array, gate: LinearParams, up: LinearParams):
     x2, lead = _flat(x)
-    if x2.shape[0] > 8 or gate.out_features != up.out_features or not qmv_supported(x2, [gate, up]):
+    if (x2.shape[0] > SELECT["qmv_max_rows"] or gate.out_features != up.out_features
+            or not qmv_supported(x2, [gate, up])):
         return None
     return qmv(x2, [gate, up], epi=1)[0].reshape(*lead, gate.out_features)

@@ -7,27 +7,30 @@ markdown beside it records the runs. Change a row only with a measurement that j
 from __future__ import annotations
 
 SELECT: dict[str, int] = {
-    # M <= 8: our qmv kernel (K split across lanes, 16-byte loads). MLX's own qmv reaches ~0.5-0.7 TB/s
-    # at M=1 (anchors.md); the kernel is bandwidth- or issue-bound well above that up to 8 rows.
-    "qmv_max_rows": 8,
-    # 9..qmv_loop_max_rows rows: one qmv launch per 8 rows. Each launch re-reads the weights, so this
-    # only pays while MLX's tensor-core GEMM (qmm_sm80) costs more than that; M=16 is the DFlash-verify
-    # size. Set from the M=16 column of the benchmark.
-    "qmv_loop_max_rows": 16,
-    # From this many rows on: dequantize to the activation dtype, then MLX's bf16 GEMM (cuBLAS). The
-    # dequantize pass (~4x the weight bytes written) is paid once per step; anchors measured MLX's
-    # quantized GEMM ~4x slower than the bf16 GEMM at M=2048. Between the two limits MLX's qmm runs.
-    "dequant_gemm_min_rows": 256,
+    # M <= 7: our qmv kernel. Measured 2026-11-30 (benchmarks/kernels_qmatmul_attn.md): at M=1 it beats
+    # MLX's qmv by 1.2-1.8x (lm_head 340 vs 603 us), at M=2/4 by 1.5-2.7x (MLX's qmv re-reads the
+    # weights per row); at M=8 MLX switches to its tensor-core GEMM (qmm_sm80), which beats our FMA
+    # kernel 2.4x (25 vs 62 us, qkv 8192x4096), so 8 rows go to MLX.
+    "qmv_max_rows": 7,
+    # One qmv launch per 8 rows past that: disabled (0). At M=16 MLX's qmm took 15-41 us, qmv per 8
+    # rows 71-207 us.
+    "qmv_loop_max_rows": 0,
+    # From this many rows on: dequantize to the activation dtype, then MLX's bf16 GEMM (cuBLAS). At
+    # M=2048 it is 3.7-4.1x faster than MLX's qmm (151 vs 560 us, 4096x4096); at M=128 slower (68 vs
+    # 46 us): MLX's dequantize costs ~65 us per 4096x4096. The crossover, interpolated linearly
+    # between the two measured sizes, lies near 300 rows (not measured there).
+    "dequant_gemm_min_rows": 320,
 }
 
-# (MT, bits) -> (R weight rows per SIMD group, U chunks in flight per lane and row). Large U keeps
-# enough bytes in flight at M=1 (one wave of the H200 needs ~25 KB per SM); at larger MT the per-row
-# accumulators cost registers, so R grows (more reuse of each x load) and U shrinks.
+# (MT, bits) -> (R weight rows per SIMD group, U chunks in flight per lane and row). R amortises each
+# activation load over R rows; U keeps loads in flight. Swept at M=1 / 8 on 4096x4096, 12288x4096 and
+# 4096x12288 (4-bit): M=1 best R=4 (U=4 for N <= 4096: 13.4 us; U=2 for larger N: 25 us vs 28-30),
+# M=8 best R=4..8, U=1. MT=2/4 and 8-bit: not swept, R=4 U=1-2 by the same reasoning.
 QMV_BLOCKING: dict[tuple[int, int], tuple[int, int]] = {
-    (1, 4): (2, 4),
-    (1, 8): (2, 4),
-    (2, 4): (2, 2),
-    (2, 8): (2, 2),
+    (1, 4): (4, 2),
+    (1, 8): (4, 2),
+    (2, 4): (4, 2),
+    (2, 8): (4, 2),
     (4, 4): (4, 1),
     (4, 8): (4, 1),
     (8, 4): (4, 1),
@@ -35,10 +38,12 @@ QMV_BLOCKING: dict[tuple[int, int], tuple[int, int]] = {
 }
 
 
-def qmv_config(mt: int, K: int, bits: int, swiglu: bool = False) -> tuple[int, int]:
-    """(R, U) for a qmv launch; SwiGLU doubles R (gate + up rows), so it starts from half at MT >= 4
-    to keep the accumulators in registers."""
+def qmv_config(mt: int, K: int, bits: int, swiglu: bool = False, N: int = 0) -> tuple[int, int]:
+    """(R, U) for a qmv launch; SwiGLU doubles R (gate + up rows), so it starts from half at MT >= 2
+    to keep the accumulators in registers. Small N at M=1: more loads in flight per lane (U=4)."""
     R, U = QMV_BLOCKING[(mt, bits)]
-    if swiglu and mt >= 4:
+    if mt == 1 and 0 < N <= 4096:
+        U = 4
+    if swiglu and mt >= 2:
         R = max(1, R // 2)
     return R, U
