@@ -19,7 +19,10 @@ from .backend import gpu_backend, register_kernel
 from .portable import KernelExample, portable_kernel
 from .seqs import SeqLayout
 
-CHUNK_MIN_T = 16  # a batch whose longest segment exceeds this runs the chunk kernel
+# A batch whose longest segment exceeds this runs the chunk kernel. H200, Qwen3.5-9B GDN shape, B=1:
+# the recurrence is faster at T = 16..64, the chunk kernel ~10% at T = 128, within 5% at T = 4096
+# (benchmarks/kernels_gdn.md).
+CHUNK_MIN_T = 64
 CHUNK_TPR = 4  # lanes per state row in the chunk kernel (threadgroup = C * CHUNK_TPR)
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 _LIMITS = {"cuda": (32, 48 * 1024), "metal": (16, 32 * 1024)}  # (chunk, static shared bytes)
