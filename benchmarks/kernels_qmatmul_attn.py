@@ -83,7 +83,8 @@ def bench_qmm(rng, quick: bool, rows: list) -> None:
             cands = {"mlx_qmm": lambda x, p: mx.quantized_matmul(x, p.weight, p.scales, p.biases, transpose=True,
                                                                   group_size=p.group_size, bits=p.bits)}
             if m <= 8:
-                cands["ours_qmv"] = lambda x, p: qm.qmv(x, [p])[0]
+                cands["ours_qmv"] = lambda x, p: qm.qmv(x, [p], mma=False)[0]
+                cands["ours_mma"] = lambda x, p: qm.qmv(x, [p], mma=True)[0]
             elif m <= 16:
                 cands["qmv_per8"] = lambda x, p: mx.concatenate([qm.qmv(x[i:i + 8], [p])[0] for i in range(0, m, 8)])
             if m >= 16:
@@ -98,13 +99,14 @@ def bench_qmm(rng, quick: bool, rows: list) -> None:
         del ps
 
 
-def bench_stacked(rng, rows: list) -> None:
+def bench_stacked(rng, quick: bool, rows: list) -> None:
     """One launch over 48 stacked 4096x4096 (and 16 stacked 12288x4096) matrices: steady-state GB/s."""
     for name, n, k in [("stacked 48x4096 x4096", 48 * 4096, 4096), ("stacked 4x12288 x12288", 4 * 12288, 12288)]:
         p = quantized(rng, n, k)
-        for m in (1, 2, 4, 8):
+        for m in (1, 8) if quick else (1, 2, 4, 8):
             x = mx.random.normal((m, k)).astype(mx.bfloat16)
-            for cname, f in {"ours_qmv": lambda: qm.qmv(x, [p])[0],
+            for cname, f in {"ours_qmv": lambda: qm.qmv(x, [p], mma=False)[0],
+                             "ours_mma": lambda: qm.qmv(x, [p], mma=True)[0],
                              "mlx_qmm": lambda: mx.quantized_matmul(x, p.weight, p.scales, p.biases,
                                                                     group_size=64, bits=4)}.items():
                 t = timed(lambda: ([f() for _ in range(4)], 4), 7)
@@ -135,7 +137,7 @@ def bench_fused(rng, rows: list) -> None:
     k = 4096
     sets = [[quantized(rng, n, k) for n in (8192, 4096, 32, 32)] for _ in range(24)]
     mlp = [(quantized(rng, 12288, k), quantized(rng, 12288, k)) for _ in range(12)]
-    for m in (1, 4, 8):
+    for m in (1, 8):
         x = mx.random.normal((m, k)).astype(mx.bfloat16)
         variants = {
             "gdn_in sep": lambda i: [qm.qmv(x, [p])[0] for p in sets[i % 24]],
@@ -143,6 +145,7 @@ def bench_fused(rng, rows: list) -> None:
             "mlp sep": lambda i: [(lambda g, u: g * mx.sigmoid(g) * u)(qm.qmv(x, [mlp[i % 12][0]])[0],
                                                                          qm.qmv(x, [mlp[i % 12][1]])[0])],
             "mlp swiglu": lambda i: qm.qmv(x, list(mlp[i % 12]), epi=1),
+            "mlp swiglu fma": lambda i: qm.qmv(x, list(mlp[i % 12]), epi=1, mma=False),
         }
         for cname, f in variants.items():
             t = timed(lambda: ([y for i in range(24) for y in f(i)], 24), 7)
@@ -153,7 +156,7 @@ def bench_fused(rng, rows: list) -> None:
 
 def bench_attention(rng, quick: bool, rows: list) -> None:
     nH, nKV, hd, bt = 16, 4, 256, 128
-    for ctx in (512, 4096) if quick else (512, 4096, 32768):
+    for ctx in (4096, 32768) if quick else (512, 4096, 32768):
         for nseq in (1, 8):
             nblk = math.ceil((ctx + 1) / bt)
             kv_bytes = nseq * (ctx + 1) * nKV * hd * 2 * 2
@@ -202,7 +205,7 @@ def main() -> None:
     if "attn" in only:
         bench_attention(rng, a.quick, rows)
     if "stacked" in only:
-        bench_stacked(rng, rows)
+        bench_stacked(rng, a.quick, rows)
     if "sweep" in only:
         bench_sweep(rng, rows)
     if "fused" in only:

@@ -119,7 +119,7 @@ def test_qmv_matches_reference(m, kg, n, bits, gs, dtype, seed):
     k = kg * gs
     p = make_params(rng, 2 * n + 1, k, bits, gs, dt)  # odd N: a row tail in the last threadgroup
     x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dt)
-    y = qm.qmv(x, [p])[0]  # the kernel itself, also at M=8 where the dispatcher prefers MLX's GEMM
+    y = qm.qmv(x, [p], mma=False)[0]  # the FMA kernel, also at M=8 where the dispatcher prefers MLX
     assert y.shape == (m, 2 * n + 1) and y.dtype == dt
     assert rel_err(y, ref32(x, p)) < TOL[dt]
     if dt == mx.float32:  # MLX's own CPU qmm accumulates 16-bit inputs loosely (~3e-2 seen): fp32 only
@@ -139,12 +139,12 @@ def test_linear_multi_and_swiglu_match_reference(m, kg, n, bits, gs, dtype, seed
     k = kg * gs
     ps = [make_params(rng, n + 7 * i, k, bits, gs, dt) for i in range(nproj)]  # unequal N per projection
     x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dt)
-    ys = qm.qmv(x, ps)
+    ys = qm.qmv(x, ps, mma=False)
     assert len(ys) == nproj
     for y, p in zip(ys, ps):
         assert rel_err(y, ref32(x, p)) < TOL[dt]
     up = make_params(rng, n, k, bits, gs, dt)
-    y = qm.qmv(x, [ps[0], up], epi=1)[0]
+    y = qm.qmv(x, [ps[0], up], epi=1, mma=False)[0]
     g, u = ref32(x, ps[0]), ref32(x, up)
     assert rel_err(y, g / (1 + np.exp(-g)) * u) < TOL[dt]
 
@@ -163,3 +163,27 @@ def test_linear_large_m_paths(m, bits, gs, dtype, seed):
     p = make_params(rng, 96, 4 * gs, bits, gs, dt)
     x = mx.array(rng.standard_normal((m, 4 * gs)).astype(np.float32)).astype(dt)
     assert rel_err(linear(x, p), ref32(x, p)) < TOL[dt]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@settings(max_examples=n_examples(24), **GPU_SETTINGS)
+@given(m=st.integers(1, 8), kg=st.integers(1, 12), n=st.integers(1, 70), gs=st.sampled_from([32, 64, 128]),
+       dtype=st.sampled_from(["bfloat16", "float16"]), nproj=st.integers(1, 3), seed=st.integers(0, 2**31 - 1))
+def test_qmv_mma_matches_reference(m, kg, n, gs, dtype, nproj, seed):
+    """The CUDA tensor-core variant (4-bit, 16-bit activations): plain, several projections, SwiGLU."""
+    qm = _poisoned()
+    if backend.gpu_backend() != "cuda":
+        pytest.skip("the mma variant is CUDA-only")
+    dt = DTYPES[dtype]
+    rng = np.random.default_rng(seed)
+    k = kg * gs
+    ps = [make_params(rng, 2 * n + 1 + 5 * i, k, 4, gs, dt) for i in range(nproj)]
+    x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dt)
+    for y, p in zip(qm.qmv(x, ps, mma=True), ps):
+        assert y.shape == (m, p.out_features) and y.dtype == dt
+        assert rel_err(y, ref32(x, p)) < TOL[dt]
+    up = make_params(rng, 2 * n + 1, k, 4, gs, dt)
+    y = qm.qmv(x, [ps[0], up], epi=1, mma=True)[0]
+    g, u = ref32(x, ps[0]), ref32(x, up)
+    assert rel_err(y, g / (1 + np.exp(-g)) * u) < TOL[dt]

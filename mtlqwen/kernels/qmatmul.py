@@ -58,6 +58,7 @@ _BODY = r"""
   constexpr int XB = XK == 0 ? 4 : 2;     // activation bytes
   constexpr int XW = EPW * XB / 4;        // activation uint32 words per weight word (2, 4 or 1, 2)
   constexpr int RP = EPI == 1 ? R / 2 : R;  // output rows per SIMD group
+  constexpr int RB = 4 * RP;                // output rows per threadgroup
   const int M = x_shape[0];
   const int K = x_shape[1];
   const int NC = K / CE;                  // chunks per row
@@ -158,13 +159,142 @@ _BODY = r"""
 """
 
 
+# CUDA variant on tensor cores (mma.sync m16n8k16, fp32 accumulate), 4-bit only, bf16/fp16 x, M <= 8.
+# A SIMD group owns 16 weight rows (EPI 1: 8 gate rows over 8 up rows) and every NW-th group of GS
+# columns; a quad of lanes (t = lane & 3) covers one group of rows g = lane >> 2 and g+8, so each mma's
+# k-reduction stays inside one quantization group. Weights become 16-bit pairs (OFF+q) with one LOP3
+# per two weights; x (token g of the B fragment) is loaded per lane for the same columns and paired with
+# PRMT. A second mma against ones gives sum(x) per group for the fold y += s*C + (b - OFF*s)*sum(x).
+_MMA_BODY = r"""
+  constexpr int WPT = GS / 32;            // weight words per lane per row and group
+  constexpr uint32_t MAGIC2 = XK == 1 ? 0x43004300u : 0x64006400u;  // bf16 128+q / fp16 1024+q pairs
+  constexpr uint32_t ONES2 = XK == 1 ? 0x3F803F80u : 0x3C003C00u;
+  constexpr float OFF = XK == 1 ? 128.0f : 1024.0f;
+  constexpr int RB = EPI == 1 ? 8 : 16;
+  __shared__ float red[NW][32][4];
+  const int M = x_shape[0];
+  const int K = x_shape[1];
+  const int NG = K / GS;
+  const int KW = K / 8;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  int blk = blockIdx.x;
+  int p = 0;
+  PROJ_SELECT
+  const int n0 = blk * RB;
+  const int rowA = min(n0 + g, N - 1);
+  const int rowB = EPI == 1 ? rowA : min(n0 + g + 8, N - 1);
+  MMA_PTRS
+  const bool xon = g < M;
+  const uint32_t* xrow = (const uint32_t*)(x + (size_t)(xon ? g : 0) * K);
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int gi0 = warp; gi0 < NG; gi0 += NW * UG) {
+    uint32_t wa[UG][WPT], wb[UG][WPT];
+    uint4 xv[UG][WPT];
+    float sa[UG], sb[UG], ba[UG], bb[UG];
+#pragma unroll
+    for (int u = 0; u < UG; ++u) {
+      const int gi = min(gi0 + NW * u, NG - 1);
+      const int w0i = gi * (GS / 8) + t * WPT;       // first word of this lane in the group
+#pragma unroll
+      for (int i = 0; i < WPT; ++i) { wa[u][i] = WA[(size_t)rowA * KW + w0i + i]; wb[u][i] = WB[(size_t)rowB * KW + w0i + i]; }
+#pragma unroll
+      for (int i = 0; i < WPT; ++i)
+        xv[u][i] = xon ? ((const uint4*)(xrow + (size_t)(w0i + i) * 4))[0] : make_uint4(0u, 0u, 0u, 0u);
+      sa[u] = pl_to_float(SA[(size_t)rowA * NG + gi]); ba[u] = pl_to_float(BA[(size_t)rowA * NG + gi]);
+      sb[u] = pl_to_float(SB[(size_t)rowB * NG + gi]); bb[u] = pl_to_float(BB[(size_t)rowB * NG + gi]);
+    }
+#pragma unroll
+    for (int u = 0; u < UG; ++u) {
+      if (gi0 + NW * u < NG) {
+        float cg[4] = {0.f, 0.f, 0.f, 0.f}, cx[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < WPT; ++i) {
+          const uint32_t xw[4] = {xv[u][i].x, xv[u][i].y, xv[u][i].z, xv[u][i].w};
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {
+            const uint32_t a0 = ((wa[u][i] >> (8 * jj)) & 0x000F000Fu) | MAGIC2;
+            const uint32_t a1 = ((wb[u][i] >> (8 * jj)) & 0x000F000Fu) | MAGIC2;
+            const uint32_t a2 = ((wa[u][i] >> (8 * jj + 4)) & 0x000F000Fu) | MAGIC2;
+            const uint32_t a3 = ((wb[u][i] >> (8 * jj + 4)) & 0x000F000Fu) | MAGIC2;
+            const uint32_t b0r = __byte_perm(xw[jj], xw[jj + 2], 0x5410);
+            const uint32_t b1r = __byte_perm(xw[jj], xw[jj + 2], 0x7632);
+            qm_mma<XK>(cg, a0, a1, a2, a3, b0r, b1r);
+            qm_mma<XK>(cx, ONES2, ONES2, ONES2, ONES2, b0r, b1r);
+          }
+        }
+        acc[0] += sa[u] * cg[0] + (ba[u] - OFF * sa[u]) * cx[0];
+        acc[1] += sa[u] * cg[1] + (ba[u] - OFF * sa[u]) * cx[1];
+        acc[2] += sb[u] * cg[2] + (bb[u] - OFF * sb[u]) * cx[2];
+        acc[3] += sb[u] * cg[3] + (bb[u] - OFF * sb[u]) * cx[3];
+      }
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c) red[warp][lane][c] = acc[c];
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) v += red[w][lane][c];
+      acc[c] = v;
+    }
+    const int na = n0 + g;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int m = 2 * t + c;
+      if (m < M && na < N) {
+        MMA_WRITE
+      }
+    }
+  }
+"""
+
+_MMA_HEADER = r"""
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+template <int XK>
+__device__ __forceinline__ void qm_mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                       uint32_t b0, uint32_t b1) {
+  if constexpr (XK == 1)
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+#endif
+"""
+
+
+def _mma_ptrs(P: int, epi: int) -> str:
+    """Row g of the tile reads (WA, SA, BA), row g+8 reads (WB, SB, BB): gate / up under SwiGLU."""
+    if epi == 1:
+        return ("const uint32_t* WA = w0; const uint32_t* WB = w1; const T* SA = s0; const T* SB = s1;"
+                " const T* BA = b0; const T* BB = b1;")
+    w, sc, b = (_ptr_select(c, P) for c in "wsb")
+    return (f"const uint32_t* WA = {w}; const uint32_t* WB = WA; const T* SA = {sc}; const T* SB = SA;"
+            f" const T* BA = {b}; const T* BB = BA;")
+
+
+def _mma_write(P: int, epi: int) -> str:
+    if epi == 1:
+        return "y0[(size_t)m * N + na] = pl_from_float<T>(qm_silu(acc[c]) * acc[c + 2]);"
+    y = _ptr_select("y", P)
+    return (f"T* Y = {y}; Y[(size_t)m * N + na] = pl_from_float<T>(acc[c]);\n"
+            "        if (na + 8 < N) Y[(size_t)m * N + na + 8] = pl_from_float<T>(acc[c + 2]);")
+
+
 def _proj_select(P: int, epi: int) -> str:
     """Code that maps the threadgroup to (p, blk within p) and binds N."""
     if epi == 1:
         return "  const int N = w0_shape[0];\n"
     lines = [f"  const int N{i} = w{i}_shape[0];" for i in range(P)]
     for i in range(P - 1):
-        lines.append(f"  if (p == {i} && blk >= (N{i} + 4 * RP - 1) / (4 * RP)) {{ blk -= (N{i} + 4 * RP - 1) / (4 * RP); p = {i + 1}; }}")
+        lines.append(f"  if (p == {i} && blk >= (N{i} + RB - 1) / RB) {{ blk -= (N{i} + RB - 1) / RB; p = {i + 1}; }}")
     sel = " : ".join(f"(p == {i} ? N{i}" for i in range(P - 1))
     lines.append(f"  const int N = {sel + ' : ' if P > 1 else ''}N{P - 1}{')' * (P - 1)};")
     return "\n".join(lines) + "\n"
@@ -210,6 +340,19 @@ def _kernel(P: int, epi: int):
     return _KERNELS[key]
 
 
+def _mma_kernel(P: int, epi: int):
+    """The tensor-core variant; its portable body (Metal, compile check) is the FMA kernel's."""
+    key = ("mma", P, epi)
+    if key not in _KERNELS:
+        port = _kernel(P, epi)
+        cuda = (_MMA_BODY.replace("PROJ_SELECT", _proj_select(P, epi)).replace("MMA_WRITE", _mma_write(P, epi))
+                .replace("MMA_PTRS", _mma_ptrs(P, epi)))
+        _KERNELS[key] = portable_kernel(
+            name=f"mtl_qmv_mma_p{P}_e{epi}", input_names=port.input_names, output_names=port.output_names,
+            body=port.body, cuda_body=cuda, header=_HEADER + _MMA_HEADER, examples=port.examples)
+    return _KERNELS[key]
+
+
 def _example(P: int, epi: int, dt, bits: int) -> KernelExample:
     """A Qwen3.5-9B-like call (K=4096, g64) for the Metal compile check."""
     wq = [(mx.uint32, (4096, 4096 * bits // 32)), (dt, (4096, 64)), (dt, (4096, 64))]
@@ -235,11 +378,16 @@ def qmv_supported(x: mx.array, ps: list[LinearParams]) -> bool:
     )
 
 
-def qmv(x: mx.array, ps: list[LinearParams], epi: int = 0, cfg: tuple[int, int] | None = None) -> list[mx.array]:
+def qmv(x: mx.array, ps: list[LinearParams], epi: int = 0, cfg: tuple[int, int] | None = None,
+        mma: bool | None = None) -> list[mx.array]:
     """x [M, K], M <= 8 -> [y_p [M, N_p]] (epi 0) or [silu(x W_0^T) * (x W_1^T)] (epi 1).
-    `cfg` = (R, U) overrides the selection table (benchmarks sweep it)."""
+    `cfg` = (R, U) overrides the FMA kernel's blocking; `mma` forces / forbids the tensor-core variant."""
     M, K = x.shape
     p0 = ps[0]
+    if mma is None:
+        mma = bool(SELECT["qmv_mma"]) and cfg is None
+    if mma and gpu_backend() == "cuda" and p0.bits == 4 and x.dtype in (mx.bfloat16, mx.float16):
+        return _qmv_mma(x, ps, epi)
     mt = _mt(M)
     R, U = cfg if cfg is not None else qmv_config(mt, K, p0.bits, swiglu=epi == 1, N=p0.out_features)
     if epi == 1:
@@ -266,6 +414,23 @@ def qmv(x: mx.array, ps: list[LinearParams], epi: int = 0, cfg: tuple[int, int] 
     )
 
 
+def _qmv_mma(x: mx.array, ps: list[LinearParams], epi: int) -> list[mx.array]:
+    """Tensor-core qmv: 8 SIMD groups split K, 16 weight rows per threadgroup (8 under SwiGLU)."""
+    M = x.shape[0]
+    p0, dt = ps[0], x.dtype
+    rb = 8 if epi == 1 else 16
+    nblocks = sum((p.out_features + rb - 1) // rb for p in ([p0] if epi == 1 else ps))
+    inputs = [x] + [a for p in ps for a in (p.weight, p.scales, p.biases)]
+    shapes = [(M, p0.out_features)] if epi == 1 else [(M, p.out_features) for p in ps]
+    return _mma_kernel(len(ps), epi)(
+        "cuda", inputs=inputs, output_shapes=shapes, output_dtypes=[dt] * len(shapes),
+        grid=(nblocks * 256, 1, 1), threadgroup=(256, 1, 1),
+        template=[("T", dt), ("XK", _XKIND[dt]), ("GS", p0.group_size), ("UG", 256 // p0.group_size),
+                  ("NW", 8), ("P", len(ps)), ("EPI", epi)],
+        init_value=POISON,
+    )
+
+
 def _flat(x: mx.array) -> tuple[mx.array, tuple]:
     lead = x.shape[:-1]
     return x.reshape(-1, x.shape[-1]), lead
@@ -283,6 +448,7 @@ def _big_m(x2: mx.array, p: LinearParams) -> mx.array:
 
 for _pe in ((1, 0), (2, 0), (3, 0), (2, 1)):  # declared at import so check_metal sees them
     _kernel(*_pe)
+    _mma_kernel(*_pe)
 
 
 @register_kernel("linear")

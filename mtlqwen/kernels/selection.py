@@ -12,6 +12,10 @@ SELECT: dict[str, int] = {
     # weights per row); at M=8 MLX switches to its tensor-core GEMM (qmm_sm80), which beats our FMA
     # kernel 2.4x (25 vs 62 us, qkv 8192x4096), so 8 rows go to MLX.
     "qmv_max_rows": 7,
+    # CUDA, 4-bit, bf16/fp16 x: the tensor-core qmv variant (mma.sync) instead of the FMA kernel. The FMA
+    # kernel is issue-bound at ~1.5 TB/s (M=1) and falls behind MLX's GEMM at M=8; the mma variant
+    # spends ~1-2 instructions per weight for any M <= 8. See the markdown for its measured status.
+    "qmv_mma": 1,
     # One qmv launch per 8 rows past that: disabled (0). At M=16 MLX's qmm took 15-41 us, qmv per 8
     # rows 71-207 us.
     "qmv_loop_max_rows": 0,
