@@ -25,6 +25,8 @@ from ..kernels import (
     rms_norm,
     write_kv,
 )
+from ..kernels.fused_small import add_rms_norm
+from ..kernels.linear_fused import linear_multi, swiglu_linear
 from .cache import ModelCache
 from .config import Qwen35Config
 
@@ -55,9 +57,9 @@ class GDNMixer:
     def __call__(self, x: mx.array, layout: SeqLayout, cache: ModelCache) -> mx.array:
         c, T = self.c, x.shape[0]
         Hk, Hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-        mixed = linear(x, self.in_proj_qkv)  # [T, conv_dim]: q | k | v channels
-        z = linear(x, self.in_proj_z).reshape(T, Hv, dv)
-        b, a = linear(x, self.in_proj_b), linear(x, self.in_proj_a)  # [T, Hv]
+        # one launch for the four projections of x at decode sizes
+        mixed, z, b, a = linear_multi(x, [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        z = z.reshape(T, Hv, dv)  # mixed [T, conv_dim]: q | k | v channels; b, a [T, Hv]
         y, conv_new = causal_conv1d(mixed, self.conv_w, cache.conv_states[self.idx], layout)
         q = y[:, : c.key_dim].reshape(T, Hk, dk)
         k = y[:, c.key_dim : 2 * c.key_dim].reshape(T, Hk, dk)
@@ -84,10 +86,10 @@ class AttentionMixer:
     def __call__(self, x: mx.array, layout: SeqLayout, cache: ModelCache) -> mx.array:
         c, T = self.c, x.shape[0]
         nH, nKV, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qg = linear(x, self.q_proj).reshape(T, nH, 2 * hd)  # per head: query then gate
+        qg, k, v = linear_multi(x, [self.q_proj, self.k_proj, self.v_proj])
+        qg = qg.reshape(T, nH, 2 * hd)  # per head: query then gate
         q, gate = qg[..., :hd], qg[..., hd:].reshape(T, nH * hd)
-        k = linear(x, self.k_proj).reshape(T, nKV, hd)
-        v = linear(x, self.v_proj).reshape(T, nKV, hd)
+        k, v = k.reshape(T, nKV, hd), v.reshape(T, nKV, hd)
         pos = layout.array("positions")
         q = apply_rope(rms_norm(q, self.q_norm, c.rms_norm_eps), pos, self.rope)
         k = apply_rope(rms_norm(k, self.k_norm, c.rms_norm_eps), pos, self.rope)
@@ -104,8 +106,7 @@ class DenseMLP:
         self.down_proj = _lin(w, f"{prefix}.down_proj", c)
 
     def __call__(self, x: mx.array) -> mx.array:
-        g = linear(x, self.gate_proj)
-        return linear(g * mx.sigmoid(g) * linear(x, self.up_proj), self.down_proj)
+        return linear(swiglu_linear(x, self.gate_proj, self.up_proj), self.down_proj)
 
 
 class MoEBlock:
@@ -135,6 +136,9 @@ class MoEBlock:
 
 
 class DecoderLayer:
+    """Pre-norm block. The residual adds are fused with the following norm (this layer's post-attention
+    norm, then the next layer's input norm), so a layer takes and returns (h, normed h)."""
+
     def __init__(self, w, i: int, c: Qwen35Config, mixer):
         p = f"model.layers.{i}"
         self.kind = c.layer_types[i]
@@ -144,9 +148,10 @@ class DecoderLayer:
         self.mlp = MoEBlock(w, f"{p}.mlp", c) if c.is_moe else DenseMLP(w, f"{p}.mlp", c)
         self.eps = c.rms_norm_eps
 
-    def __call__(self, h: mx.array, layout: SeqLayout, cache: ModelCache) -> mx.array:
-        h = h + self.mixer(rms_norm(h, self.input_norm, self.eps), layout, cache)
-        return h + self.mlp(rms_norm(h, self.post_norm, self.eps))
+    def __call__(self, h, x, layout: SeqLayout, cache: ModelCache, next_norm: mx.array):
+        """h: residual stream [T, H]; x: input_layernorm(h). Returns (new h, next_norm(new h))."""
+        h, x = add_rms_norm(h, self.mixer(x, layout, cache), self.post_norm, self.eps)
+        return add_rms_norm(h, self.mlp(x), next_norm, self.eps)
 
 
 class Qwen35Model:
@@ -183,12 +188,15 @@ class Qwen35Model:
         """Final-normed hidden states [T, H] and the residual stream after each layer in `taps`."""
         self.rope.ensure(max(kv + layout.q_len(i) for i, kv in enumerate(layout.kv_valid)))
         h = self.embed.rows(input_ids)
+        x = rms_norm(h, self.layers[0].input_norm, self.config.rms_norm_eps)
         captured = []
+        n = len(self.layers)
         for i, layer in enumerate(self.layers):
-            h = layer(h, layout, cache)
+            nxt = self.layers[i + 1].input_norm if i + 1 < n else self.final_norm
+            h, x = layer(h, x, layout, cache, nxt)
             if i in taps:
                 captured.append(h)
-        return rms_norm(h, self.final_norm, self.config.rms_norm_eps), captured
+        return x, captured
 
     def hidden(self, input_ids: mx.array, layout: SeqLayout, cache: ModelCache) -> mx.array:
         """input_ids [T] -> final-normed hidden states [T, H]; writes KV and GDN state into `cache`."""
