@@ -385,7 +385,7 @@ def qmv(x: mx.array, ps: list[LinearParams], epi: int = 0, cfg: tuple[int, int] 
     M, K = x.shape
     p0 = ps[0]
     if mma is None:
-        mma = bool(SELECT["qmv_mma"]) and cfg is None
+        mma = cfg is None and 0 < SELECT["qmv_mma_min_rows"] <= M
     if mma and gpu_backend() == "cuda" and p0.bits == 4 and x.dtype in (mx.bfloat16, mx.float16):
         return _qmv_mma(x, ps, epi)
     mt = _mt(M)

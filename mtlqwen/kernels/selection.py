@@ -12,10 +12,12 @@ SELECT: dict[str, int] = {
     # weights per row); at M=8 MLX switches to its tensor-core GEMM (qmm_sm80), which beats our FMA
     # kernel 2.4x (25 vs 62 us, qkv 8192x4096), so 8 rows go to MLX.
     "qmv_max_rows": 7,
-    # CUDA, 4-bit, bf16/fp16 x: the tensor-core qmv variant (mma.sync) instead of the FMA kernel. The FMA
-    # kernel is issue-bound at ~1.5 TB/s (M=1) and falls behind MLX's GEMM at M=8; the mma variant
-    # spends ~1-2 instructions per weight for any M <= 8. See the markdown for its measured status.
-    "qmv_mma": 1,
+    # CUDA, 4-bit, bf16/fp16 x: rows from which the tensor-core qmv variant (mma.sync) replaces the FMA
+    # kernel; 0 = never. Steady state (one launch, 2026-11-30): at M=8 mma 1.09 / 1.27 TB/s vs FMA 0.43 /
+    # 0.33 and MLX's GEMM 1.11 / 1.05 (4096-K / 12288-K); at M=1 mma 1.24 / 1.36 vs FMA 1.69 / 1.94.
+    # OFF until its equivalence test has passed on the device (the run that measured it ran out of time
+    # before the test finished); then set 5 and raise qmv_max_rows to 8.
+    "qmv_mma_min_rows": 0,
     # One qmv launch per 8 rows past that: disabled (0). At M=16 MLX's qmm took 15-41 us, qmv per 8
     # rows 71-207 us.
     "qmv_loop_max_rows": 0,
@@ -29,7 +31,8 @@ SELECT: dict[str, int] = {
 # (MT, bits) -> (R weight rows per SIMD group, U chunks in flight per lane and row). R amortises each
 # activation load over R rows; U keeps loads in flight. Swept at M=1 / 8 on 4096x4096, 12288x4096 and
 # 4096x12288 (4-bit): M=1 best R=4 (U=4 for N <= 4096: 13.4 us; U=2 for larger N: 25 us vs 28-30),
-# M=8 best R=4..8, U=1. MT=2/4 and 8-bit: not swept, R=4 U=1-2 by the same reasoning.
+# M=8 best R=4..8, U=1. MT=2/4 and 8-bit: not swept, R=4 U=1-2 by the same reasoning. With R=4 the
+# M=1 steady state rose from 1.44 / 1.58 to 1.69 / 1.94 TB/s (stacked 4096-K / 12288-K).
 QMV_BLOCKING: dict[tuple[int, int], tuple[int, int]] = {
     (1, 4): (4, 2),
     (1, 8): (4, 2),
