@@ -260,15 +260,20 @@ def _validate(cfg: Qwen35Config) -> None:
         raise ConfigError(f"rotary dims {cfg.rotary_dim} must be even and at most head_dim {cfg.head_dim}")
 
 
-def load_config(model_dir: Path) -> Qwen35Config:
-    """Read config.json (+ generation_config.json when present) from a checkpoint directory."""
+def read_config_json(model_dir: Path, what: str = "a Hugging Face checkpoint directory") -> dict[str, Any]:
+    """config.json of a checkpoint directory, with one-line errors for a missing or broken file."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{model_dir} has no config.json; is it a Hugging Face checkpoint directory?")
+        raise FileNotFoundError(f"{model_dir} has no config.json; is it {what}?")
     try:
-        raw = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
+
+
+def load_config(model_dir: Path) -> Qwen35Config:
+    """Read config.json (+ generation_config.json when present) from a checkpoint directory."""
+    raw = read_config_json(model_dir)
     gen_path = Path(model_dir) / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
     return parse_config(raw, gen)

@@ -9,7 +9,6 @@ block's own K/V are transient and never written.
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 
@@ -18,11 +17,11 @@ import mlx.core as mx
 from ..kernels import LinearParams, RopeTables, SeqLayout, apply_rope, linear, rms_norm, write_kv
 from ..kernels.drafter_attention import drafter_attention
 from .cache import ModelCache
-from .config import ConfigError, Qwen35Config
+from .config import ConfigError, Qwen35Config, read_config_json
 from .dflash_config import DFlashConfig, DrafterFitError, parse_dflash_config, rope_frequencies
 from .loading import read_safetensors, resolve_model_path
 from .quantize import parse_quantize_arg, quantize_weights, validate_quant
-from .qwen35 import Qwen35Model
+from .qwen35 import Qwen35Model, _lin
 from .weights import CheckpointError
 
 DRAFTER_PATTERNS = ["*.json", "*.safetensors"]
@@ -130,14 +129,6 @@ class DrafterCache:
 
 
 # ----------------------------------------------------------------------------------------------- model
-def _lin(w: dict[str, mx.array], name: str, c: DFlashConfig) -> LinearParams:
-    weight = w[f"{name}.weight"]
-    if f"{name}.scales" not in w:
-        return LinearParams(weight)
-    spec = c.quant_overrides.get(name, c.quantization)
-    return LinearParams(weight, w[f"{name}.scales"], w[f"{name}.biases"], spec.bits, spec.group_size)
-
-
 def _stack(parts: list[LinearParams]) -> LinearParams | None:
     """Row-concatenate projections that share an input (quantized ones too: groups run along the input
     dim, so rows stack freely). None when their quantization differs."""
@@ -321,13 +312,7 @@ class Drafter:
 
 # --------------------------------------------------------------------------------------------- loading
 def load_drafter_dir(model_dir: Path, target: Qwen35Model, quantize=None) -> Drafter:
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{model_dir} has no config.json; is it a DFlash drafter directory?")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    raw = read_config_json(model_dir, "a DFlash drafter directory")
     config = parse_dflash_config(raw, num_target_layers=target.config.num_hidden_layers)
     weights = read_safetensors(Path(model_dir))
     if config.quantization is not None or any(k.endswith(".scales") for k in weights):

@@ -31,8 +31,9 @@ from .cache import ModelCache
 from .config import Qwen35Config
 
 
-def _lin(w: dict[str, mx.array], name: str, config: Qwen35Config) -> LinearParams:
-    """A LinearParams from the weight dict; quantized when `<name>.scales` exists (mlx-lm's rule)."""
+def _lin(w: dict[str, mx.array], name: str, config) -> LinearParams:
+    """A LinearParams from the weight dict; quantized when `<name>.scales` exists (mlx-lm's rule).
+    `config` is any config with `quantization` / `quant_overrides` (target or drafter)."""
     weight = w[f"{name}.weight"]
     if f"{name}.scales" not in w:
         return LinearParams(weight)
