@@ -1,0 +1,191 @@
+"""DFlash speculative decoding in the engine step (design.md "One engine step", dflash.md §3-§5).
+
+The engine calls four hooks when a drafter is loaded:
+  plan(seqs)         before scheduling: how many drafts each decoding sequence sends (Sequence.spec_drafts);
+                     the scheduler then gives it 1 + drafts tokens of the step budget.
+  launch(plan, b, c) one drafter pass for all verifying sequences, their proposals scattered into the packed
+                     ids, one target pass (taps captured) for the whole batch, sampling of the plain rows,
+                     verification of the rest, drafter context for the tokens committed by this pass.
+  commit(state)      after the one read-back: accepted drafts + the next token per verifying sequence; GDN
+                     candidate states and drafter context of the anchor + accepted drafts are committed and
+                     kv_valid covers them. KV of rejected drafts is left where it is, past kv_valid.
+  must_sync(flight)  a step that verified, or sampled a speculating sequence, is committed before the next
+                     one is scheduled: its drafts need the host to know the anchor and kv_valid.
+
+Drafter context rows exist exactly for positions < kv_valid at step boundaries: prefill chunks and plain
+decode anchors are committed by being computed, so their rows are written in the same step; a
+verification's rows wait for its acceptance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..kernels import SeqLayout
+from ..model.dflash import Drafter, DrafterCache, load_drafter
+from .rejection import sample_drafts, step_keys, verify
+from .sampling import sample
+from .scheduler import ScheduledSeq, StepPlan
+
+
+def resolve_n_draft(block_size: int, n_draft: int | None, slots: int, step_tokens: int) -> int:
+    """Drafts per speculative step: the drafter's block_size - 1 by default, capped so that every slot can
+    verify (slots x (n_draft + 1) <= step_tokens); a given value is checked against both."""
+    cap = step_tokens // slots - 1
+    if n_draft is None:
+        n = min(block_size - 1, cap)
+        if n < 1:
+            raise ValueError(f"step_tokens={step_tokens} leaves no room for drafts with {slots} slots "
+                             f"(each speculating slot needs at least 2 tokens)")
+        return n
+    if isinstance(n_draft, bool) or not isinstance(n_draft, int) or not 1 <= n_draft <= block_size - 1:
+        raise ValueError(f"n_draft must be an int in 1..{block_size - 1} (the drafter's block_size - 1), got {n_draft!r}")
+    if n_draft > cap:
+        raise ValueError(f"slots x (n_draft + 1) = {slots} x {n_draft + 1} exceeds step_tokens={step_tokens}")
+    return n_draft
+
+
+def load_draft(model, draft, n_draft, slots: int, step_tokens: int) -> tuple[Drafter | None, int]:
+    """(drafter, n_draft) for Engine(draft=..., n_draft=...): draft is a Drafter, a directory or a repo id."""
+    if draft is None:
+        if n_draft is not None:
+            raise ValueError("n_draft needs a drafter (draft=...)")
+        return None, 0
+    drafter = draft if isinstance(draft, Drafter) else load_drafter(Path(draft) if Path(draft).exists() else draft, model)
+    if drafter.target is not model:
+        raise ValueError("the drafter was loaded for another target model")
+    return drafter, resolve_n_draft(drafter.block_size, n_draft, slots, step_tokens)
+
+
+@dataclass
+class _Verification:
+    """What a launched step leaves for commit: device arrays are read back in one go."""
+
+    seqs: list[ScheduledSeq]
+    layout: SeqLayout  # the verifying sequences alone (kv_valid = anchor positions)
+    n: list[int]  # drafts per sequence
+    drafts: mx.array  # [S, N] int32
+    accepted: mx.array  # [S] int32
+    next_token: mx.array  # [S] int32: correction or bonus
+    taps: mx.array  # [T, k*H] taps of the whole step
+    starts: list[int]  # packed row of each anchor
+
+
+class Speculator:
+    def __init__(self, model, drafter: Drafter, n_draft: int, cache, prefix_interval: int = 0):
+        self.model, self.drafter, self.n_draft, self.cache = model, drafter, n_draft, cache
+        self.interval = prefix_interval
+        self.dcache: DrafterCache = drafter.make_cache(cache)
+        cache.drafter_cache = self.dcache  # the prefix cache copies partial bundles with their drafter K/V
+        self.taps = tuple(drafter.tap_layers)
+        self.counters = {"draft_tokens": 0, "accepted_tokens": 0, "spec_steps": 0}
+
+    @staticmethod
+    def bytes_per_block(drafter: Drafter | None, block_tokens: int, dtype) -> int:
+        return 0 if drafter is None else DrafterCache.bytes_per_block(drafter.config, block_tokens, dtype)
+
+    # ---- before scheduling
+    def drafts_for(self, seq) -> int:
+        """Drafts for a sequence this step: only in decode, with its anchor on the host (nothing in flight),
+        after its first token is computed, and never past max_tokens (the step yields up to drafts + 1).
+        With a prefix cache, a verification stops short of the next interval boundary: the boundary is then
+        reached by a plain step, whose state the cache captures at launch (a verification's state is only
+        known at read-back)."""
+        if not (seq.active and seq.params.speculative and seq.pending == 0 and seq.need == 1 and seq.kv_valid > 0):
+            return 0
+        n = min(self.n_draft, seq.params.max_tokens - seq.num_generated - 1)
+        if self.interval:
+            end = (seq.kv_valid + 1) % self.interval  # kv_valid after a plain step, within its interval
+            n = 0 if end == 0 else min(n, self.interval - end - 1)
+        return max(0, n)
+
+    def plan(self, seqs) -> None:
+        for seq in seqs:  # every live sequence: a stale count must not survive a preemption
+            seq.spec_drafts = self.drafts_for(seq)
+
+    def must_sync(self, flight) -> bool:
+        return flight.spec is not None or any(s.seq.active and s.seq.params.speculative for s in flight.sampling)
+
+    # ---- drafting
+    def propose(self, seqs: list[ScheduledSeq], layout: SeqLayout, n: int) -> tuple[mx.array, mx.array | None]:
+        """One drafter pass for all verifying sequences: (greedy drafts [S, n] int32, draft logits
+        [S, n, V] or None when every sequence is greedy). Tests replace this to force acceptance."""
+        anchors = [s.seq.tokens[s.start] for s in seqs]
+        if all(s.seq.params.greedy for s in seqs):
+            return self.drafter.propose(anchors, layout, self.dcache, n), None
+        return self.drafter.propose_with_logits(anchors, layout, self.dcache, n)
+
+    # ---- the step
+    def launch(self, plan: StepPlan, batch, cache) -> tuple[mx.array | None, _Verification | None]:
+        """Run draft + target for the packed batch; returns (tokens of the plain sampling rows, verification)."""
+        lay, ids = batch.layout, batch.input_ids
+        ver = [i for i, v in enumerate(lay.verify or []) if v]
+        rows = batch.logits_rows.tolist() if batch.logits_rows is not None else []
+        R = len(rows)
+        if ver:
+            vs = [plan.scheduled[i] for i in ver]  # pack keeps plan order: layout sequence i is scheduled[i]
+            vl, _ = lay.subset(ver)
+            n = [s.drafts for s in vs]
+            N, qsl = max(n), lay.query_start_loc
+            drafts, q_logits = self.propose(vs, vl, N)
+            hot = [j for j, s in enumerate(vs) if not s.seq.params.greedy]
+            q, keys = None, None
+            if hot:
+                keys = step_keys([vs[j].seq.seed for j in hot], [vs[j].sample_index for j in hot])
+                h = mx.array(hot, dtype=mx.int32)
+                d_h, q = sample_drafts(q_logits[h], [vs[j].seq.params for j in hot], keys)
+                drafts[h] = d_h
+            at = [qsl[i] + 1 + t for i, nj in zip(ver, n) for t in range(nj)]
+            src = [j * N + t for j, nj in enumerate(n) for t in range(nj)]
+            ids[mx.array(at, dtype=mx.int32)] = drafts.reshape(-1)[mx.array(src, dtype=mx.int32)]
+            # N + 1 rows per sequence (shorter runs repeat their last row; verify() masks them)
+            rows += [min(qsl[i] + t, qsl[i + 1] - 1) for i in ver for t in range(N + 1)]
+        logits, taps = self.model.forward_with_taps(ids, lay, cache, self.taps, mx.array(rows, dtype=mx.int32))
+        tokens = None
+        if R:
+            samp = batch.sampling
+            tokens = sample(logits[:R], [s.seq.params for s in samp], [s.seq.seed for s in samp],
+                            [s.sample_index for s in samp])
+        state = None
+        if ver:
+            plain = [i for i, v in enumerate(lay.verify) if not v]
+            if plain:
+                pl, prow = lay.subset(plain)
+                self.drafter.write_context(taps[mx.array(prow, dtype=mx.int32)], pl, self.dcache)
+            tl = logits[R:].reshape(len(ver), N + 1, -1)
+            k, nxt = verify(tl, drafts, n, [s.seq.params for s in vs], q, keys)
+            state = _Verification(vs, vl, n, drafts, k, nxt, taps, [qsl[i] for i in ver])
+            mx.async_eval(k, nxt, drafts)
+        else:
+            self.drafter.write_context(taps, lay, self.dcache)
+        mx.async_eval(*self.dcache.arrays())
+        return tokens, state
+
+    def commit(self, v: _Verification) -> list[tuple[ScheduledSeq, list[int]]]:
+        """Apply a verification: GDN candidates, drafter context, kv_valid. Returns each sequence's tokens."""
+        k, nxt, drafts = v.accepted.tolist(), v.next_token.tolist(), v.drafts.tolist()
+        self.model.commit_candidates(self.cache, k)
+        # drafter context of the anchor + accepted drafts: positions P .. P + k
+        qsl, rows = [0], []
+        for start, kj in zip(v.starts, k):
+            rows.extend(range(start, start + kj + 1))
+            qsl.append(qsl[-1] + kj + 1)
+        cl = SeqLayout(qsl, list(v.layout.kv_valid), v.layout.block_tables, v.layout.state_rows, v.layout.block_tokens)
+        self.drafter.write_context(v.taps[mx.array(rows, dtype=mx.int32)], cl, self.dcache)
+        c = self.counters
+        out = []
+        for j, s in enumerate(v.seqs):
+            s.seq.kv_valid += k[j]  # the anchor was counted at scheduling; the accepted drafts now
+            c["draft_tokens"] += v.n[j]
+            c["accepted_tokens"] += k[j]
+            c["spec_steps"] += 1
+            out.append((s, drafts[j][: k[j]] + [nxt[j]]))
+        return out
+
+    def stats(self) -> dict:
+        c = self.counters
+        tau = (c["accepted_tokens"] + c["spec_steps"]) / c["spec_steps"] if c["spec_steps"] else 0.0
+        return {**c, "n_draft": self.n_draft, "mean_acceptance_length": tau}
