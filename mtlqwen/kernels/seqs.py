@@ -19,6 +19,9 @@ class SeqLayout:
     state_rows: list[int]  # [B] rows of the GDN state pools (the sequence slots)
     block_tokens: int = 128
     _arrays: dict = field(default_factory=dict, repr=False)
+    # [B] or None: True for a speculative verification (anchor + drafts). The model then keeps the GDN
+    # state after each of its tokens, to commit the one after the last accepted draft (Qwen35Model).
+    verify: list[bool] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -73,3 +76,14 @@ class SeqLayout:
                 raise KeyError(name)
             self._arrays[name] = a
         return self._arrays[name]
+
+    def subset(self, seqs: list[int]) -> tuple[SeqLayout, list[int]]:
+        """The layout of sequences `seqs` alone (in that order) and the packed rows of this layout they own."""
+        qsl, rows = [0], []
+        for i in seqs:
+            s, e = self.query_start_loc[i], self.query_start_loc[i + 1]
+            rows.extend(range(s, e))
+            qsl.append(qsl[-1] + e - s)
+        sub = SeqLayout(qsl, [self.kv_valid[i] for i in seqs], [self.block_tables[i] for i in seqs],
+                        [self.state_rows[i] for i in seqs], self.block_tokens)
+        return sub, rows

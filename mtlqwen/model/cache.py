@@ -35,6 +35,9 @@ class ModelCache:
         self.conv_states = [mx.zeros(conv_shape, dtype=dtype) for _ in range(n_gdn)]
         self.rec_states = [mx.zeros(rec_shape, dtype=mx.float32) for _ in range(n_gdn)]
         mx.eval(self.k_pools, self.v_pools, self.conv_states, self.rec_states)
+        # Filled by a forward with verifying sequences (SeqLayout.verify), consumed by
+        # Qwen35Model.commit_candidates: per GDN layer the candidate states of those sequences.
+        self.candidates: dict = {}
 
     @staticmethod
     def bytes_per_block(config: Qwen35Config, block_tokens: int, dtype: mx.Dtype = mx.bfloat16) -> int:

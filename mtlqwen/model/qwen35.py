@@ -26,6 +26,7 @@ from ..kernels import (
     write_kv,
 )
 from ..kernels.fused_small import add_rms_norm
+from ..kernels.gated_delta import gated_delta_candidates
 from ..kernels.linear_fused import linear_multi, swiglu_linear
 from .cache import ModelCache
 from .config import Qwen35Config
@@ -39,6 +40,34 @@ def _lin(w: dict[str, mx.array], name: str, config) -> LinearParams:
         return LinearParams(weight)
     spec = config.quant_overrides.get(name, config.quantization)
     return LinearParams(weight, w[f"{name}.scales"], w[f"{name}.biases"], spec.bits, spec.group_size)
+
+
+class _VerifySplit:
+    """A batch with verifying sequences, split once per layout (every GDN layer reuses it): the plain
+    sequences run `gated_delta` and commit their state at once; the verifying ones run
+    `gated_delta_candidates`, so prefill and decode rows never pay for per-token states."""
+
+    def __init__(self, layout: SeqLayout):
+        ver = [i for i, v in enumerate(layout.verify) if v]
+        plain = [i for i, v in enumerate(layout.verify) if not v]
+        self.verify, vrows = layout.subset(ver)
+        self.verify_rows = mx.array(vrows, dtype=mx.int32)
+        self.verify_slots = mx.array(self.verify.state_rows, dtype=mx.int32)
+        self.plain, prows = layout.subset(plain) if plain else (None, [])
+        if plain:
+            self.plain_rows = mx.array(prows, dtype=mx.int32)
+            self.plain_seqs = mx.array(plain, dtype=mx.int32)
+            self.plain_slots = mx.array(self.plain.state_rows, dtype=mx.int32)
+        inverse = [0] * layout.num_tokens  # packed row -> its row in [plain rows ; verify rows]
+        for j, r in enumerate(prows + vrows):
+            inverse[r] = j
+        self.inverse = mx.array(inverse, dtype=mx.int32)
+
+    @staticmethod
+    def of(layout: SeqLayout) -> _VerifySplit:
+        if "verify_split" not in layout._arrays:
+            layout._arrays["verify_split"] = _VerifySplit(layout)
+        return layout._arrays["verify_split"]
 
 
 class GDNMixer:
@@ -61,6 +90,10 @@ class GDNMixer:
         # one launch for the four projections of x at decode sizes
         mixed, z, b, a = linear_multi(x, [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
         z = z.reshape(T, Hv, dv)  # mixed [T, conv_dim]: q | k | v channels; b, a [T, Hv]
+        if layout.verify is not None and any(layout.verify):
+            o = self._mix_verifying(mixed, a, b, layout, cache)
+            o = gated_rms_norm(o, z, self.norm_w, c.rms_norm_eps).reshape(T, c.value_dim)
+            return linear(o, self.out_proj)
         y, conv_new = causal_conv1d(mixed, self.conv_w, cache.conv_states[self.idx], layout)
         q = y[:, : c.key_dim].reshape(T, Hk, dk)
         k = y[:, c.key_dim : 2 * c.key_dim].reshape(T, Hk, dk)
@@ -71,6 +104,31 @@ class GDNMixer:
         cache.rec_states[self.idx][rows] = rec_new
         o = gated_rms_norm(o, z, self.norm_w, c.rms_norm_eps).reshape(T, c.value_dim)
         return linear(o, self.out_proj)
+
+    def _mix_verifying(self, mixed, a, b, layout: SeqLayout, cache: ModelCache) -> mx.array:
+        """The conv + delta rule of a batch holding verifications -> o [T, Hv, dv]. Plain sequences commit
+        their new state; verifying ones leave the pools alone and stash (all states [Tv, Hv, dv, dk],
+        old conv rows [Sv, K-1, C], raw verify rows [Tv, C]) for `Qwen35Model.commit_candidates`."""
+        c, T = self.c, mixed.shape[0]
+        sp = _VerifySplit.of(layout)
+        conv_pool, rec_pool = cache.conv_states[self.idx], cache.rec_states[self.idx]
+        y, conv_new = causal_conv1d(mixed, self.conv_w, conv_pool, layout)  # every row's conv output is final
+        q = y[:, : c.key_dim].reshape(T, c.linear_num_key_heads, c.linear_key_head_dim)
+        k = y[:, c.key_dim : 2 * c.key_dim].reshape(T, c.linear_num_key_heads, c.linear_key_head_dim)
+        v = y[:, 2 * c.key_dim :].reshape(T, c.linear_num_value_heads, c.linear_value_head_dim)
+        vr = sp.verify_rows
+        o_v, _, every = gated_delta_candidates(q[vr], k[vr], v[vr], a[vr], b[vr], self.A_log, self.dt_bias,
+                                               rec_pool, sp.verify)
+        # read the verifying slots' old conv rows before the plain rows' writes below
+        cache.candidates[self.idx] = (every, conv_pool[sp.verify_slots], mixed[vr])
+        cache.candidates["layout"] = sp.verify
+        if sp.plain is None:
+            return o_v
+        pr = sp.plain_rows
+        o_p, rec_p = gated_delta(q[pr], k[pr], v[pr], a[pr], b[pr], self.A_log, self.dt_bias, rec_pool, sp.plain)
+        conv_pool[sp.plain_slots] = conv_new[sp.plain_seqs]
+        rec_pool[sp.plain_slots] = rec_p
+        return mx.concatenate([o_p, o_v])[sp.inverse]
 
 
 class AttentionMixer:
@@ -224,6 +282,29 @@ class Qwen35Model:
         if logits_rows is not None:
             h = h[logits_rows]
         return linear(h, self.lm_head), mx.concatenate([by_layer[t] for t in taps], axis=-1)
+
+    def commit_candidates(self, cache: ModelCache, accepted: list[int]) -> None:
+        """After a forward with verifying sequences: verifying sequence j (in layout order) keeps the GDN
+        state after its anchor and first accepted[j] drafts; its conv state becomes the last K-1 raw rows
+        up to that token. Rejected tokens' K/V need no undo: the runtime does not count them in kv_valid."""
+        stash, cache.candidates = cache.candidates, {}
+        lay = stash.pop("layout", None)
+        if lay is None:
+            raise RuntimeError("commit_candidates without a verifying forward before it")
+        if len(accepted) != lay.num_seqs or any(not 0 <= k < lay.q_len(j) for j, k in enumerate(accepted)):
+            raise ValueError(f"accepted {accepted} does not fit verifications of {[lay.q_len(j) for j in range(lay.num_seqs)]} tokens")
+        K1, S = self.config.linear_conv_kernel_dim - 1, lay.num_seqs
+        qsl = lay.query_start_loc
+        pick = mx.array([qsl[j] + k for j, k in enumerate(accepted)], dtype=mx.int32)
+        # window j = [old conv rows (K-1) ; its raw verify rows]: after k drafts, rows k+1 .. k+K-1 are the last
+        # K-1 inputs. Flattened as [all old rows ; all raw rows] so one gather serves every sequence.
+        win = [j * K1 + r if r < K1 else S * K1 + qsl[j] + r - K1
+               for j, k in enumerate(accepted) for r in range(k + 1, k + 1 + K1)]
+        win, slots = mx.array(win, dtype=mx.int32), mx.array(lay.state_rows, dtype=mx.int32)
+        for idx, (every, old_conv, raw) in stash.items():
+            cache.rec_states[idx][slots] = every[pick]
+            flat = mx.concatenate([old_conv.reshape(S * K1, -1), raw.astype(old_conv.dtype)])
+            cache.conv_states[idx][slots] = flat[win].reshape(S, K1, -1)
 
     def logits(self, token_ids) -> mx.array:
         """One sequence from an empty state, in one pass: [T, vocab]. The reference every schedule must match."""

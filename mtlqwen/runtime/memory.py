@@ -25,11 +25,11 @@ def device_memory() -> tuple[int | None, int | None]:
 
 def resolve_num_blocks(
     config, dtype, block_tokens: int, slots: int, max_model_len: int,
-    num_blocks: int | None = None, kv_bytes: int | None = None,
+    num_blocks: int | None = None, kv_bytes: int | None = None, extra_block_bytes: int = 0,
 ) -> int:
     """num_blocks, else kv_bytes / bytes per bundle, else a device default capped at what `slots`
-    full-context sequences could ever use."""
-    per_block = ModelCache.bytes_per_block(config, block_tokens, dtype)
+    full-context sequences could ever use. extra_block_bytes: what else a bundle holds (drafter K/V)."""
+    per_block = ModelCache.bytes_per_block(config, block_tokens, dtype) + extra_block_bytes
     if num_blocks is not None and kv_bytes is not None:
         raise ValueError("give num_blocks or kv_bytes, not both")
     if num_blocks is not None:

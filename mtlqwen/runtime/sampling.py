@@ -30,6 +30,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     seed: int | None = None
     ignore_eos: bool = False
+    speculative: bool = True  # False: this request never drafts, even when the engine has a drafter
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -58,6 +59,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
 
