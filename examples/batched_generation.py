@@ -23,7 +23,10 @@ TOPICS = ["the sea", "prime numbers", "a lighthouse", "bread", "the moon", "rive
 def build(args):
     if args.model:
         model = mtlqwen.load(args.model)
-        tokenizer = mtlqwen.load_tokenizer(args.model)
+        try:
+            tokenizer = mtlqwen.load_tokenizer(args.model)
+        except FileNotFoundError:  # weights only: prompts become random token ids, outputs carry no text
+            tokenizer = None
         return model, tokenizer
     try:
         from mtlqwen.model.builtin import ByteTokenizer, random_model
@@ -52,7 +55,9 @@ def main():
                     num_blocks=args.num_blocks, tokenizer=tokenizer, seed=args.seed)
     rng = random.Random(args.seed)
     prompts = [f"Write a short note about {rng.choice(TOPICS)} (#{i})." for i in range(args.num_prompts)]
-    if args.chat and hasattr(tokenizer, "apply_chat_template"):
+    if tokenizer is None:
+        prompts = [[rng.randrange(model.config.vocab_size) for _ in range(24)] for _ in prompts]
+    elif args.chat and hasattr(tokenizer, "apply_chat_template"):
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
                    for p in prompts]
     # one SamplingParams per prompt: each request draws from its own seed, whatever it is batched with
