@@ -13,16 +13,18 @@ from __future__ import annotations
 import operator
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import mlx.core as mx
 
+from ..model.cache import ModelCache
 from .batch import PackedBatch, pack, token_buckets
 from .block_pool import BlockPool
-from .memory import resolve_num_blocks
+from .memory import device_memory, resolve_num_blocks
 from .outputs import Delta, Output, TextState
+from .prefix_cache import DEFAULT_CACHE_BYTES, Capture, PrefixCache, empty_stats, model_identity
 from .sampling import SamplingParams, sample
 from .scheduler import ScheduledSeq, Scheduler, StepPlan
 from .sequence import Sequence, SeqStatus
@@ -33,6 +35,7 @@ class _InFlight:
     sampling: list[ScheduledSeq]
     tokens: mx.array | None  # [R] sampled ids, still on the device
     rows: dict[Sequence, int]  # row of each sampling sequence in `tokens`
+    captures: list[Capture] = field(default_factory=list)  # prefix-cache snapshots, published at read-back
 
 
 def _as_params(sampling) -> SamplingParams:
@@ -64,6 +67,8 @@ class Engine:
     and block). Off by default: MLX caches CUDA graphs by topology, not shape, and the kernels are
     specialised by dtype and head geometry, not by T, so padding would only add work; it is there
     for back-ends or compiled paths that key on shapes (runtime_bench.py --pad-buckets on measures it).
+    prefix_interval: tokens between prefix-cache snapshots, e.g. 512 (0, the default, = no prefix cache);
+    prefix_cache_bytes: the snapshots' memory budget (default 1 GiB), LRU-evicted (prefix_cache.py).
 
     Not thread-safe: one thread calls submit/step/cancel (a server feeds it through a queue)."""
 
@@ -79,6 +84,8 @@ class Engine:
         max_model_len: int | None = None,
         pad_buckets: bool = False,
         seed: int | None = None,
+        prefix_interval: int = 0,
+        prefix_cache_bytes: int | None = None,
     ):
         if isinstance(model_or_path, (str, Path)):
             from ..model import load, resolve_model_path  # noqa: PLC0415
@@ -102,8 +109,19 @@ class Engine:
         self.num_blocks = resolve_num_blocks(
             self.config, model.dtype, block_tokens, slots, self.max_model_len, num_blocks, kv_bytes
         )
+        per_block = ModelCache.bytes_per_block(self.config, block_tokens, model.dtype)
+        budget = DEFAULT_CACHE_BYTES if prefix_cache_bytes is None else prefix_cache_bytes
+        if prefix_interval and num_blocks is None and kv_bytes is None and device_memory()[0] is not None:
+            # the default KV budget was taken from free device memory: leave the snapshots' share out
+            self.num_blocks = max(1, self.num_blocks - budget // per_block)
         self.pool = BlockPool(self.num_blocks)
-        self.scheduler = Scheduler(self.pool, slots, step_tokens, block_tokens)
+        self.prefix = None
+        if prefix_interval:
+            per_entry = ModelCache.bytes_per_slot(self.config, model.dtype)
+            if prefix_interval % block_tokens:  # plus the copy of the partial last block
+                per_entry += per_block
+            self.prefix = PrefixCache(self.pool, prefix_interval, block_tokens, budget, model_identity(model), per_entry)
+        self.scheduler = Scheduler(self.pool, slots, step_tokens, block_tokens, prefix_cache=self.prefix)
         # one spare bundle and slot beyond what the scheduler hands out: the padding sequence's scratch
         self.cache = model.make_cache(self.num_blocks + 1, slots + 1, block_tokens)
         self.scratch = (slots, self.num_blocks)
@@ -210,6 +228,8 @@ class Engine:
             rows = mx.array(plan_batch.reset_slots, dtype=mx.int32)
             for pool in (*cache.conv_states, *cache.rec_states):
                 pool[rows] = 0
+        if self.prefix is not None:  # prefix-cache hits: their snapshot replaces the zeroed state
+            self.prefix.restore([s.seq for s in scheduled if s.fresh], cache)
         if plan_batch.logits_rows is None:  # mid-prompt chunks only: no head, no sampling
             self.model.hidden(plan_batch.input_ids, plan_batch.layout, cache)
             tokens = None
@@ -217,8 +237,9 @@ class Engine:
             logits = self.model.forward(plan_batch.input_ids, plan_batch.layout, cache, plan_batch.logits_rows)
             samp = plan_batch.sampling
             tokens = sample(logits, [s.seq.params for s in samp], [s.seq.seed for s in samp], [s.sample_index for s in samp])
-        mx.async_eval(*([tokens] if tokens is not None else []), *cache.arrays())
-        return _InFlight(plan_batch.sampling, tokens, {s.seq: r for r, s in enumerate(plan_batch.sampling)})
+        caps = self.prefix.capture(scheduled, cache) if self.prefix is not None else []
+        mx.async_eval(*([tokens] if tokens is not None else []), *cache.arrays(), *(a for c in caps for a in c.arrays()))
+        return _InFlight(plan_batch.sampling, tokens, {s.seq: r for r, s in enumerate(plan_batch.sampling)}, caps)
 
     def _commit(self, flight: _InFlight) -> list[Delta]:
         """Read the step's tokens (the one sync) and apply them: append, check stops, finish."""
@@ -243,6 +264,8 @@ class Engine:
                 done[seq] = "stop_string"
             elif len(seq.tokens) - seq.prompt_len >= p.max_tokens:
                 done[seq] = "length"
+        if flight.captures:  # every captured prefix's tokens are on the host now
+            self.prefix.publish(flight.captures)
         deltas = []
         for seq, toks in new.items():
             if seq in done:
@@ -262,7 +285,7 @@ class Engine:
         out = Output(
             seq.request_id, seq.prompt_len, list(seq.generated), seq.text.text if seq.text else "", reason, error,
             (seq.first_token_time - seq.arrival_time) if seq.first_token_time else None,
-            now - seq.arrival_time, seq.num_preemptions,
+            now - seq.arrival_time, seq.num_preemptions, seq.cached_tokens,
         )
         return Delta(seq.request_id, toks, text, True, reason, error, out)
 
@@ -333,6 +356,11 @@ class Engine:
             "kv_cache_usage": self.pool.num_used / self.pool.num_blocks,
             **self.scheduler.stats(),
             **self.counters,
+            **(self.prefix.stats() if self.prefix is not None else empty_stats()),
         }
         return s
+
+    def clear_prefix_cache(self) -> int:
+        """Drop every prefix-cache entry (their bundles return to the pool); returns how many."""
+        return self.prefix.clear() if self.prefix is not None else 0
 

@@ -22,6 +22,7 @@ class Output:
     ttft: float | None = None
     total_time: float | None = None
     num_preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
 
     @property
     def completion_tokens(self) -> int:

@@ -69,7 +69,10 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, num_slots: int, step_tokens: int, block_tokens: int, decode_tokens: int = 1):
+    def __init__(
+        self, pool: BlockPool, num_slots: int, step_tokens: int, block_tokens: int, decode_tokens: int = 1,
+        prefix_cache=None,
+    ):
         if num_slots < 1:
             raise ValueError(f"slots must be >= 1, got {num_slots}")
         if step_tokens < num_slots * decode_tokens:
@@ -81,6 +84,9 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
         self.free_slots: list[int] = list(range(num_slots))
         self.num_preemptions = 0
+        # prefix_cache.PrefixCache or None: looked up on admission, evicted from before preempting
+        self.prefix_cache = prefix_cache
+        self.prefix_interval = prefix_cache.interval if prefix_cache is not None else 0
 
     # ---- queue management
     def add(self, seq: Sequence) -> None:
@@ -97,6 +103,8 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
 
     def _free_resources(self, seq: Sequence) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.detach(seq)
         self.pool.free(seq.block_table)
         seq.block_table = []
         self.free_slots.append(seq.slot)
@@ -110,6 +118,8 @@ class Scheduler:
             seq = self.waiting.popleft()
             seq.slot = self.free_slots.pop(0)
             seq.status, seq.kv_valid, seq.fresh = SeqStatus.RUNNING, 0, True
+            if self.prefix_cache is not None:
+                self.prefix_cache.attach(seq)  # a hit maps shared bundles and starts kv_valid past them
             self.running.append(seq)
             admitted.append(seq)
         return admitted
@@ -135,6 +145,8 @@ class Scheduler:
         shares = split_budget([seqs[i].need for i in pre], self.step_tokens - sum(counts))
         for i, n in zip(pre, shares):
             counts[i] = n
+            if self.prefix_interval:  # end the chunk on the next boundary: the GDN state there is captured
+                counts[i] = min(n, self.prefix_interval - seqs[i].kv_valid % self.prefix_interval)
         return counts
 
     def _new_blocks(self, seq: Sequence, n: int) -> int:
@@ -146,13 +158,16 @@ class Scheduler:
             # a sequence whose last token is already sampled only waits for read-back
             live = [s for s in self.running if not s.sampling_done]
             counts = self.token_counts(live)
-            if sum(self._new_blocks(s, n) for s, n in zip(live, counts)) <= self.pool.num_free:
+            need = sum(self._new_blocks(s, n) for s, n in zip(live, counts))
+            if need <= self.pool.num_free or (self.prefix_cache is not None and self.prefix_cache.evict_for_blocks(need)):
                 break
             self._preempt(live[-1], plan.admitted, plan.preempted)
         for seq, n in zip(live, counts):
             if n == 0:
                 continue
             seq.block_table.extend(self.pool.allocate(self._new_blocks(seq, n)))
+            # shared (prefix-cache) bundles are whole blocks below kv_valid: a step never writes one
+            assert all(self.pool.ref_counts[b] == 1 for b in seq.block_table[seq.kv_valid // self.block_tokens :])
             samples = seq.kv_valid + n == seq.num_tokens
             plan.scheduled.append(ScheduledSeq(seq, seq.kv_valid, n, samples, seq.num_generated, seq.fresh))
             seq.kv_valid += n

@@ -41,6 +41,9 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     text: Any = None  # outputs.TextState, when the engine has a tokenizer
+    prefix_keys: list[int] = field(default_factory=list)  # chained prefix-cache keys of whole intervals, memoised
+    restore: Any = None  # prefix_cache.PrefixEntry to load into the slot before the first chunk (a hit)
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache at the latest admission
 
     def __post_init__(self):
         if not self.prompt_len:

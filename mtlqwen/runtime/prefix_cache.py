@@ -1,0 +1,262 @@
+"""The prefix cache (design.md, "prefix cache"): GDN state snapshots + shared KV bundles every `interval` tokens.
+
+A sequence whose computed length lands on a multiple of the interval publishes an entry for that
+prefix: the conv + recurrent state of every GDN layer right after it (copies gathered from its slot),
+and the KV bundles holding it (ref counted, read-only from then on). A new request restores the
+longest entry shorter than itself: the state is copied into its slot, the bundles go into its block
+table, and it starts at kv_valid = the entry's length. GDN state cannot be trimmed, so a hit is only
+possible at an exact snapshot; the scheduler cuts prefill chunks on interval boundaries to take them.
+
+Keys are chained: key(k) = xxh3_64(key(k-1) as 8 bytes LE ‖ tokens of interval k as int32 LE), with
+key(0) = xxh3_64(model identity), so entries never cross models or drafters. A lookup compares the
+stored prefix tokens too: a hash collision is a miss, never a wrong answer.
+
+When the interval is not a multiple of block_tokens, the last block of a prefix is partial and its
+owner keeps writing it; instead of sharing it, the entry keeps a copy of that block's K/V (copy on
+write), and a hit writes the copy into a fresh block of its own. Only whole blocks are ever shared.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+import xxhash
+
+from .block_pool import BlockPool
+
+DEFAULT_CACHE_BYTES = 1 << 30  # ~20 snapshots of the 9B shape (49 MiB of GDN state each)
+
+
+def model_identity(model, drafter=None) -> str:
+    """What makes two engines' entries interchangeable: config, weights' source, dtype, drafter."""
+    return f"{model.config!r}|source={getattr(model, 'source', None)}|dtype={model.dtype}|drafter={drafter!r}"
+
+
+def root_key(identity: str) -> int:
+    return xxhash.xxh3_64_intdigest(identity.encode())
+
+
+def chunk_key(parent: int, tokens) -> int:
+    return xxhash.xxh3_64_intdigest(parent.to_bytes(8, "little") + token_bytes(tokens))
+
+
+def token_bytes(tokens) -> bytes:
+    return np.asarray(tokens, dtype="<i4").tobytes()
+
+
+def prefix_keys(root: int, tokens, interval: int) -> list[int]:
+    """Keys of every whole-interval prefix of tokens (key of prefix k at index k - 1)."""
+    keys, key = [], root
+    for j in range(len(tokens) // interval):
+        key = chunk_key(key, tokens[j * interval : (j + 1) * interval])
+        keys.append(key)
+    return keys
+
+
+@dataclass(eq=False)
+class PrefixEntry:
+    key: int
+    length: int  # tokens in the prefix
+    tokens: bytes  # the prefix (int32 LE), compared on every hit
+    blocks: list[int]  # whole KV bundles of the prefix, one reference held by the entry
+    state: list[mx.array]  # per GDN layer conv states then recurrent states, each [1, ...]
+    tail: list[mx.array] | None  # K/V of the partial last block per attention pool [1, bt, nKV, hd]
+    nbytes: int
+    pins: int = 0  # sequences admitted with this entry whose restore is not launched yet
+
+
+@dataclass(eq=False)
+class Capture:
+    """A snapshot taken when a step is launched; published when the step's tokens are read back
+    (a decoding sequence's anchor is only on the host then)."""
+
+    seq: object
+    length: int
+    blocks: list[int]  # references taken at capture
+    state: list[mx.array]
+    tail: list[mx.array] | None
+
+    def arrays(self) -> list[mx.array]:
+        return self.state + (self.tail or [])
+
+
+def _state_pools(cache) -> list[mx.array]:
+    return [*cache.conv_states, *cache.rec_states]
+
+
+def _kv_pools(cache) -> list[mx.array]:
+    # every pool a bundle id indexes: the target's K/V, and the drafter's (speculative.py sets cache.drafter_cache)
+    d = getattr(cache, "drafter_cache", None)
+    return [*cache.k_pools, *cache.v_pools, *(d.arrays() if d is not None else ())]
+
+
+class PrefixCache:
+    """Entries in LRU order (least recent first). budget_bytes bounds the snapshots (state + tail copies);
+    entry_bytes is the size of one, to reject a budget that could hold none."""
+
+    def __init__(self, pool: BlockPool, interval: int, block_tokens: int, budget_bytes: int, identity: str, entry_bytes: int = 0):
+        if interval < 1:
+            raise ValueError(f"prefix_interval must be >= 1 (0 turns the cache off), got {interval}")
+        if budget_bytes < entry_bytes:
+            raise ValueError(
+                f"prefix_cache_bytes={budget_bytes} is less than one snapshot ({entry_bytes} bytes); "
+                "raise it or turn the cache off with prefix_interval=0"
+            )
+        self.pool, self.interval, self.block_tokens = pool, interval, block_tokens
+        self.budget, self.root = budget_bytes, root_key(identity)
+        self.entries: OrderedDict[int, PrefixEntry] = OrderedDict()
+        self.nbytes = 0
+        self.counters = dict(prefix_lookups=0, prefix_hits=0, prefix_hit_tokens=0, prefix_query_tokens=0, prefix_evictions=0)
+
+    # ---- keys and lookup
+    def keys(self, seq, k: int) -> list[int]:
+        """Keys of seq's first k prefixes, memoised on the sequence (whole intervals never change)."""
+        ks, I = seq.prefix_keys, self.interval
+        while len(ks) < k:
+            j = len(ks)
+            ks.append(chunk_key(ks[-1] if ks else self.root, seq.tokens[j * I : (j + 1) * I]))
+        return ks[:k]
+
+    def _find(self, seq, k: int) -> PrefixEntry | None:
+        e = self.entries.get(self.keys(seq, k)[-1])
+        if e is None or e.tokens != token_bytes(seq.tokens[: k * self.interval]):
+            return None  # absent, or a different prefix under the same key
+        return e
+
+    def lookup(self, seq) -> PrefixEntry | None:
+        """The longest entry for a proper prefix of seq's tokens: at least one token is left to run."""
+        for k in range((seq.num_tokens - 1) // self.interval, 0, -1):
+            e = self._find(seq, k)
+            if e is not None:
+                return e
+        return None
+
+    # ---- admission (scheduler) and restore (engine)
+    def attach(self, seq) -> None:
+        """On admission: map the longest hit into seq (shared bundles, kv_valid) and pin it until restored."""
+        c = self.counters
+        c["prefix_lookups"] += 1
+        c["prefix_query_tokens"] += seq.num_tokens
+        seq.cached_tokens = 0
+        e = self.lookup(seq)
+        if e is None:
+            return
+        e.pins += 1
+        own = []
+        if e.tail is not None:  # the partial block is rewritten into a block of seq's own
+            if not self.evict_for_blocks(1):
+                e.pins -= 1
+                return
+            own = self.pool.allocate(1)
+        self.pool.share(e.blocks)
+        seq.block_table, seq.kv_valid, seq.restore = e.blocks + own, e.length, e
+        seq.cached_tokens = min(e.length, seq.prompt_len)
+        self.entries.move_to_end(e.key)
+        c["prefix_hits"] += 1
+        c["prefix_hit_tokens"] += e.length
+
+    def detach(self, seq) -> None:
+        """The restore is launched, or seq left before it was: unpin."""
+        if seq.restore is not None:
+            seq.restore.pins -= 1
+            seq.restore = None
+
+    def restore(self, seqs, cache) -> None:
+        """Copy each hit's snapshot into its slot (and its partial block into seq's own block), lazily in
+        the step's graph; the entry's arrays are only read."""
+        for seq in seqs:
+            e = seq.restore
+            if e is None:
+                continue
+            rows = mx.array([seq.slot], dtype=mx.int32)
+            for pool, s in zip(_state_pools(cache), e.state):
+                pool[rows] = s
+            if e.tail is not None:
+                dst = mx.array([seq.block_table[e.length // self.block_tokens]], dtype=mx.int32)
+                for pool, t in zip(_kv_pools(cache), e.tail):
+                    pool[dst] = t
+            self.detach(seq)
+
+    # ---- capture (engine, at launch) and publish (engine, at read-back)
+    def capture(self, scheduled, cache) -> list[Capture]:
+        """Snapshots of the sequences whose computed length lands on a boundary in this step; call after
+        the step's graph is built, and evaluate Capture.arrays() with it (a pending read of a pool would
+        make the next step's in-place write copy the pool)."""
+        caps, I, bt = [], self.interval, self.block_tokens
+        for s in scheduled:
+            seq, end = s.seq, s.start + s.num_tokens
+            if end % I:
+                continue
+            if len(seq.tokens) >= end:  # tokens known now: skip what is cached already
+                e = self._find(seq, end // I)
+                if e is not None:
+                    self.entries.move_to_end(e.key)
+                    continue
+            blocks = seq.block_table[: end // bt]
+            self.pool.share(blocks)
+            rows = mx.array([seq.slot], dtype=mx.int32)
+            state = [mx.take(p, rows, axis=0) for p in _state_pools(cache)]
+            tail = None
+            if end % bt:
+                b = mx.array([seq.block_table[end // bt]], dtype=mx.int32)
+                tail = [mx.take(p, b, axis=0) for p in _kv_pools(cache)]
+            caps.append(Capture(seq, end, blocks, state, tail))
+        return caps
+
+    def publish(self, caps: list[Capture]) -> None:
+        for c in caps:
+            seq, k = c.seq, c.length // self.interval
+            e = None
+            if len(seq.tokens) >= c.length:  # else cancelled before its anchor was read back
+                key = self.keys(seq, k)[-1]
+                e = self.entries.get(key)
+                if e is None:
+                    nbytes = sum(a.nbytes for a in c.arrays())
+                    tokens = token_bytes(seq.tokens[: c.length])
+                    self.entries[key] = PrefixEntry(key, c.length, tokens, c.blocks, c.state, c.tail, nbytes)
+                    self.nbytes += nbytes
+                    while self.nbytes > self.budget and self._evict_one():
+                        pass
+                    continue
+                if e.tokens == token_bytes(seq.tokens[: c.length]):
+                    self.entries.move_to_end(key)  # published by another sequence of the same step
+            self.pool.free(c.blocks)  # a duplicate, a collision or a cancelled sequence: drop the references
+
+    # ---- eviction
+    def _evict_one(self, counted: bool = True) -> bool:
+        """Drop the least recently used entry nobody is restoring; False when there is none."""
+        for key, e in self.entries.items():
+            if e.pins == 0:
+                del self.entries[key]
+                self.pool.free(e.blocks)
+                self.nbytes -= e.nbytes
+                self.counters["prefix_evictions"] += counted
+                return True
+        return False
+
+    def evict_for_blocks(self, n: int) -> bool:
+        """Evict LRU entries until the pool has n free bundles (before anyone is preempted); False if it can't."""
+        while self.pool.num_free < n:
+            if not self._evict_one():
+                return False
+        return True
+
+    def clear(self) -> int:
+        """Drop every entry not pinned by a pending restore; returns how many were dropped."""
+        n = 0
+        while self._evict_one(counted=False):
+            n += 1
+        return n
+
+    def stats(self) -> dict:
+        return {**self.counters, "prefix_entries": len(self.entries), "prefix_bytes": self.nbytes}
+
+
+def empty_stats() -> dict:
+    """stats() of a cache that is off: the same keys, all zero."""
+    return dict.fromkeys(
+        ("prefix_lookups", "prefix_hits", "prefix_hit_tokens", "prefix_query_tokens", "prefix_evictions",
+         "prefix_entries", "prefix_bytes"), 0)
