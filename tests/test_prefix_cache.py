@@ -112,6 +112,28 @@ def test_prefill_chunks_end_on_interval_boundaries():
     assert chunks == [[("a", 0, 16), ("b", 0, 10)], [("a", 16, 16), ("b", 10, 1)], [("a", 32, 8)]]
 
 
+def test_an_entry_being_restored_is_pinned_against_eviction():
+    pool = BlockPool(6)
+    cache = pc.PrefixCache(pool, 8, 4, 1 << 20, "x")
+    sch = Scheduler(pool, 1, 16, 4, prefix_cache=cache)
+    owner = Sequence("owner", list(range(12)), greedy(1), seed=0)
+    owner.block_table = pool.allocate(2)
+    cap = pc.Capture(owner, 8, list(owner.block_table), [mx.zeros((1, 2))], None)
+    pool.share(cap.blocks)
+    cache.publish([cap])
+    pool.free(owner.block_table)  # the owner finished: only the entry holds blocks 0, 1
+    (e,) = entries(SimpleNamespace(prefix=cache))
+    seq = Sequence("s", list(range(12)), greedy(1), seed=0)
+    sch.add(seq)
+    sch._admit()
+    assert (seq.kv_valid, seq.block_table, seq.restore, e.pins) == (8, [0, 1], e, 1)
+    assert cache.clear() == 0 and not cache.evict_for_blocks(6) and cache.entries
+    assert [pool.ref_counts[b] for b in e.blocks] == [2, 2]
+    sch.release(seq)  # left before its restore was launched: unpinned
+    assert e.pins == 0 and seq.restore is None and cache.clear() == 1
+    assert pool.num_free == 6 and all(r == 0 for r in pool.ref_counts)
+
+
 # ---- exact behaviour of the engine
 def test_hits_share_bundles_and_ref_counts_return(model):
     eng = Engine(model, slots=2, step_tokens=32, block_tokens=8, num_blocks=40, prefix_interval=16)
@@ -195,6 +217,9 @@ def test_lru_eviction_order_under_a_small_budget(model):
     s = eng.stats()
     assert (s["prefix_evictions"], s["prefix_entries"], s["prefix_bytes"]) == (1, 2, 2 * per_entry)
     assert eng.pool.num_free == 40 - 4  # p2's two blocks went back with its entry
+    (stale,) = eng.generate([p2[:16] + [5]], greedy(1))  # no stale key points at p2's reused blocks
+    assert stale.cached_tokens == 0
+    assert_reference(model, p2[:16] + [5], stale)
     assert_idle_after_clear(eng)
     with pytest.raises(ValueError, match="less than one snapshot"):
         Engine(model, slots=1, block_tokens=8, num_blocks=8, prefix_interval=16, prefix_cache_bytes=per_entry - 1)
