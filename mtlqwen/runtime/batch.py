@@ -53,20 +53,21 @@ def pack(
     logits_rows, sampling, reset = [], [], []
     for s in plan.scheduled:
         seq = s.seq
-        for p in range(s.start, s.start + s.num_tokens):
+        for p in range(s.start, s.start + s.num_tokens - s.drafts):
             if p < len(seq.tokens):
                 ids.append(seq.tokens[p])
             else:  # the anchor the in-flight step is sampling
                 anchor_at.append(len(ids))
                 anchor_src.append(prev_rows[seq])
                 ids.append(0)
+        ids.extend([0] * s.drafts)  # a verification's draft slots: speculative.py scatters the proposals in
         qsl.append(len(ids))
         kv_valid.append(s.start)
         tables.append(list(seq.block_table))
         rows.append(seq.slot)
         if s.fresh:
             reset.append(seq.slot)
-        if s.samples:
+        if s.samples and not s.drafts:  # a verification's rows are scored by speculative.py
             logits_rows.append(len(ids) - 1)
             sampling.append(s)
     num_tokens, pad = len(ids), 0
@@ -84,5 +85,7 @@ def pack(
     if anchor_at:
         input_ids[mx.array(anchor_at)] = prev_tokens[mx.array(anchor_src)]
     layout = SeqLayout(qsl, kv_valid, tables, rows, block_tokens)
+    if any(s.drafts for s in plan.scheduled):
+        layout.verify = [s.drafts > 0 for s in plan.scheduled] + [False] * (len(kv_valid) - len(plan.scheduled))
     lr = mx.array(logits_rows, dtype=mx.int32) if logits_rows else None
     return PackedBatch(input_ids, layout, lr, sampling, reset, num_tokens, pad)

@@ -27,6 +27,7 @@ from .outputs import Delta, Output, TextState
 from .prefix_cache import DEFAULT_CACHE_BYTES, Capture, PrefixCache, empty_stats, model_identity
 from .sampling import SamplingParams, sample
 from .scheduler import ScheduledSeq, Scheduler, StepPlan
+from .speculative import Speculator, load_draft
 from .sequence import Sequence, SeqStatus
 
 
@@ -36,6 +37,7 @@ class _InFlight:
     tokens: mx.array | None  # [R] sampled ids, still on the device
     rows: dict[Sequence, int]  # row of each sampling sequence in `tokens`
     captures: list[Capture] = field(default_factory=list)  # prefix-cache snapshots, published at read-back
+    spec: Any = None  # speculative._Verification: the step's verifying sequences, applied at read-back
 
 
 def _as_params(sampling) -> SamplingParams:
@@ -70,6 +72,10 @@ class Engine:
     prefix_interval: tokens between prefix-cache snapshots, e.g. 512 (0, the default, = no prefix cache);
     prefix_cache_bytes: the snapshots' memory budget (default 1 GiB), LRU-evicted (prefix_cache.py).
 
+    draft: a DFlash drafter (Drafter, directory or repo id) for speculative decoding; n_draft: drafts per
+    step (default the drafter's block_size - 1, capped so every slot can verify within step_tokens);
+    a request opts out with SamplingParams(speculative=False) (speculative.py).
+
     Not thread-safe: one thread calls submit/step/cancel (a server feeds it through a queue)."""
 
     def __init__(
@@ -86,6 +92,8 @@ class Engine:
         seed: int | None = None,
         prefix_interval: int = 0,
         prefix_cache_bytes: int | None = None,
+        draft=None,
+        n_draft: int | None = None,
     ):
         if isinstance(model_or_path, (str, Path)):
             from ..model import load, resolve_model_path  # noqa: PLC0415
@@ -106,8 +114,10 @@ class Engine:
         ctx = self.config.max_position_embeddings
         self.max_model_len = min(ctx, max_model_len) if max_model_len else ctx
         self.block_tokens, self.step_tokens, self.slots = block_tokens, step_tokens, slots
+        drafter, n_draft = load_draft(model, draft, n_draft, slots, step_tokens)
         self.num_blocks = resolve_num_blocks(
-            self.config, model.dtype, block_tokens, slots, self.max_model_len, num_blocks, kv_bytes
+            self.config, model.dtype, block_tokens, slots, self.max_model_len, num_blocks, kv_bytes,
+            Speculator.bytes_per_block(drafter, block_tokens, model.dtype),  # drafter K/V share the bundles
         )
         per_block = ModelCache.bytes_per_block(self.config, block_tokens, model.dtype)
         budget = DEFAULT_CACHE_BYTES if prefix_cache_bytes is None else prefix_cache_bytes
@@ -120,10 +130,13 @@ class Engine:
             per_entry = ModelCache.bytes_per_slot(self.config, model.dtype)
             if prefix_interval % block_tokens:  # plus the copy of the partial last block
                 per_entry += per_block
-            self.prefix = PrefixCache(self.pool, prefix_interval, block_tokens, budget, model_identity(model), per_entry)
+            identity = model_identity(model, getattr(drafter, "source", drafter))  # entries carry drafter rows
+            self.prefix = PrefixCache(self.pool, prefix_interval, block_tokens, budget, identity, per_entry)
         self.scheduler = Scheduler(self.pool, slots, step_tokens, block_tokens, prefix_cache=self.prefix)
         # one spare bundle and slot beyond what the scheduler hands out: the padding sequence's scratch
         self.cache = model.make_cache(self.num_blocks + 1, slots + 1, block_tokens)
+        self.spec = None if drafter is None else Speculator(
+            model, drafter, n_draft, self.cache, self.prefix.interval if self.prefix is not None else 0)
         self.scratch = (slots, self.num_blocks)
         self.pad_buckets = bool(pad_buckets)
         self.buckets = token_buckets(step_tokens) if self.pad_buckets else None
@@ -205,6 +218,11 @@ class Engine:
 
     def _step(self) -> list[Delta]:
         deltas, self._events = self._events, []
+        if self.spec is not None:
+            if self._inflight is not None and self.spec.must_sync(self._inflight):
+                deltas += self._commit(self._inflight)  # drafting needs its tokens and kv_valid on the host
+                self._inflight = None
+            self.spec.plan(self._seqs.values())
         plan = self.scheduler.schedule()
         launched = self._launch(plan) if plan.scheduled else None
         if self._inflight is not None:
@@ -230,7 +248,10 @@ class Engine:
                 pool[rows] = 0
         if self.prefix is not None:  # prefix-cache hits: their snapshot replaces the zeroed state
             self.prefix.restore([s.seq for s in scheduled if s.fresh], cache)
-        if plan_batch.logits_rows is None:  # mid-prompt chunks only: no head, no sampling
+        spec = None
+        if self.spec is not None:  # drafting, taps, verification (speculative.py)
+            tokens, spec = self.spec.launch(plan, plan_batch, cache)
+        elif plan_batch.logits_rows is None:  # mid-prompt chunks only: no head, no sampling
             self.model.hidden(plan_batch.input_ids, plan_batch.layout, cache)
             tokens = None
         else:
@@ -239,7 +260,7 @@ class Engine:
             tokens = sample(logits, [s.seq.params for s in samp], [s.seq.seed for s in samp], [s.sample_index for s in samp])
         caps = self.prefix.capture(scheduled, cache) if self.prefix is not None else []
         mx.async_eval(*([tokens] if tokens is not None else []), *cache.arrays(), *(a for c in caps for a in c.arrays()))
-        return _InFlight(plan_batch.sampling, tokens, {s.seq: r for r, s in enumerate(plan_batch.sampling)}, caps)
+        return _InFlight(plan_batch.sampling, tokens, {s.seq: r for r, s in enumerate(plan_batch.sampling)}, caps, spec)
 
     def _commit(self, flight: _InFlight) -> list[Delta]:
         """Read the step's tokens (the one sync) and apply them: append, check stops, finish."""
@@ -247,23 +268,27 @@ class Engine:
         now = time.perf_counter()
         new: dict[Sequence, list[int]] = {}
         done: dict[Sequence, str] = {}
-        for s, tok in zip(flight.sampling, tokens):
+        runs = [(s, [tok]) for s, tok in zip(flight.sampling, tokens)]
+        if flight.spec is not None:  # each verification yields its accepted drafts + one token
+            runs += self.spec.commit(flight.spec)
+        for s, toks in runs:
             seq = s.seq
             seq.pending -= 1
-            if seq.status is SeqStatus.FINISHED or seq in done:
-                continue  # finished or cancelled after this step was launched
-            seq.tokens.append(tok)
-            new.setdefault(seq, []).append(tok)
-            self.counters["generated_tokens"] += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            p = seq.params
-            if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
-                done[seq] = "stop"
-            elif seq.text is not None and seq.text.add(tok):
-                done[seq] = "stop_string"
-            elif len(seq.tokens) - seq.prompt_len >= p.max_tokens:
-                done[seq] = "length"
+            for tok in toks:
+                if seq.status is SeqStatus.FINISHED or seq in done:
+                    break  # finished or cancelled after this step was launched, or stopped inside a run
+                seq.tokens.append(tok)
+                new.setdefault(seq, []).append(tok)
+                self.counters["generated_tokens"] += 1
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                p = seq.params
+                if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
+                    done[seq] = "stop"
+                elif seq.text is not None and seq.text.add(tok):
+                    done[seq] = "stop_string"
+                elif len(seq.tokens) - seq.prompt_len >= p.max_tokens:
+                    done[seq] = "length"
         if flight.captures:  # every captured prefix's tokens are on the host now
             self.prefix.publish(flight.captures)
         deltas = []
@@ -357,6 +382,7 @@ class Engine:
             **self.scheduler.stats(),
             **self.counters,
             **(self.prefix.stats() if self.prefix is not None else empty_stats()),
+            **(self.spec.stats() if self.spec is not None else {}),
         }
         return s
 

@@ -52,6 +52,7 @@ class ScheduledSeq:
     samples: bool  # the chunk reaches the end of the request, so its last row is sampled
     sample_index: int  # which generated token it samples (0 = first), for the per-token PRNG key
     fresh: bool  # first chunk since admission: zero the slot's GDN state before the step
+    drafts: int = 0  # a speculative verification: the anchor then this many drafts (positions past the request)
 
 
 @dataclass
@@ -139,8 +140,9 @@ class Scheduler:
 
     # ---- the per-step plan
     def token_counts(self, seqs: list[Sequence]) -> list[int]:
-        """Decoding sequences send their anchor; prefilling ones split what is left (split_budget)."""
-        counts = [s.need if s.need <= self.decode_tokens else 0 for s in seqs]
+        """Decoding sequences send their anchor (+ spec_drafts when speculating); prefilling ones split
+        what is left (split_budget)."""
+        counts = [s.need + (s.spec_drafts if s.need == 1 else 0) if s.need <= self.decode_tokens else 0 for s in seqs]
         pre = [i for i, s in enumerate(seqs) if s.need > self.decode_tokens]
         shares = split_budget([seqs[i].need for i in pre], self.step_tokens - sum(counts))
         for i, n in zip(pre, shares):
@@ -168,9 +170,10 @@ class Scheduler:
             seq.block_table.extend(self.pool.allocate(self._new_blocks(seq, n)))
             # shared (prefix-cache) bundles are whole blocks below kv_valid: a step never writes one
             assert all(self.pool.ref_counts[b] == 1 for b in seq.block_table[seq.kv_valid // self.block_tokens :])
-            samples = seq.kv_valid + n == seq.num_tokens
-            plan.scheduled.append(ScheduledSeq(seq, seq.kv_valid, n, samples, seq.num_generated, seq.fresh))
-            seq.kv_valid += n
+            drafts = max(0, seq.kv_valid + n - seq.num_tokens)  # a verification runs past the request
+            samples = seq.kv_valid + n - drafts == seq.num_tokens
+            plan.scheduled.append(ScheduledSeq(seq, seq.kv_valid, n, samples, seq.num_generated, seq.fresh, drafts))
+            seq.kv_valid += n - drafts  # drafts count once accepted (Speculator.commit)
             seq.fresh = False
             if samples:
                 seq.pending += 1

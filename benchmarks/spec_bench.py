@@ -1,0 +1,206 @@
+"""Speculative-decoding step cost: one speculative step (draft + verify of n_draft + 1 tokens + commit)
+against one plain decode step, and the speed-up that implies for a given acceptance length.
+
+    python benchmarks/spec_bench.py                       # Qwen3.5-9B shape, 4-bit g64 target, 9B drafter shape (bf16)
+    python benchmarks/spec_bench.py --shape demo --prompt-len 32 --steps 3 --warmup 1   # CPU smoke run
+
+Weights are random (no download): the target is `random_model(qwen35_9b_config(), quantize=QuantSpec(4, 64))`;
+the drafter has the published z-lab/Qwen3.5-9B-DFlash shape (5 layers, hidden 4096, 32 heads, 8 KV heads,
+head_dim 128, intermediate 12288, taps [1, 8, 15, 22, 29], mask 248070), built in memory. A random drafter
+accepts ~nothing, which does not matter here: a step's cost does not depend on how many drafts it accepts
+(beyond the commit's gathers), so acceptance enters only through the formula
+
+    speed-up(tau) = tau * T_plain / T_spec          (tau = tokens per speculative step, bonus included)
+
+Measured per (sequences S, n_draft):
+  engine   wall time per Engine.step() in steady state, every sequence decoding (S requests, EOS
+           ignored): plain engine (pipelined) vs speculative engine (synchronous: drafting needs the
+           previous step's tokens). This is the number the speed-up uses.
+  parts    the same batch through the model alone: plain decode forward, drafter pass, verification
+           forward (taps + candidate states), each timed with a sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+
+from mtlqwen.kernels import SeqLayout
+from mtlqwen.model import QuantSpec
+from mtlqwen.model.dflash import Drafter, drafter_shapes
+from mtlqwen.model.dflash_config import parse_dflash_config
+from mtlqwen.runtime import Engine, SamplingParams
+from mtlqwen.runtime.block_pool import BlockPool
+
+TAUS = (3, 5, 7)
+
+
+def drafter_raw(shape: str, target_config) -> dict:
+    """The config.json body of the drafter: the published 9B drafter, or a small one for --shape demo."""
+    if shape == "9b":
+        dims = dict(hidden_size=4096, num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                    intermediate_size=12288, taps=[1, 8, 15, 22, 29], mask=248070, theta=1e7)
+    else:
+        dims = dict(hidden_size=target_config.hidden_size, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, intermediate_size=384, taps=[1, 4, 6],
+                    mask=target_config.vocab_size - 1, theta=1e6)
+    return {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
+        **{k: dims[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                "head_dim", "intermediate_size")},
+        "vocab_size": target_config.vocab_size, "rms_norm_eps": 1e-6, "rope_theta": dims["theta"],
+        "max_position_embeddings": 262144, "block_size": 16, "num_target_layers": target_config.num_hidden_layers,
+        "dflash_config": {"mask_token_id": dims["mask"], "target_layer_ids": dims["taps"], "block_size": 16},
+    }
+
+
+def random_drafter(shape: str, target, bits: int = 0, dtype=mx.bfloat16) -> Drafter:
+    """Random weights of the published layout: linears N(0, 1/fan_in) in `dtype` (quantized when bits),
+    norms 1 + N(0, 0.1^2) fp32."""
+    config = parse_dflash_config(drafter_raw(shape, target.config))
+    weights = {}
+    for i, (name, shp) in enumerate(sorted(drafter_shapes(config).items())):
+        k = mx.random.key(7_000_003 + i)
+        if len(shp) == 1:
+            weights[name] = 1.0 + 0.1 * mx.random.normal(shp, key=k)
+        else:
+            weights[name] = (mx.random.normal(shp, key=k) / shp[-1] ** 0.5).astype(dtype)
+        mx.eval(weights[name])
+    if bits:
+        from mtlqwen.model.quantize import quantize_weights  # noqa: PLC0415
+
+        weights = quantize_weights(weights, config, QuantSpec(bits, 64))
+    return Drafter(config, weights, target)
+
+
+def build_target(shape: str, bits: int):
+    from mtlqwen.model import builtin  # noqa: PLC0415
+
+    config = builtin.qwen35_9b_config() if shape == "9b" else builtin.demo_config()
+    quant = QuantSpec(bits, 64) if bits else None
+    return builtin.random_model(config=config, seed=0, quantize=quant)
+
+
+def _timed(fn, repeats: int) -> float:
+    """Median wall ms of fn() (which must leave nothing lazy behind)."""
+    times = []
+    for _ in range(repeats):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        mx.synchronize()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def engine_step_ms(model, drafter, S: int, n: int, args) -> float:
+    """Steady-state ms per Engine.step() with S decoding requests (n = 0: no drafter)."""
+    gen = (args.warmup + args.steps) * (n + 1) + 8  # long enough that no step's drafts are capped
+    bt = 128
+    eng = Engine(model, slots=S, step_tokens=max(128, S * (n + 1)), block_tokens=bt,
+                 num_blocks=S * BlockPool.blocks_for(args.prompt_len + gen, bt) + 1,
+                 draft=drafter if n else None, n_draft=n or None, prefix_interval=0)
+    prompts = mx.random.randint(0, model.config.vocab_size, (S, args.prompt_len), key=mx.random.key(S)).tolist()
+    for p in prompts:
+        eng.submit(p, SamplingParams(max_tokens=gen, ignore_eos=True))
+    while len(eng.scheduler.running) < S or any(len(s.tokens) <= s.prompt_len for s in eng.scheduler.running):
+        eng.step()
+        if not eng.has_work():
+            raise RuntimeError("requests finished before the measurement")
+    for _ in range(args.warmup):
+        eng.step()
+    mx.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        eng.step()
+    mx.synchronize()
+    ms = 1e3 * (time.perf_counter() - t0) / args.steps
+    for rid in list(eng._seqs):
+        eng.cancel(rid)
+    return ms
+
+
+def part_ms(model, drafter, S: int, n: int, args) -> dict:
+    """Model-only times for one batch of S sequences at args.prompt_len context."""
+    bt, L = 128, args.prompt_len
+    nb = BlockPool.blocks_for(L + n + 1, bt)
+    cache = model.make_cache(S * nb, S, bt)
+    dcache = drafter.make_cache(cache)
+    tables = [list(range(i * nb, (i + 1) * nb)) for i in range(S)]
+    ids = mx.random.randint(0, model.config.vocab_size, (S * L,), key=mx.random.key(1)).astype(mx.int32)
+    pre = SeqLayout([i * L for i in range(S + 1)], [0] * S, tables, list(range(S)), bt)
+    _, taps = model.forward_with_taps(ids, pre, cache, drafter.tap_layers, mx.array([], dtype=mx.int32))
+    drafter.write_context(taps, pre, dcache)
+    mx.eval(cache.arrays(), dcache.arrays())
+    dec = SeqLayout(list(range(S + 1)), [L] * S, tables, list(range(S)), bt)
+    one = mx.zeros((S,), dtype=mx.int32)
+
+    def decode():  # the state written back is the same each time: positions and slots do not move
+        mx.eval(mx.argmax(model.forward(one, dec, cache), axis=-1), *cache.arrays())
+
+    def draft():
+        mx.eval(drafter.propose([0] * S, dec, dcache, n))
+
+    B = n + 1
+    ver = SeqLayout([i * B for i in range(S + 1)], [L] * S, tables, list(range(S)), bt, verify=[True] * S)
+    vids = mx.zeros((S * B,), dtype=mx.int32)
+
+    def verify():
+        logits, t = model.forward_with_taps(vids, ver, cache, drafter.tap_layers)
+        stash = [a for k, v in cache.candidates.items() if k != "layout" for a in v]
+        mx.eval(mx.argmax(logits, axis=-1), t, *stash, *cache.arrays())
+        cache.candidates = {}
+
+    return {name: _timed(fn, args.steps) for name, fn in (("decode", decode), ("draft", draft), ("verify", verify))}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=["9b", "demo"], default="9b")
+    ap.add_argument("--bits", type=int, default=4, help="target quantization bits (0 = bf16)")
+    ap.add_argument("--draft-bits", type=int, default=0, help="drafter quantization bits (0 = bf16, as published)")
+    ap.add_argument("--seqs", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--n-draft", type=int, nargs="+", default=[4, 8, 15])
+    ap.add_argument("--prompt-len", type=int, default=512, help="context of every sequence when measured")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps (and repeats of each part)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--no-parts", action="store_true", help="skip the model-only breakdown")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+
+    model = build_target(args.shape, args.bits)
+    drafter = random_drafter(args.shape, model, args.draft_bits)
+    print(f"device {mx.default_device()}, target {args.shape} ({f'{args.bits}-bit' if args.bits else 'bf16'}), "
+          f"drafter {drafter.config.num_hidden_layers} layers ({f'{args.draft_bits}-bit' if args.draft_bits else 'bf16'}), "
+          f"context {args.prompt_len}", flush=True)
+    rows = []
+    for S in args.seqs:
+        plain = engine_step_ms(model, None, S, 0, args)
+        for n in args.n_draft:
+            spec = engine_step_ms(model, drafter, S, n, args)
+            row = {"seqs": S, "n_draft": n, "plain_step_ms": plain, "spec_step_ms": spec, "ratio": spec / plain,
+                   "speedup": {t: (t * plain / spec if t <= n + 1 else None) for t in TAUS}}
+            if not args.no_parts:
+                row["parts_ms"] = part_ms(model, drafter, S, n, args)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print("\n| seqs | n_draft | plain step ms | spec step ms | spec / plain | " + " | ".join(f"speed-up at tau={t}" for t in TAUS)
+          + " | parts: decode / draft / verify ms |")
+    print("|---|---|---|---|---|" + "---|" * len(TAUS) + "---|")
+    for r in rows:
+        sp = " | ".join(f"{r['speedup'][t]:.2f}x" if r["speedup"][t] else "-" for t in TAUS)
+        parts = " / ".join(f"{r['parts_ms'][k]:.2f}" for k in ("decode", "draft", "verify")) if "parts_ms" in r else "-"
+        print(f"| {r['seqs']} | {r['n_draft']} | {r['plain_step_ms']:.2f} | {r['spec_step_ms']:.2f} | {r['ratio']:.2f} | {sp} | {parts} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "device": str(mx.default_device()), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

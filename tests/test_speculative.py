@@ -1,0 +1,359 @@
+"""Speculative decoding (DFlash drafter + target verification) on a tiny random Qwen3.5 and a tiny random
+drafter in the published layout (CPU): greedy outputs equal plain decoding whatever the acceptance,
+candidate GDN states commit exactly, drafter context tracks kv_valid; the knobs. Sampling:
+test_spec_sampling.py."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mtlqwen
+from dflash_checkpoints import write_tiny_drafter
+from hf_checkpoints import random_token_ids, write_tiny_checkpoint
+from mtlqwen import SeqLayout
+from mtlqwen.model.dflash import DrafterCache, load_drafter
+from mtlqwen.model.cache import ModelCache
+from mtlqwen.runtime import Engine, SamplingParams
+from mtlqwen.runtime.block_pool import BlockPool
+from mtlqwen.runtime.speculative import resolve_n_draft
+
+EOS = (508, 510)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return mtlqwen.load(ckpt)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(ckpt, tmp_path_factory):
+    return write_tiny_drafter(tmp_path_factory.mktemp("drafter"), ckpt, num_layers=2, block_size=16)
+
+
+@pytest.fixture(scope="module")
+def drafter(draft_dir, model):
+    return load_drafter(draft_dir, model)
+
+
+def greedy(n, **kw):
+    return SamplingParams(max_tokens=n, **kw)
+
+
+def assert_reference(model, prompt, out, max_tokens):
+    """test_engine.py's rule: every token is the argmax of the model run alone on prompt + the tokens
+    before it, or within 1e-4 x logit scale of it (a near-tie); the completion ends where it should."""
+    toks = out.token_ids
+    assert out.error is None and toks, out
+    rows = np.array(model.logits(prompt + toks[:-1]).astype(mx.float32))[len(prompt) - 1 :]
+    for k, (tok, row) in enumerate(zip(toks, rows)):
+        ref = int(row.argmax())
+        if tok != ref:
+            assert row[ref] - row[tok] <= 1e-4 * np.abs(row).max(), f"token {k}: engine {tok}, alone {ref}"
+    if any(t in EOS for t in toks):
+        assert toks.index(next(t for t in toks if t in EOS)) == len(toks) - 1 and out.finish_reason == "stop"
+    else:
+        assert len(toks) == max_tokens and out.finish_reason == "length"
+
+
+def assert_idle(eng):
+    s = eng.stats()
+    assert s["running"] == s["waiting"] == 0 and not eng.has_work()
+    assert eng.prefix is not None or eng.pool.num_free == eng.pool.num_blocks
+
+
+class Oracle:
+    """A proposer that knows each request's plain greedy continuation (`ref`: prompt -> full tokens) and
+    proposes it, each draft replaced by a wrong token with probability `noise` (0: full acceptance)."""
+
+    def __init__(self, ref: dict, noise: float = 0.0, seed: int = 0, vocab: int = 512):
+        self.ref, self.noise, self.rng, self.vocab = ref, noise, np.random.default_rng(seed), vocab
+
+    def __call__(self, seqs, layout, n):
+        rows = []
+        for s in seqs:
+            full = self.ref[tuple(s.seq.tokens[: s.seq.prompt_len])]
+            r = list(full[s.start + 1 : s.start + 1 + n])
+            r += [int(self.rng.integers(self.vocab)) for _ in range(n - len(r))]
+            rows.append([int(self.rng.integers(self.vocab)) if self.rng.random() < self.noise else t for t in r])
+        return mx.array(rows, dtype=mx.int32), None
+
+
+def plain_outputs(model, prompts, sps, **kw):
+    return Engine(model, prefix_interval=0, **kw).generate(prompts, sps)
+
+
+# ------------------------------------------------------------------------------- model: candidate states
+@pytest.mark.parametrize("k", [0, 2, 4])
+def test_commit_candidates_equals_plain_run_exactly(model, k):
+    """A batch of a prefill chunk + a verification of anchor + 4 drafts; after committing k accepted drafts
+    the slot's conv and recurrent states equal a plain run over anchor + k drafts, bit for bit, and the
+    other sequence's state and every logit row are those of plain runs."""
+    bt, prompt, other = 16, random_token_ids(21, 512, seed=1), random_token_ids(30, 512, seed=2)
+    ver = [7, 9, 11, 13, 15]
+
+    def prefilled():
+        c = model.make_cache(8, 3, bt)
+        model.hidden(mx.array(prompt, dtype=mx.int32), SeqLayout([0, 21], [0], [[3, 4]], [1], bt), c)
+        return c
+
+    c = prefilled()
+    lay = SeqLayout([0, 30, 35], [0, 21], [[0, 1], [3, 4]], [2, 1], bt, verify=[False, True])
+    logits = model.forward(mx.array(other + ver, dtype=mx.int32), lay, c)
+    model.commit_candidates(c, [k])
+    ref = prefilled()
+    ref_logits = model.forward(mx.array(ver[: k + 1], dtype=mx.int32), SeqLayout([0, k + 1], [21], [[3, 4]], [1], bt), ref)
+    alone = model.make_cache(8, 3, bt)
+    alone_logits = model.forward(mx.array(other, dtype=mx.int32), SeqLayout([0, 30], [0], [[0, 1]], [2], bt), alone)
+    for pools, ref_pools, alone_pools in ((c.conv_states, ref.conv_states, alone.conv_states),
+                                          (c.rec_states, ref.rec_states, alone.rec_states)):
+        for p, r, a in zip(pools, ref_pools, alone_pools):
+            assert np.array_equal(np.array(p[1]), np.array(r[1]))
+            assert np.array_equal(np.array(p[2]), np.array(a[2]))
+    assert np.array_equal(np.array(logits[30 : 31 + k]), np.array(ref_logits))
+    assert np.array_equal(np.array(logits[:30]), np.array(alone_logits))
+    assert c.candidates == {}
+    with pytest.raises(RuntimeError):
+        model.commit_candidates(c, [k])
+
+
+# ------------------------------------------------------------------------------------- engine: greedy
+def test_oracle_drafter_reaches_full_acceptance(model, drafter):
+    prompts = [random_token_ids(n, 512, seed=100 + n) for n in (9, 40, 23)]
+    n_draft, max_tokens = 4, 11  # 1 plain token, then 2 full steps of 5
+    sp = greedy(max_tokens, ignore_eos=True)
+    base = plain_outputs(model, prompts, sp, slots=3, step_tokens=32, block_tokens=16, num_blocks=30)
+    eng = Engine(model, slots=3, step_tokens=32, block_tokens=16, num_blocks=30, draft=drafter, n_draft=n_draft,
+                 prefix_interval=0)
+    eng.spec.propose = Oracle({tuple(p): p + o.token_ids for p, o in zip(prompts, base)})
+    outs = eng.generate(prompts, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    s = eng.stats()
+    assert s["draft_tokens"] == s["accepted_tokens"] == 3 * 2 * n_draft
+    assert s["mean_acceptance_length"] == n_draft + 1 and s["spec_steps"] == 6
+    assert_idle(eng)
+
+
+def test_garbage_drafter_accepts_about_nothing_and_changes_nothing(model, drafter):
+    prompts = [random_token_ids(n, 512, seed=200 + n) for n in (17, 3, 33)]
+    sp = greedy(14)
+    eng = Engine(model, slots=3, step_tokens=64, block_tokens=16, num_blocks=40, draft=drafter, prefix_interval=0)
+    assert eng.spec.n_draft == 15
+    oracle = Oracle({}, vocab=512, seed=3)
+    eng.spec.propose = lambda seqs, layout, n: (mx.array(oracle.rng.integers(0, 512, (len(seqs), n)), dtype=mx.int32), None)
+    outs = eng.generate(prompts, sp)
+    for p, o in zip(prompts, outs):
+        assert_reference(model, p, o, 14)
+    base = plain_outputs(model, prompts, sp, slots=3, step_tokens=64, block_tokens=16, num_blocks=40)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    s = eng.stats()
+    assert s["spec_steps"] > 0 and s["mean_acceptance_length"] < 1.2
+    # and the real (random-weight) drafter, through the real drafting path
+    eng = Engine(model, slots=3, step_tokens=64, block_tokens=16, num_blocks=40, draft=drafter, n_draft=3)
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == [o.token_ids for o in base]
+    assert eng.stats()["draft_tokens"] > 0
+
+
+def test_state_and_drafter_context_after_partial_accepts(model, drafter):
+    """Each step accepts a different number of drafts (0..n). Whenever a verification is launched, the
+    slot's GDN state must be that of a plain token-by-token run over the committed tokens (exact), and
+    the drafter context rows must exist exactly for positions < kv_valid (= the one-shot projection of
+    the committed tokens' taps; zero past it)."""
+    prompt, n_draft, bt = random_token_ids(19, 512, seed=7), 4, 16
+    sp = greedy(40, ignore_eos=True)
+    (base,) = plain_outputs(model, [prompt], sp, slots=1, step_tokens=32, block_tokens=bt, num_blocks=8)
+    full = prompt + base.token_ids
+    eng = Engine(model, slots=1, step_tokens=32, block_tokens=bt, num_blocks=8, draft=drafter, n_draft=n_draft,
+                 prefix_interval=0)
+    calls = []
+
+    def partial(seqs, layout, n):
+        j = len(calls) % (n + 1)  # correct drafts this step
+        calls.append(j)
+        (s,) = seqs
+        r = full[s.start + 1 : s.start + 1 + n] + [0] * n
+        return mx.array([r[:j] + [(t + 1) % 500 for t in r[j:n]]], dtype=mx.int32), None
+
+    eng.spec.propose = partial
+    eng.submit(prompt, sp)
+    checked = 0
+    while eng.has_work():
+        eng.step()
+        fl = eng._inflight
+        if fl is None or fl.spec is None:
+            continue
+        (s,) = fl.spec.seqs
+        P, seq = s.start, s.seq
+        assert seq.tokens == full[: P + 1]
+        # plain run: the prompt in one chunk (as the engine did), then one token per step
+        ref = model.make_cache(8, 1, bt)
+        table = list(range(8))
+        model.hidden(mx.array(prompt, dtype=mx.int32), SeqLayout([0, len(prompt)], [0], [table], [0], bt), ref)
+        for p in range(len(prompt), P):
+            model.hidden(mx.array([full[p]], dtype=mx.int32), SeqLayout([0, 1], [p], [table], [0], bt), ref)
+        slot = seq.slot
+        for a, b in zip(eng.cache.conv_states + eng.cache.rec_states, ref.conv_states + ref.rec_states):
+            assert np.array_equal(np.array(a[slot]), np.array(b[0]))
+        assert_drafter_context(eng, seq, P, model, drafter)  # the anchor's row comes with its acceptance
+        checked += 1
+    assert checked >= 5 and set(calls) >= {0, 1, 2, 3, 4}
+    assert eng.stats()["accepted_tokens"] > 0
+    assert eng.generate([prompt], sp)[0].token_ids == base.token_ids
+
+
+def assert_drafter_context(eng, seq, P, model, drafter, zero_past=True):
+    """seq's drafter rows for positions < P equal the one-shot projection of its tokens' taps; rows from P
+    to the end of its blocks are zero (never written) when zero_past."""
+    bt, nb = eng.block_tokens, len(seq.block_table)
+    table = list(range(nb))
+    ref = model.make_cache(nb, 1, bt)
+    dref = DrafterCache.like(drafter.config, ref)
+    lay = SeqLayout([0, P], [0], [table], [0], bt)
+    _, taps = model.forward_with_taps(mx.array(seq.tokens[:P], dtype=mx.int32), lay, ref, drafter.tap_layers,
+                                      mx.array([], dtype=mx.int32))
+    drafter.write_context(taps, lay, dref)
+    for got, want in zip(eng.spec.dcache.arrays(), dref.arrays()):
+        g = np.array(got[mx.array(seq.block_table)]).reshape(-1, *got.shape[2:])
+        w = np.array(want).reshape(-1, *want.shape[2:])
+        np.testing.assert_allclose(g[:P], w[:P], rtol=1e-4, atol=1e-4)
+        assert not zero_past or not g[P:].any()
+
+
+def test_drafter_context_through_chunked_prefill_and_prefix_hits(model, drafter):
+    """A request that hits the prefix cache (an entry whose last block is partial, so its K/V, drafter
+    rows included, are copied) and prefills the rest in chunks, then drafts with the real drafter: its
+    drafter context equals the one-shot one whenever it verifies, and its output equals plain decoding."""
+    base_prompt = random_token_ids(45, 500, seed=21)
+    prompts = [base_prompt, base_prompt[:41] + random_token_ids(30, 500, seed=22)]
+    sp = greedy(12, ignore_eos=True)
+    plain = plain_outputs(model, prompts, sp, slots=1, step_tokens=16, block_tokens=16, num_blocks=12)
+    eng = Engine(model, slots=1, step_tokens=16, block_tokens=16, num_blocks=12, draft=drafter, n_draft=3,
+                 prefix_interval=20)
+    (first,) = eng.generate(prompts[:1], sp)
+    rid = eng.submit(prompts[1], sp)
+    checked, out = 0, None
+    while eng.has_work():
+        for d in eng.step():
+            if d.finished and d.request_id == rid:
+                out = d.output
+        fl = eng._inflight
+        if fl is not None and fl.spec is not None:
+            (s,) = fl.spec.seqs
+            assert_drafter_context(eng, s.seq, s.start, model, drafter, zero_past=False)
+            checked += 1
+    assert checked >= 3 and eng.stats()["prefix_hits"] == 1 and out.cached_tokens == 40
+    assert [first.token_ids, out.token_ids] == [o.token_ids for o in plain]
+
+
+@st.composite
+def spec_workloads(draw):
+    slots = draw(st.integers(1, 4))
+    n_draft = draw(st.sampled_from([1, 3, 7, 15]))
+    shared = random_token_ids(draw(st.integers(0, 40)), 500, seed=draw(st.integers(0, 99)))
+    lens = draw(st.lists(st.integers(1, 40), min_size=3, max_size=8))
+    reqs = [(draw(st.integers(0, 6)), shared[: draw(st.integers(0, len(shared)))] + random_token_ids(n, 500, seed=s),
+             draw(st.integers(1, 24)), draw(st.booleans()))
+            for n, s in zip(lens, draw(st.lists(st.integers(0, 2**20), min_size=len(lens), max_size=len(lens))))]
+    return dict(
+        slots=slots, n_draft=n_draft, reqs=reqs,
+        step_tokens=draw(st.integers(slots * (n_draft + 1), max(64, slots * (n_draft + 1)))),
+        block_tokens=draw(st.sampled_from([8, 16])),
+        prefix_interval=draw(st.sampled_from([0, 16, 24])),
+        noise=draw(st.sampled_from([0.0, 0.3, 1.0])),
+        extra_blocks=draw(st.integers(0, 12)),
+    )
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(w=spec_workloads())
+def test_random_workloads_with_speculation_match_plain_decoding(model, drafter, w):
+    """Speculating sequences share steps with prefilling ones (arrivals staggered), across block and
+    prefix-interval boundaries, with preemptions under tight pools, some requests opted out; outputs
+    equal plain decoding token for token except at near-ties."""
+    bt = w["block_tokens"]
+    requests = [(arr, p, greedy(mt, speculative=spec)) for arr, p, mt, spec in w["reqs"]]
+    need = max(BlockPool.blocks_for(len(p) + sp.max_tokens - 1, bt) for _, p, sp in requests)
+    kw = dict(slots=w["slots"], step_tokens=w["step_tokens"], block_tokens=bt, num_blocks=need + w["extra_blocks"])
+    base = plain_outputs(model, [p for _, p, _ in requests], [sp for _, _, sp in requests], **kw)
+    eng = Engine(model, draft=drafter, n_draft=w["n_draft"], prefix_interval=w["prefix_interval"], **kw)
+    eng.spec.propose = Oracle({tuple(p): p + o.token_ids for (_, p, _), o in zip(requests, base)}, w["noise"])
+    outs, ids, step = {}, {}, 0
+    while len(outs) < len(requests):
+        for i, (arrive, prompt, sp) in enumerate(requests):
+            if arrive == step:
+                ids[eng.submit(prompt, sp)] = i
+        for d in eng.step():
+            if d.finished:
+                outs[ids[d.request_id]] = d.output
+        step += 1
+        assert step < 5000
+    for (_, prompt, sp), o, b in zip(requests, [outs[i] for i in range(len(requests))], base):
+        if o.token_ids != b.token_ids:
+            assert_reference(model, prompt, o, sp.max_tokens)
+    s = eng.stats()
+    assert s["generated_tokens"] == sum(len(outs[i].token_ids) for i in outs)
+    if w["noise"] == 0.0:  # only drafts past a stop token (the oracle has no continuation there) fail
+        stopped = sum(outs[i].finish_reason == "stop" for i in outs)
+        assert s["accepted_tokens"] >= s["draft_tokens"] - stopped * w["n_draft"]
+    while eng.has_work():  # a step launched before the last stop was read back
+        eng.step()
+    s = eng.stats()
+    assert s["running"] == s["waiting"] == 0
+
+
+# ------------------------------------------------------------------------------------------- knobs
+def test_knobs_opt_out_stats_and_memory(model, drafter, draft_dir):
+    assert resolve_n_draft(16, None, 8, 128) == 15
+    assert resolve_n_draft(16, None, 8, 64) == 7  # capped: 8 slots x 8 tokens fill the step
+    assert resolve_n_draft(16, 4, 8, 128) == 4
+    for bad in (0, 16, 2.0, True):
+        with pytest.raises(ValueError, match="n_draft"):
+            resolve_n_draft(16, bad, 8, 128)
+    with pytest.raises(ValueError, match="exceeds step_tokens"):
+        resolve_n_draft(16, 15, 8, 64)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        Engine(model, num_blocks=8, n_draft=3)
+    with pytest.raises(ValueError, match="speculative"):
+        SamplingParams(speculative="yes")
+    # the pool budget counts the drafter's K/V per bundle
+    per = ModelCache.bytes_per_block(model.config, 16, model.dtype) + DrafterCache.bytes_per_block(drafter.config, 16, model.dtype)
+    eng = Engine(model, slots=2, step_tokens=32, block_tokens=16, kv_bytes=20 * per + 1, draft=str(draft_dir), prefix_interval=0)
+    assert eng.num_blocks == 20 and eng.spec.n_draft == 15
+    # opting out: no drafts, and the request keeps the pipelined plain path
+    prompt = random_token_ids(12, 512, seed=5)
+    (out,) = eng.generate([prompt], greedy(6, speculative=False))
+    assert_reference(model, prompt, out, 6)
+    s = eng.stats()
+    assert s["draft_tokens"] == s["accepted_tokens"] == s["spec_steps"] == 0 and s["mean_acceptance_length"] == 0
+    (out,) = eng.generate([prompt], greedy(6))
+    assert_reference(model, prompt, out, 6)
+    s = eng.stats()
+    assert s["spec_steps"] > 0 and s["mean_acceptance_length"] == (s["accepted_tokens"] + s["spec_steps"]) / s["spec_steps"]
+    # padded steps: the dummy sequence never verifies and never disturbs the others
+    prompts = [prompt, random_token_ids(29, 512, seed=6)]
+    eng = Engine(model, slots=2, step_tokens=32, block_tokens=16, num_blocks=12, pad_buckets=True, draft=drafter, n_draft=5)
+    outs = eng.generate(prompts, greedy(9))
+    assert eng.stats()["padding_tokens"] > 0 and eng.stats()["spec_steps"] > 0
+    for p, o in zip(prompts, outs):
+        assert_reference(model, p, o, 9)
+
+
+def test_server_passes_draft_to_the_engine(draft_dir, ckpt):
+    import argparse  # noqa: PLC0415
+
+    from mtlqwen.frontends.server import _engine_kwargs  # noqa: PLC0415
+
+    args = argparse.Namespace(draft=str(draft_dir), prefix_interval=None, slots=2, step_tokens=32, block_tokens=16,
+                              num_blocks=20, max_model_len=None)
+    kw = _engine_kwargs(args)
+    assert kw["draft"] == str(draft_dir)
+    eng = Engine(str(ckpt), **kw)
+    assert eng.spec is not None and eng.spec.drafter.source == str(draft_dir)
