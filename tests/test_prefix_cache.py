@@ -256,7 +256,7 @@ def test_a_hash_collision_is_a_miss(model, monkeypatch):
 
 
 def test_off_by_zero_interval_and_copy_on_write_for_partial_blocks(model):
-    off = Engine(model, slots=1, step_tokens=32, block_tokens=8, num_blocks=20)
+    off = Engine(model, slots=1, step_tokens=32, block_tokens=8, num_blocks=20, prefix_interval=0)
     assert off.prefix is None and off.stats()["prefix_entries"] == 0 and off.clear_prefix_cache() == 0
     # interval 12 with 8-token blocks: an entry shares one whole block and keeps a copy of the half one
     eng = Engine(model, slots=2, step_tokens=32, block_tokens=8, num_blocks=20, prefix_interval=12)
@@ -305,7 +305,7 @@ def test_shared_prefix_workloads_match_cache_off_and_each_request_alone(model, w
     kw = dict(slots=w["slots"], step_tokens=w["step_tokens"], block_tokens=w["bt"], num_blocks=w["num_blocks"])
     on = Engine(model, prefix_interval=w["interval"], **kw)
     outs_on = run_arrivals(on, w["reqs"])
-    outs_off = run_arrivals(Engine(model, **kw), w["reqs"])
+    outs_off = run_arrivals(Engine(model, prefix_interval=0, **kw), w["reqs"])
     for (_, prompt, _), o_on, o_off in zip(w["reqs"], outs_on, outs_off):
         if o_on.token_ids != o_off.token_ids:  # only where the reference has a near tie
             assert_reference(model, prompt, o_off)

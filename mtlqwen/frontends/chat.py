@@ -41,7 +41,7 @@ def register(subparsers) -> None:
                    help='chat template arguments, e.g. \'{"enable_thinking": false}\'')
     add_sampling_args(c, max_tokens=512)
     c.add_argument("--prefix-interval", type=int, default=None,
-                   help="prefix-cache checkpoint interval in tokens (when this build has a prefix cache)")
+                   help="prefix-cache snapshot interval in tokens (default: the engine's, 512; 0 turns the cache off)")
     c.add_argument("--verbose", "-v", action="store_true", help="print token counts and speed after each reply")
     c.add_argument("--debug-token-log", default=None, metavar="PATH",
                    help="debugging aid: append each turn's prompt and completion token ids (JSON lines) to PATH")

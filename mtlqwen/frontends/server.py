@@ -39,7 +39,7 @@ def register(subparsers) -> None:
     s.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: sized to the device)")
     s.add_argument("--max-model-len", type=int, default=None, help="context limit per request (default: the model's)")
     s.add_argument("--prefix-interval", type=int, default=None,
-                   help="prefix-cache checkpoint interval in tokens (when this build has a prefix cache)")
+                   help="prefix-cache snapshot interval in tokens (default: the engine's, 512; 0 turns the cache off)")
     s.add_argument("--chat-template-args", default=None, metavar="JSON",
                    help='default chat template arguments, e.g. \'{"enable_thinking": false}\' '
                         "(a request's chat_template_kwargs override them)")

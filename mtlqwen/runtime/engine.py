@@ -69,7 +69,7 @@ class Engine:
     and block). Off by default: MLX caches CUDA graphs by topology, not shape, and the kernels are
     specialised by dtype and head geometry, not by T, so padding would only add work; it is there
     for back-ends or compiled paths that key on shapes (runtime_bench.py --pad-buckets on measures it).
-    prefix_interval: tokens between prefix-cache snapshots, e.g. 512 (0, the default, = no prefix cache);
+    prefix_interval: tokens between prefix-cache snapshots (default 512; 0 turns the prefix cache off);
     prefix_cache_bytes: the snapshots' memory budget (default 1 GiB), LRU-evicted (prefix_cache.py).
 
     draft: a DFlash drafter (Drafter, directory or repo id) for speculative decoding; n_draft: drafts per
@@ -90,7 +90,7 @@ class Engine:
         max_model_len: int | None = None,
         pad_buckets: bool = False,
         seed: int | None = None,
-        prefix_interval: int = 0,
+        prefix_interval: int = 512,
         prefix_cache_bytes: int | None = None,
         draft=None,
         n_draft: int | None = None,
