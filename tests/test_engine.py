@@ -2,7 +2,6 @@
 request alone, whatever the batching, chunking, arrival times and preemptions; bad requests fail
 alone; cancellation, streaming, stops, memory behaviour."""
 
-import math
 
 import mlx.core as mx
 import numpy as np
@@ -10,25 +9,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import mtlqwen
 from mtlqwen.runtime import Engine, SamplingParams
 from mtlqwen.kernels import gpu_backend
 from mtlqwen.model import QuantSpec
 from mtlqwen.runtime.block_pool import BlockPool
 
-from hf_checkpoints import random_token_ids, write_tiny_checkpoint
+from hf_checkpoints import random_token_ids
 
 EOS = (508, 510)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def model(ckpt):
-    return mtlqwen.load(ckpt)
 
 
 def ref_logits(model, ids):

@@ -9,22 +9,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mtlqwen
 from dflash_checkpoints import write_tiny_drafter
-from hf_checkpoints import random_token_ids, write_tiny_checkpoint
+from hf_checkpoints import random_token_ids
 from mtlqwen.model.dflash import load_drafter
 from mtlqwen.runtime import Engine, SamplingParams
 from mtlqwen.runtime.rejection import probs, step_keys, verify_sampled
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def model(ckpt):
-    return mtlqwen.load(ckpt)
 
 
 @pytest.fixture(scope="module")

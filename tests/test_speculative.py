@@ -11,9 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import mtlqwen
 from dflash_checkpoints import write_tiny_drafter
-from hf_checkpoints import random_token_ids, write_tiny_checkpoint
+from hf_checkpoints import random_token_ids
 from mtlqwen import SeqLayout
 from mtlqwen.model.dflash import DrafterCache, load_drafter
 from mtlqwen.model.cache import ModelCache
@@ -22,16 +21,6 @@ from mtlqwen.runtime.block_pool import BlockPool
 from mtlqwen.runtime.speculative import resolve_n_draft
 
 EOS = (508, 510)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def model(ckpt):
-    return mtlqwen.load(ckpt)
 
 
 @pytest.fixture(scope="module")

@@ -77,6 +77,19 @@ def _chunked(q, k, v, g, beta, S):
     return o, St.transpose(0, 2, 1)
 
 
+def _head_major_inputs(q, k, v, a, b, A_log, dt_bias):
+    """Gates, normalised and scaled q/k expanded to the value heads (value head j reads key head j // r),
+    all fp32 and packed [T, Hv, ...]."""
+    Hv, dk = v.shape[1], q.shape[2]
+    r = Hv // q.shape[1]
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    qn = l2_normalize(q) * (dk**-0.5)
+    kn = l2_normalize(k)
+    if r > 1:
+        qn, kn = mx.repeat(qn, r, axis=1), mx.repeat(kn, r, axis=1)
+    return qn, kn, v.astype(mx.float32), g, beta
+
+
 def gated_delta_ref(
     q: mx.array,
     k: mx.array,
@@ -90,14 +103,7 @@ def gated_delta_ref(
 ) -> tuple[mx.array, mx.array]:
     """q, k [T, Hk, dk] (post-conv, not yet normalised), v [T, Hv, dv], a, b [T, Hv],
     state_pool [S, Hv, dv, dk] fp32. Returns o [T, Hv, dv] (v's dtype) and new states [B, Hv, dv, dk]."""
-    Hv, dk = v.shape[1], q.shape[2]
-    r = Hv // q.shape[1]
-    g, beta = gdn_gates(a, b, A_log, dt_bias)
-    qn = l2_normalize(q) * (dk**-0.5)
-    kn = l2_normalize(k)
-    if r > 1:  # value head j reads key head j // r
-        qn, kn = mx.repeat(qn, r, axis=1), mx.repeat(kn, r, axis=1)
-    vf = v.astype(mx.float32)
+    qn, kn, vf, g, beta = _head_major_inputs(q, k, v, a, b, A_log, dt_bias)
     outs, states = [], []
     for i in range(layout.num_seqs):
         s, e = layout.query_start_loc[i], layout.query_start_loc[i + 1]
@@ -124,14 +130,7 @@ def gated_delta_candidates_ref(
     """`gated_delta_ref` that also returns the state after every token (speculative verification keeps
     the one after the last accepted token): (o [T, Hv, dv], new states [B, Hv, dv, dk],
     all states [T, Hv, dv, dk] fp32, row t = the state of t's sequence after token t)."""
-    Hv, dk = v.shape[1], q.shape[2]
-    r = Hv // q.shape[1]
-    g, beta = gdn_gates(a, b, A_log, dt_bias)
-    qn = l2_normalize(q) * (dk**-0.5)
-    kn = l2_normalize(k)
-    if r > 1:
-        qn, kn = mx.repeat(qn, r, axis=1), mx.repeat(kn, r, axis=1)
-    vf = v.astype(mx.float32)
+    qn, kn, vf, g, beta = _head_major_inputs(q, k, v, a, b, A_log, dt_bias)
     outs, states, every = [], [], []
     for i in range(layout.num_seqs):
         s, e = layout.query_start_loc[i], layout.query_start_loc[i + 1]
