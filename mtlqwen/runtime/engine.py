@@ -208,7 +208,9 @@ class Engine:
         return True
 
     def has_work(self) -> bool:
-        return bool(self._seqs or self._inflight or self._events or self._held)
+        # A step still in flight when no request is left only holds tokens of finished requests (one
+        # that stopped on EOS was already sent into the next step): it reports nothing, so it is no work.
+        return bool(self._seqs or self._events or self._held)
 
     # ---- the loop
     def step(self) -> list[Delta]:
