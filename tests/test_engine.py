@@ -382,3 +382,32 @@ def test_no_work_left_after_a_stop_token(model):
     assert not eng.has_work()
     assert eng.step() == []
     assert_idle(eng)
+
+
+def test_next_step_is_launched_before_this_steps_tokens_are_read(model, monkeypatch):
+    """The one host/device overlap rule: step N+1's graph is built and launched before step N's sampled
+    tokens are read back (the only sync), so host work for N+1 runs while the device computes N."""
+    events = []
+    launch, commit = Engine._launch, Engine._commit
+
+    def spy_launch(self, plan):
+        flight = launch(self, plan)
+        events.append(("launch", flight))  # the objects themselves: ids could be reused
+        return flight
+
+    def spy_commit(self, flight):
+        events.append(("commit", flight))
+        return commit(self, flight)
+
+    monkeypatch.setattr(Engine, "_launch", spy_launch)
+    monkeypatch.setattr(Engine, "_commit", spy_commit)
+    eng = Engine(model, slots=2, step_tokens=32, block_tokens=16, num_blocks=8, prefix_interval=0)
+    eng.generate([random_token_ids(10, 512, seed=1), random_token_ids(3, 512, seed=2)], greedy(5))
+    def at(kind, flight):
+        return next(i for i, (k, f) in enumerate(events) if k == kind and f is flight)
+
+    launched = [f for kind, f in events if kind == "launch"]
+    assert len(launched) > 3
+    for i, flight in enumerate(launched[:-1]):
+        # the commit of step i comes after the launch of step i + 1
+        assert at("commit", flight) > at("launch", launched[i + 1])
