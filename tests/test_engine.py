@@ -14,54 +14,8 @@ from mtlqwen.kernels import gpu_backend
 from mtlqwen.model import QuantSpec
 from mtlqwen.runtime.block_pool import BlockPool
 
+from engine_checks import assert_idle, assert_reference, greedy, ref_logits, run_arrivals
 from hf_checkpoints import random_token_ids
-
-EOS = (508, 510)
-
-
-def ref_logits(model, ids):
-    return np.array(model.logits(ids).astype(mx.float32))
-
-
-def assert_reference(model, prompt, out, max_tokens):
-    """Each generated token is the argmax of the model run alone on prompt + the tokens before it
-    (teacher forcing), or within 1e-4 x logit scale of it; the completion ends where it should."""
-    toks = out.token_ids
-    assert out.error is None and toks, out
-    rows = ref_logits(model, prompt + toks[:-1])[len(prompt) - 1 :]
-    for k, (tok, row) in enumerate(zip(toks, rows)):
-        ref = int(row.argmax())
-        if tok != ref:
-            gap = row[ref] - row[tok]
-            assert gap <= 1e-4 * np.abs(row).max(), f"token {k}: engine {tok}, alone {ref} (gap {gap:.3g})"
-    if any(t in EOS for t in toks):
-        assert toks.index(next(t for t in toks if t in EOS)) == len(toks) - 1 and out.finish_reason == "stop"
-    else:
-        assert len(toks) == max_tokens and out.finish_reason == "length"
-
-
-def assert_idle(eng):
-    eng.clear_prefix_cache()  # entries hold bundle references by design; everything else must be free
-    st_ = eng.stats()
-    assert st_["free_blocks"] == st_["total_blocks"] and st_["running"] == st_["waiting"] == 0
-    assert st_["free_slots"] == eng.slots and not eng.has_work()
-    assert all(r == 0 for r in eng.pool.ref_counts)
-
-
-def run_arrivals(eng, requests):
-    """requests: (arrival step, prompt, SamplingParams). Returns outputs in request order."""
-    outs, ids, step = {}, {}, 0
-    while len(outs) < len(requests):
-        for i, (arrive, prompt, sp) in enumerate(requests):
-            if arrive == step:
-                ids[eng.submit(prompt, sp)] = i
-        for d in eng.step():
-            if d.finished:
-                outs[ids[d.request_id]] = d.output
-        step += 1
-        assert step < 20_000
-    return [outs[i] for i in range(len(requests))]
-
 
 @st.composite
 def workloads(draw):
@@ -98,10 +52,6 @@ def test_random_workloads_match_each_request_alone(model, w):
         assert_reference(model, prompt, out, sp.max_tokens)
     assert_idle(eng)
     assert eng.stats()["generated_tokens"] == sum(len(o.token_ids) for o in outs)
-
-
-def greedy(max_tokens, **kw):
-    return SamplingParams(max_tokens=max_tokens, **kw)
 
 
 def test_preemption_under_a_tight_pool_is_exact(model):

@@ -5,7 +5,6 @@ import struct
 from types import SimpleNamespace
 
 import mlx.core as mx
-import numpy as np
 import pytest
 import xxhash
 from hypothesis import HealthCheck, given, settings
@@ -13,62 +12,18 @@ from hypothesis import strategies as st
 
 import mtlqwen
 from mtlqwen.model.cache import ModelCache
-from mtlqwen.runtime import Engine, SamplingParams
+from mtlqwen.runtime import Engine
 from mtlqwen.runtime import prefix_cache as pc
 from mtlqwen.runtime.block_pool import BlockPool
 from mtlqwen.runtime.scheduler import Scheduler
 from mtlqwen.runtime.sequence import Sequence
 
+from engine_checks import EOS, assert_idle, assert_reference, greedy, run_arrivals
 from hf_checkpoints import random_token_ids, write_tiny_checkpoint
-
-EOS = (508, 510)
-
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return mtlqwen.load(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny")))
-
-
-def greedy(n):
-    return SamplingParams(max_tokens=n)
-
-
-def assert_reference(model, prompt, out):
-    """Each token is the argmax of the model run alone on prompt + the tokens before it, or within
-    1e-4 x logit scale of it (the near-tie rule of test_engine.py)."""
-    toks = out.token_ids
-    assert out.error is None and toks, out
-    rows = np.array(model.logits(prompt + toks[:-1]).astype(mx.float32))[len(prompt) - 1 :]
-    for k, (tok, row) in enumerate(zip(toks, rows)):
-        ref = int(row.argmax())
-        assert tok == ref or row[ref] - row[tok] <= 1e-4 * np.abs(row).max(), f"token {k}: {tok} vs alone {ref}"
-
-
-def assert_idle_after_clear(eng):
-    """Everything the cache and the sequences held is back: blocks, refs, slots, snapshot bytes."""
-    while eng.has_work():  # a step launched before a stop was read back may still be in flight
-        eng.step()
-    eng.clear_prefix_cache()
-    s = eng.stats()
-    assert s["prefix_entries"] == s["prefix_bytes"] == 0
-    assert s["free_blocks"] == s["total_blocks"] and all(r == 0 for r in eng.pool.ref_counts)
-    assert s["running"] == s["waiting"] == 0 and s["free_slots"] == eng.slots and not eng.has_work()
-    assert all(q.restore is None for q in eng.scheduler.running)
-
-
-def run_arrivals(eng, requests):
-    """requests: (arrival step, prompt, max_tokens). Outputs in request order."""
-    outs, ids, step = {}, {}, 0
-    while len(outs) < len(requests):
-        for i, (arrive, prompt, n) in enumerate(requests):
-            if arrive == step:
-                ids[eng.submit(prompt, greedy(n))] = i
-        for d in eng.step():
-            if d.finished:
-                outs[ids[d.request_id]] = d.output
-        step += 1
-        assert step < 5000
-    return [outs[i] for i in range(len(requests))]
 
 
 def entries(eng):
@@ -160,7 +115,7 @@ def test_hits_share_bundles_and_ref_counts_return(model):
     s = eng.stats()
     assert (s["prefix_lookups"], s["prefix_hits"], s["prefix_hit_tokens"], s["prefix_query_tokens"]) == (2, 1, 32, 78)
     assert s["prefix_entries"] == 2 and s["prefix_bytes"] == 2 * ModelCache.bytes_per_slot(model.config, model.dtype)
-    assert_idle_after_clear(eng)
+    assert_idle(eng)
 
 
 def test_whole_prompt_hit_leaves_one_token_to_run(model):
@@ -172,7 +127,7 @@ def test_whole_prompt_hit_leaves_one_token_to_run(model):
     assert again[0].token_ids == first[0].token_ids
     for q, (o,) in ((p, first), (p, again), (p + [7], longer)):
         assert_reference(model, q, o)
-    assert_idle_after_clear(eng)
+    assert_idle(eng)
 
 
 def test_decode_publishes_generated_tokens(model):
@@ -187,7 +142,7 @@ def test_decode_publishes_generated_tokens(model):
         (o2,) = eng.generate([q], greedy(3))
         assert o2.cached_tokens == 16
         assert_reference(model, q, o2)
-    assert_idle_after_clear(eng)
+    assert_idle(eng)
 
 
 def test_same_prefix_published_twice_in_one_step_keeps_one_entry(model):
@@ -200,7 +155,7 @@ def test_same_prefix_published_twice_in_one_step_keeps_one_entry(model):
     assert outs[0].token_ids == outs[1].token_ids
     for q, o in zip([p, p, p[:33] + [1, 2]], outs):
         assert_reference(model, q, o)
-    assert_idle_after_clear(eng)
+    assert_idle(eng)
 
 
 def test_lru_eviction_order_under_a_small_budget(model):
@@ -220,7 +175,7 @@ def test_lru_eviction_order_under_a_small_budget(model):
     (stale,) = eng.generate([p2[:16] + [5]], greedy(1))  # no stale key points at p2's reused blocks
     assert stale.cached_tokens == 0
     assert_reference(model, p2[:16] + [5], stale)
-    assert_idle_after_clear(eng)
+    assert_idle(eng)
     with pytest.raises(ValueError, match="less than one snapshot"):
         Engine(model, slots=1, block_tokens=8, num_blocks=8, prefix_interval=16, prefix_cache_bytes=per_entry - 1)
     with pytest.raises(ValueError, match="prefix_interval"):
@@ -239,7 +194,7 @@ def test_kv_pressure_evicts_entries_before_preempting(model):
     assert s["preemptions"] == 0 and s["prefix_evictions"] >= 2
     for q, o in zip(prompts, outs):
         assert_reference(model, q, o)
-    assert_idle_after_clear(eng)
+    assert_idle(eng)
 
 
 def test_a_hash_collision_is_a_miss(model, monkeypatch):
@@ -252,7 +207,7 @@ def test_a_hash_collision_is_a_miss(model, monkeypatch):
     (ob,) = eng.generate([b], greedy(3))
     assert ob.cached_tokens == 0 and eng.stats()["prefix_hits"] == 0
     assert_reference(model, b, ob)
-    assert_idle_after_clear(eng)
+    assert_idle(eng)
 
 
 def test_off_by_zero_interval_and_copy_on_write_for_partial_blocks(model):
@@ -269,7 +224,7 @@ def test_off_by_zero_interval_and_copy_on_write_for_partial_blocks(model):
     assert o2.cached_tokens == 12
     assert_reference(model, p, o1)
     assert_reference(model, q, o2)
-    assert_idle_after_clear(eng)
+    assert_idle(eng)
 
 
 # ---- random workloads around shared prefixes
@@ -304,8 +259,9 @@ def workloads(draw):
 def test_shared_prefix_workloads_match_cache_off_and_each_request_alone(model, w):
     kw = dict(slots=w["slots"], step_tokens=w["step_tokens"], block_tokens=w["bt"], num_blocks=w["num_blocks"])
     on = Engine(model, prefix_interval=w["interval"], **kw)
-    outs_on = run_arrivals(on, w["reqs"])
-    outs_off = run_arrivals(Engine(model, prefix_interval=0, **kw), w["reqs"])
+    reqs = [(arrive, prompt, greedy(n)) for arrive, prompt, n in w["reqs"]]
+    outs_on = run_arrivals(on, reqs, max_steps=5000)
+    outs_off = run_arrivals(Engine(model, prefix_interval=0, **kw), reqs, max_steps=5000)
     for (_, prompt, _), o_on, o_off in zip(w["reqs"], outs_on, outs_off):
         if o_on.token_ids != o_off.token_ids:  # only where the reference has a near tie
             assert_reference(model, prompt, o_off)
@@ -316,4 +272,4 @@ def test_shared_prefix_workloads_match_cache_off_and_each_request_alone(model, w
     s = on.stats()
     assert s["prefix_hit_tokens"] >= sum(o.cached_tokens for o in outs_on)
     assert s["prefix_lookups"] >= len(w["reqs"]) and s["prefix_bytes"] <= on.prefix.budget
-    assert_idle_after_clear(on)
+    assert_idle(on)

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflash_checkpoints import write_tiny_drafter
+from engine_checks import assert_idle, assert_reference, greedy, run_arrivals
 from hf_checkpoints import random_token_ids
 from mtlqwen import SeqLayout
 from mtlqwen.model.dflash import DrafterCache, load_drafter
@@ -19,9 +20,6 @@ from mtlqwen.model.cache import ModelCache
 from mtlqwen.runtime import Engine, SamplingParams
 from mtlqwen.runtime.block_pool import BlockPool
 from mtlqwen.runtime.speculative import resolve_n_draft
-
-EOS = (508, 510)
-
 
 @pytest.fixture(scope="module")
 def draft_dir(ckpt, tmp_path_factory):
@@ -31,32 +29,6 @@ def draft_dir(ckpt, tmp_path_factory):
 @pytest.fixture(scope="module")
 def drafter(draft_dir, model):
     return load_drafter(draft_dir, model)
-
-
-def greedy(n, **kw):
-    return SamplingParams(max_tokens=n, **kw)
-
-
-def assert_reference(model, prompt, out, max_tokens):
-    """test_engine.py's rule: every token is the argmax of the model run alone on prompt + the tokens
-    before it, or within 1e-4 x logit scale of it (a near-tie); the completion ends where it should."""
-    toks = out.token_ids
-    assert out.error is None and toks, out
-    rows = np.array(model.logits(prompt + toks[:-1]).astype(mx.float32))[len(prompt) - 1 :]
-    for k, (tok, row) in enumerate(zip(toks, rows)):
-        ref = int(row.argmax())
-        if tok != ref:
-            assert row[ref] - row[tok] <= 1e-4 * np.abs(row).max(), f"token {k}: engine {tok}, alone {ref}"
-    if any(t in EOS for t in toks):
-        assert toks.index(next(t for t in toks if t in EOS)) == len(toks) - 1 and out.finish_reason == "stop"
-    else:
-        assert len(toks) == max_tokens and out.finish_reason == "length"
-
-
-def assert_idle(eng):
-    s = eng.stats()
-    assert s["running"] == s["waiting"] == 0 and not eng.has_work()
-    assert eng.prefix is not None or eng.pool.num_free == eng.pool.num_blocks
 
 
 class Oracle:
@@ -274,17 +246,8 @@ def test_random_workloads_with_speculation_match_plain_decoding(model, drafter, 
     base = plain_outputs(model, [p for _, p, _ in requests], [sp for _, _, sp in requests], **kw)
     eng = Engine(model, draft=drafter, n_draft=w["n_draft"], prefix_interval=w["prefix_interval"], **kw)
     eng.spec.propose = Oracle({tuple(p): p + o.token_ids for (_, p, _), o in zip(requests, base)}, w["noise"])
-    outs, ids, step = {}, {}, 0
-    while len(outs) < len(requests):
-        for i, (arrive, prompt, sp) in enumerate(requests):
-            if arrive == step:
-                ids[eng.submit(prompt, sp)] = i
-        for d in eng.step():
-            if d.finished:
-                outs[ids[d.request_id]] = d.output
-        step += 1
-        assert step < 5000
-    for (_, prompt, sp), o, b in zip(requests, [outs[i] for i in range(len(requests))], base):
+    outs = dict(enumerate(run_arrivals(eng, requests, max_steps=5000)))
+    for (_, prompt, sp), o, b in zip(requests, outs.values(), base):
         if o.token_ids != b.token_ids:
             assert_reference(model, prompt, o, sp.max_tokens)
     s = eng.stats()
@@ -292,10 +255,7 @@ def test_random_workloads_with_speculation_match_plain_decoding(model, drafter, 
     if w["noise"] == 0.0:  # only drafts past a stop token (the oracle has no continuation there) fail
         stopped = sum(outs[i].finish_reason == "stop" for i in outs)
         assert s["accepted_tokens"] >= s["draft_tokens"] - stopped * w["n_draft"]
-    while eng.has_work():  # a step launched before the last stop was read back
-        eng.step()
-    s = eng.stats()
-    assert s["running"] == s["waiting"] == 0
+    assert_idle(eng)
 
 
 # ------------------------------------------------------------------------------------------- knobs

@@ -1,0 +1,65 @@
+"""Checks shared by the engine, prefix-cache and speculative tests: the single-sequence reference
+rule, the idle-engine invariants, and a driver that submits requests at given steps."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import mlx.core as mx
+from mtlqwen.runtime import SamplingParams
+
+EOS = (508, 510)  # the tiny checkpoints' eos ids (tests/hf_checkpoints.py)
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, **kw)
+
+
+def ref_logits(model, ids) -> np.ndarray:
+    return np.array(model.logits(ids).astype(mx.float32))
+
+
+def assert_reference(model, prompt, out, max_tokens: int | None = None):
+    """Each generated token is the argmax of the model run alone on prompt + the tokens before it
+    (teacher forcing), or within 1e-4 x logit scale of it (a near-tie). With max_tokens, the completion
+    also ends where it should (at an EOS, or after max_tokens)."""
+    toks = out.token_ids
+    assert out.error is None and toks, out
+    rows = ref_logits(model, prompt + toks[:-1])[len(prompt) - 1 :]
+    for k, (tok, row) in enumerate(zip(toks, rows)):
+        ref = int(row.argmax())
+        if tok != ref:
+            gap = row[ref] - row[tok]
+            assert gap <= 1e-4 * np.abs(row).max(), f"token {k}: engine {tok}, alone {ref} (gap {gap:.3g})"
+    if max_tokens is None:
+        return
+    if any(t in EOS for t in toks):
+        assert toks.index(next(t for t in toks if t in EOS)) == len(toks) - 1 and out.finish_reason == "stop"
+    else:
+        assert len(toks) == max_tokens and out.finish_reason == "length"
+
+
+def assert_idle(eng):
+    """Everything the sequences and the prefix cache held is back: blocks, ref counts, slots, snapshots."""
+    eng.clear_prefix_cache()  # entries hold bundle references by design; everything else must be free
+    s = eng.stats()
+    assert s["prefix_entries"] == s["prefix_bytes"] == 0
+    assert s["free_blocks"] == s["total_blocks"] and s["running"] == s["waiting"] == 0
+    assert s["free_slots"] == eng.slots and not eng.has_work()
+    assert all(r == 0 for r in eng.pool.ref_counts)
+    assert all(q.restore is None for q in eng.scheduler.running)
+
+
+def run_arrivals(eng, requests, max_steps: int = 20_000):
+    """requests: (arrival step, prompt, SamplingParams). Returns the outputs in request order."""
+    outs, ids, step = {}, {}, 0
+    while len(outs) < len(requests):
+        for i, (arrive, prompt, sp) in enumerate(requests):
+            if arrive == step:
+                ids[eng.submit(prompt, sp)] = i
+        for d in eng.step():
+            if d.finished:
+                outs[ids[d.request_id]] = d.output
+        step += 1
+        assert step < max_steps
+    return [outs[i] for i in range(len(requests))]
