@@ -10,6 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .backend import kernel_for
+from .paged_attention import gather_context, masked_gqa_attention
 from .seqs import SeqLayout
 
 
@@ -32,9 +33,6 @@ def drafter_attention_ref(
     position (context 0..P-1, then the block at P..). Masks: `causal` hides block keys after the query;
     `window` hides keys with query_pos - key_pos >= window (sliding layers). Head h reads KV head h // rep.
     """
-    nH, hd = q.shape[1], q.shape[2]
-    nKV = k_pool.shape[2]
-    rep = nH // nKV
     bt = layout.block_tokens
     outs = []
     for i in range(layout.num_seqs):
@@ -42,24 +40,16 @@ def drafter_attention_ref(
         T, P = e - s, layout.kv_valid[i]
         kk = k_blk[s:e].astype(mx.float32)  # [T, nKV, hd]
         vv = v_blk[s:e].astype(mx.float32)
-        if P > 0:
-            table = mx.array(layout.block_tables[i][: (P + bt - 1) // bt], dtype=mx.int32)
-            kc = k_pool[table].reshape(-1, nKV, hd)[:P].astype(mx.float32)  # [P, nKV, hd]
-            vc = v_pool[table].reshape(-1, nKV, hd)[:P].astype(mx.float32)
-            kk, vv = mx.concatenate([kc, kk], axis=0), mx.concatenate([vc, vv], axis=0)
-        L = P + T
-        qq = q[s:e].astype(mx.float32).reshape(T, nKV, rep, hd)
-        scores = mx.einsum("tgrd,lgd->grtl", qq, kk) * scale  # [nKV, rep, T, L]
-        qpos, kpos = (P + mx.arange(T))[:, None], mx.arange(L)[None, :]
-        allowed = mx.ones((T, L), dtype=mx.bool_)
+        if P > 0:  # committed context first: key index = key position
+            kk = mx.concatenate([gather_context(k_pool, layout.block_tables[i], P, bt), kk], axis=0)
+            vv = mx.concatenate([gather_context(v_pool, layout.block_tables[i], P, bt), vv], axis=0)
+        qpos, kpos = (P + mx.arange(T))[:, None], mx.arange(P + T)[None, :]
+        allowed = mx.ones((T, P + T), dtype=mx.bool_)
         if causal:
             allowed = allowed & (kpos <= qpos)
         if window is not None:
             allowed = allowed & (qpos - kpos < window)
-        scores = mx.where(allowed, scores, -mx.inf)
-        probs = mx.softmax(scores, axis=-1)
-        o = mx.einsum("grtl,lgd->tgrd", probs, vv).reshape(T, nH, hd)
-        outs.append(o.astype(q.dtype))
+        outs.append(masked_gqa_attention(q[s:e], kk, vv, allowed, scale))
     return mx.concatenate(outs, axis=0)
 
 

@@ -19,30 +19,37 @@ def write_kv(
     return k_pool, v_pool
 
 
+def gather_context(pool: mx.array, table: list[int], n: int, block_tokens: int) -> mx.array:
+    """The first n cached rows of one sequence, fp32: [n, nKV, hd] from pool [num_blocks, bt, nKV, hd]."""
+    blocks = mx.array(table[: (n + block_tokens - 1) // block_tokens], dtype=mx.int32)
+    return pool[blocks].reshape(-1, *pool.shape[2:])[:n].astype(mx.float32)
+
+
+def masked_gqa_attention(q: mx.array, k: mx.array, v: mx.array, allowed: mx.array, scale: float) -> mx.array:
+    """q [T, nH, hd], k / v [L, nKV, hd], allowed [T, L] -> [T, nH, hd] in q's dtype; softmax in fp32.
+    Query head h reads KV head h // (nH / nKV)."""
+    T, nH, hd = q.shape
+    nKV = k.shape[1]
+    qq = q.astype(mx.float32).reshape(T, nKV, nH // nKV, hd)
+    scores = mx.einsum("tgrd,lgd->grtl", qq, k) * scale  # [nKV, rep, T, L]
+    probs = mx.softmax(mx.where(allowed, scores, -mx.inf), axis=-1)
+    return mx.einsum("grtl,lgd->tgrd", probs, v).reshape(T, nH, hd).astype(q.dtype)
+
+
 def paged_attention_ref(
     q: mx.array, k_pool: mx.array, v_pool: mx.array, layout: SeqLayout, scale: float
 ) -> mx.array:
     """q [T, nH, hd] -> [T, nH, hd]. Sequence i's queries sit at positions kv_valid[i] + t and see keys
     0 .. kv_valid[i] + t (causal inside the new tokens); query head h reads KV head h // (nH / nKV)."""
-    nH, hd = q.shape[1], q.shape[2]
-    nKV = k_pool.shape[2]
-    rep = nH // nKV
     outs = []
     for i in range(layout.num_seqs):
         s, e = layout.query_start_loc[i], layout.query_start_loc[i + 1]
         T, past = e - s, layout.kv_valid[i]
         L = past + T
-        nb = (L + layout.block_tokens - 1) // layout.block_tokens
-        table = mx.array(layout.block_tables[i][:nb], dtype=mx.int32)
-        kk = k_pool[table].reshape(-1, nKV, hd)[:L].astype(mx.float32)  # [L, nKV, hd]
-        vv = v_pool[table].reshape(-1, nKV, hd)[:L].astype(mx.float32)
-        qq = q[s:e].astype(mx.float32).reshape(T, nKV, rep, hd)
-        scores = mx.einsum("tgrd,lgd->grtl", qq, kk) * scale  # [nKV, rep, T, L]
+        kk = gather_context(k_pool, layout.block_tables[i], L, layout.block_tokens)
+        vv = gather_context(v_pool, layout.block_tables[i], L, layout.block_tokens)
         allowed = mx.arange(L)[None, :] <= (past + mx.arange(T))[:, None]  # [T, L]
-        scores = mx.where(allowed, scores, -mx.inf)
-        probs = mx.softmax(scores, axis=-1)
-        o = mx.einsum("grtl,lgd->tgrd", probs, vv).reshape(T, nH, hd)
-        outs.append(o.astype(q.dtype))
+        outs.append(masked_gqa_attention(q[s:e], kk, vv, allowed, scale))
     return mx.concatenate(outs, axis=0)
 
 
