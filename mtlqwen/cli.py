@@ -33,6 +33,19 @@ def add_model_args(p: argparse.ArgumentParser, required: bool = False) -> None:
                    help="quantize a float checkpoint at load: 4bit, 8bit, or e.g. 4bit-g32 (groups 32/64/128)")
 
 
+def parse_template_args(text: str | None) -> dict:
+    """--chat-template-args: a JSON object of extra chat-template variables (e.g. enable_thinking)."""
+    if not text:
+        return {}
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--chat-template-args is not valid JSON: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError("--chat-template-args must be a JSON object")
+    return kwargs
+
+
 def sampling_from_args(args):
     from .runtime import SamplingParams  # noqa: PLC0415
 
@@ -70,7 +83,7 @@ def cmd_generate(args) -> int:
     if args.model is not None and not args.ignore_chat_template and getattr(tok, "chat_template", None):
         messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else [])
         messages.append({"role": "user", "content": prompt})
-        kwargs = json.loads(args.chat_template_args) if args.chat_template_args else {}
+        kwargs = parse_template_args(args.chat_template_args)
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
     else:
         ids = tok.encode(prompt)

@@ -55,6 +55,7 @@ def test_convert_then_generate_same_greedy_tokens(ckpt, tmp_path):
     (["generate", "--model", "/no/such/dir"], "no checkpoint directory"),
     (["generate", "--quantize", "3bit", "--model", "{ckpt}"], "unsupported quantization"),
     (["generate", "--temp", "-1"], "temperature"),
+    (["generate", "--model", "{ckpt}", "--chat-template-args", "{bad"], "not valid JSON"),
 ])
 def test_errors_are_one_line(args, msg, ckpt):
     r = run_cli(*[a.replace("{ckpt}", str(ckpt)) for a in args])

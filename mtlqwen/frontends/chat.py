@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 
-from ..cli import add_model_args, add_sampling_args, load_model_and_tokenizer, sampling_from_args
+from ..cli import add_model_args, add_sampling_args, load_model_and_tokenizer, parse_template_args, sampling_from_args
 from .prompting import continuation, has_chat_template, render
 from .reasoning import ReasoningSplitter, prompt_opens_thinking
 
@@ -161,12 +161,7 @@ def _engine_kwargs(args) -> dict:
 def cmd_chat(args) -> int:
     from ..runtime import Engine  # noqa: PLC0415
 
-    try:
-        kwargs = json.loads(args.chat_template_args) if args.chat_template_args else {}
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--chat-template-args is not valid JSON: {e}") from None
-    if not isinstance(kwargs, dict):
-        raise ValueError("--chat-template-args must be a JSON object")
+    kwargs = parse_template_args(args.chat_template_args)
     sampling = sampling_from_args(args)
     engine_kw = _engine_kwargs(args)
     model, tok, note = load_model_and_tokenizer(args)

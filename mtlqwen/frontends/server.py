@@ -8,13 +8,12 @@ web stack is imported when the command runs, so `mtlqwen --help` works without i
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import os
 import sys
 from pathlib import Path
 
-from ..cli import add_model_args, add_sampling_args, load_model_and_tokenizer
+from ..cli import add_model_args, add_sampling_args, load_model_and_tokenizer, parse_template_args
 
 DEFAULT_PORT = 8080
 
@@ -93,12 +92,7 @@ def cmd_serve(args) -> int:
     for name in ("max_queue", "slots", "port"):
         if getattr(args, name) < (1 if name != "max_queue" else 0):
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    try:
-        template_defaults = json.loads(args.chat_template_args) if args.chat_template_args else {}
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--chat-template-args is not valid JSON: {e}") from None
-    if not isinstance(template_defaults, dict):
-        raise ValueError("--chat-template-args must be a JSON object")
+    template_defaults = parse_template_args(args.chat_template_args)
     defaults = oa.Defaults(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                            max_tokens=args.max_tokens, seed=args.seed)
     from ..runtime import SamplingParams  # noqa: PLC0415
