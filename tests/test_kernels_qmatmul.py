@@ -7,30 +7,17 @@ with NaN before the kernel writes, and compare with an fp32 dequantize-then-matm
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mlx.core as mx
 from mtlqwen.kernels import backend, linear_fused, selection
 from mtlqwen.kernels.linear import LinearParams, linear_ref
 
-# MTLQWEN_FAST_HYPOTHESIS=1 (device runs): a third of the examples and no shrinking, so a failure
-# reports its first falsifying example quickly instead of recompiling kernels while shrinking.
-FAST = os.environ.get("MTLQWEN_FAST_HYPOTHESIS", "0") == "1"
-GPU_SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), print_blob=True,
-                    phases=[Phase.explicit, Phase.reuse, Phase.generate] if FAST else list(Phase))
+from gpu_checks import GPU_SETTINGS, n_examples, needs_gpu
 
-
-def n_examples(n: int) -> int:
-    return max(4, n // 3) if FAST else n
-
-
-NEEDS_GPU = "needs a GPU back-end (Metal or CUDA); CPU runs the reference"
-needs_gpu = pytest.mark.skipif(backend.gpu_backend() is None, reason=NEEDS_GPU)
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 # ||out - ref|| / ||ref||: fp32 accumulation everywhere, so the bound is the output dtype's rounding
 TOL = {mx.float32: 1e-4, mx.bfloat16: 1.5e-2, mx.float16: 3e-3}
