@@ -94,6 +94,53 @@ def per_primitive_us() -> dict:
     return out
 
 
+def ops_at(model, B: int, past: int) -> dict:
+    """Per-launch time (µs) of the step's op kinds at B rows, from chains of 40 launches on the layers' own
+    weights (so weights come from HBM), one eval per chain, median of 5."""
+    from mtlqwen.kernels import linear, paged_attention  # noqa: PLC0415
+    from mtlqwen.kernels.linear_fused import linear_multi, swiglu_linear  # noqa: PLC0415
+
+    gdn = [l for l in model.layers if l.kind == "linear_attention"]
+    att = [l for l in model.layers if l.kind != "linear_attention"]
+    H = model.config.hidden_size
+    x = mx.random.normal((B, H)).astype(mx.bfloat16)
+    cache = model.make_cache(B * (past // 128 + 1) + 1, B, 128)
+    lay = layout_for(B, past)
+    c = model.config
+    q = mx.random.normal((B, c.num_attention_heads, c.head_dim)).astype(mx.bfloat16)
+
+    def chain(fn, n=40):
+        ts = []
+        for _ in range(5):
+            outs = [fn(i) for i in range(n)]
+            mx.eval(x)
+            t0 = time.perf_counter()
+            mx.eval(outs)
+            ts.append(time.perf_counter() - t0)
+        return round(statistics.median(ts[1:]) / n * 1e6, 1)
+
+    xs: dict[int, mx.array] = {}
+
+    def xin(p):  # an input row block of p's width
+        if p.in_features not in xs:
+            xs[p.in_features] = mx.random.normal((B, p.in_features)).astype(mx.bfloat16)
+        return xs[p.in_features]
+
+    mix = lambda i: gdn[i % len(gdn)].mixer  # noqa: E731
+    mlp = lambda i: model.layers[i % len(model.layers)].mlp  # noqa: E731
+    r = {
+        "gdn in_proj qkv+z+b+a (linear_multi)": chain(lambda i: linear_multi(x, [mix(i).in_proj_qkv, mix(i).in_proj_z, mix(i).in_proj_b, mix(i).in_proj_a])),
+        "gdn in_proj_qkv alone": chain(lambda i: linear(x, mix(i).in_proj_qkv)),
+        "gdn in_proj_b alone (N=32)": chain(lambda i: linear(x, mix(i).in_proj_b)),
+        "gdn out_proj": chain(lambda i: linear(xin(mix(i).out_proj), mix(i).out_proj)),
+        "mlp gate+up (swiglu_linear)": chain(lambda i: swiglu_linear(x, mlp(i).gate_proj, mlp(i).up_proj)),
+        "mlp down": chain(lambda i: linear(xin(mlp(i).down_proj), mlp(i).down_proj)),
+        "paged attention": chain(lambda i: paged_attention(q, cache.k_pools[i % len(att)], cache.v_pools[i % len(att)], lay, 0.08)),
+        "lm_head": chain(lambda i: linear(x, model.lm_head), n=8),
+    }
+    return r
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -174,9 +221,15 @@ def main():
                 return o[0]
 
             r["compiled_pipelined_ms"] = pipelined(comp)
+            mem0 = mx.get_active_memory()
+            mx.reset_peak_memory()
+            comp(ids).tolist()
+            mx.eval(cache.arrays())
+            r["compiled_step_peak_above_active_MiB"] = (mx.get_peak_memory() - mem0) / 2**20
         r["tok_per_s_pipelined"] = B * 1e3 / r["pipelined_ms"]
         del cache
         mx.clear_cache()
+        r["ops_us"] = ops_at(model, B, args.past)
         print(json.dumps({f"B{B}": {k: v for k, v in r.items() if k != "primitives"}}), flush=True)
     print(json.dumps(res, indent=1))
     if args.json:

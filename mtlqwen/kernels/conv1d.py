@@ -18,7 +18,7 @@ def causal_conv1d_ref(
     outs, states = [], []
     for i in range(layout.num_seqs):
         s, e = layout.query_start_loc[i], layout.query_start_loc[i + 1]
-        xs = mx.concatenate([conv_pool[layout.state_rows[i]].astype(x.dtype), x[s:e]], axis=0)  # [K-1+T, C]
+        xs = mx.concatenate([conv_pool[layout.array("state_rows")[i]].astype(x.dtype), x[s:e]], axis=0)  # [K-1+T, C]
         T = e - s
         acc = mx.zeros((T, x.shape[1]), dtype=mx.float32)
         for j in range(K):

@@ -107,7 +107,7 @@ def gated_delta_ref(
     outs, states = [], []
     for i in range(layout.num_seqs):
         s, e = layout.query_start_loc[i], layout.query_start_loc[i + 1]
-        S = state_pool[layout.state_rows[i]].astype(mx.float32)
+        S = state_pool[layout.array("state_rows")[i]].astype(mx.float32)  # by array: compile-safe
         args = [t[s:e].swapaxes(0, 1) for t in (qn, kn, vf, g, beta)]  # head-major
         fn = _recurrent if e - s <= RECURRENT_MAX_T else _chunked
         o, S = fn(*args, S)
@@ -134,7 +134,7 @@ def gated_delta_candidates_ref(
     outs, states, every = [], [], []
     for i in range(layout.num_seqs):
         s, e = layout.query_start_loc[i], layout.query_start_loc[i + 1]
-        S = state_pool[layout.state_rows[i]].astype(mx.float32)
+        S = state_pool[layout.array("state_rows")[i]].astype(mx.float32)  # by array: compile-safe
         for t in range(s, e):  # one token at a time: its state is the candidate
             o, S = _recurrent(*[x[t : t + 1].swapaxes(0, 1) for x in (qn, kn, vf, g, beta)], S)
             outs.append(o.swapaxes(0, 1))

@@ -41,6 +41,8 @@ def paged_attention_ref(
 ) -> mx.array:
     """q [T, nH, hd] -> [T, nH, hd]. Sequence i's queries sit at positions kv_valid[i] + t and see keys
     0 .. kv_valid[i] + t (causal inside the new tokens); query head h reads KV head h // (nH / nKV)."""
+    if layout.traced:
+        return _paged_attention_traced(q, k_pool, v_pool, layout, scale)
     outs = []
     for i in range(layout.num_seqs):
         s, e = layout.query_start_loc[i], layout.query_start_loc[i + 1]
@@ -49,6 +51,20 @@ def paged_attention_ref(
         kk = gather_context(k_pool, layout.block_tables[i], L, layout.block_tokens)
         vv = gather_context(v_pool, layout.block_tables[i], L, layout.block_tokens)
         allowed = mx.arange(L)[None, :] <= (past + mx.arange(T))[:, None]  # [T, L]
+        outs.append(masked_gqa_attention(q[s:e], kk, vv, allowed, scale))
+    return mx.concatenate(outs, axis=0)
+
+
+def _paged_attention_traced(q, k_pool, v_pool, layout: SeqLayout, scale: float) -> mx.array:
+    """`paged_attention_ref` with shapes that do not depend on kv_valid (for `mx.compile`): each sequence
+    reads every block of its (padded) table row and masks keys past kv_valid + t."""
+    tables, kv_valid = layout.array("block_tables"), layout.array("kv_valid")
+    outs = []
+    for i in range(layout.num_seqs):
+        s, e = layout.query_start_loc[i], layout.query_start_loc[i + 1]
+        kk = k_pool[tables[i]].reshape(-1, *k_pool.shape[2:]).astype(mx.float32)  # [W * bt, nKV, hd]
+        vv = v_pool[tables[i]].reshape(-1, *v_pool.shape[2:]).astype(mx.float32)
+        allowed = mx.arange(kk.shape[0])[None, :] <= (kv_valid[i] + mx.arange(e - s))[:, None]
         outs.append(masked_gqa_attention(q[s:e], kk, vv, allowed, scale))
     return mx.concatenate(outs, axis=0)
 

@@ -299,7 +299,7 @@ def plan(layout: SeqLayout, nKV: int, rep: int, splits: int | None = None) -> tu
     qmax = max(layout.q_len(i) for i in range(layout.num_seqs))
     tpt = max(1, min(qmax, 16 // rep))
     nqt = (qmax + tpt - 1) // tpt
-    lmax = max(layout.kv_valid[i] + layout.q_len(i) for i in range(layout.num_seqs))
+    lmax = layout.longest()
     work = layout.num_seqs * nKV * nqt
     ns = max(1, min(math.ceil(lmax / MIN_SPLIT_KEYS), math.ceil(TARGET_GROUPS / work)))
     if splits is not None:  # tests and benchmarks force the split path

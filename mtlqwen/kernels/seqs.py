@@ -22,6 +22,12 @@ class SeqLayout:
     # [B] or None: True for a speculative verification (anchor + drafts). The model then keeps the GDN
     # state after each of its tokens, to commit the one after the last accepted draft (Qwen35Model).
     verify: list[bool] | None = None
+    # Set by the compiled decode step (model/compiled.py): an upper bound on kv_valid[i] + q_len(i) that
+    # attention plans its split with, so one trace serves every length up to it.
+    max_len: int | None = None
+    # True inside an `mx.compile` trace: only the arrays and the query_start_loc list are real; ops index
+    # by the arrays and take no other value from the lists (a value read there would be baked in).
+    traced: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -33,6 +39,12 @@ class SeqLayout:
 
     def q_len(self, i: int) -> int:
         return self.query_start_loc[i + 1] - self.query_start_loc[i]
+
+    def longest(self) -> int:
+        """Context length attention must cover: max over sequences of kv_valid + q_len, or max_len."""
+        if self.max_len is not None:
+            return self.max_len
+        return max(self.kv_valid[i] + self.q_len(i) for i in range(self.num_seqs))
 
     def positions(self) -> list[int]:
         """Absolute position of every packed token (text-only: its index in its sequence)."""

@@ -19,7 +19,9 @@ from typing import Any, Iterator
 
 import mlx.core as mx
 
+from ..kernels import use_kernels
 from ..model.cache import ModelCache
+from ..model.compiled import CompiledDecode
 from .batch import PackedBatch, pack, token_buckets
 from .block_pool import BlockPool
 from .memory import device_memory, resolve_num_blocks
@@ -76,6 +78,9 @@ class Engine:
     step (default the drafter's block_size - 1, capped so every slot can verify within step_tokens);
     a request opts out with SamplingParams(speculative=False) (speculative.py).
 
+    compile_decode: run steps in which every sequence decodes one token through `mx.compile`
+    (model/compiled.py); default on when the GPU kernels run, off on the CPU references.
+
     Not thread-safe: one thread calls submit/step/cancel (a server feeds it through a queue)."""
 
     def __init__(
@@ -94,6 +99,7 @@ class Engine:
         prefix_cache_bytes: int | None = None,
         draft=None,
         n_draft: int | None = None,
+        compile_decode: bool | None = None,
     ):
         if isinstance(model_or_path, (str, Path)):
             from ..model import load, resolve_model_path  # noqa: PLC0415
@@ -138,6 +144,9 @@ class Engine:
         self.spec = None if drafter is None else Speculator(
             model, drafter, n_draft, self.cache, self.prefix.interval if self.prefix is not None else 0)
         self.scratch = (slots, self.num_blocks)
+        if compile_decode is None:
+            compile_decode = use_kernels()
+        self.compiled = CompiledDecode(model) if compile_decode and self.spec is None else None
         self.pad_buckets = bool(pad_buckets)
         self.buckets = token_buckets(step_tokens) if self.pad_buckets else None
         self.eos = set(self.config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", None) or ())
@@ -257,7 +266,10 @@ class Engine:
             self.model.hidden(plan_batch.input_ids, plan_batch.layout, cache)
             tokens = None
         else:
-            logits = self.model.forward(plan_batch.input_ids, plan_batch.layout, cache, plan_batch.logits_rows)
+            if self.compiled is not None and self.compiled.eligible(plan_batch.layout):
+                logits = self.compiled(plan_batch.input_ids, plan_batch.layout, cache, plan_batch.logits_rows)
+            else:
+                logits = self.model.forward(plan_batch.input_ids, plan_batch.layout, cache, plan_batch.logits_rows)
             samp = plan_batch.sampling
             tokens = sample(logits, [s.seq.params for s in samp], [s.seq.seed for s in samp], [s.sample_index for s in samp])
         caps = self.prefix.capture(scheduled, cache) if self.prefix is not None else []

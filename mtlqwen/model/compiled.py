@@ -1,0 +1,91 @@
+"""The decode forward through `mx.compile`: traced once per shape class, replayed every step.
+
+Why: on the H200 host, building the batch-1 Qwen3.5-9B graph in Python takes ~6 ms, twice the device
+time of the step (benchmarks/decode_profile.md); a compiled step replays the recorded graph from C++.
+
+What may change between replays is array *values* only. So the trace takes every per-step quantity as
+an input array (ids, positions, KV write slots, state rows, kv_valid, block tables, logits rows) and
+its key holds everything the graph's structure depends on: tokens per sequence, the block-table width
+and the attention length bound (both bucketed to powers of two so a trace serves many steps), the
+RoPE table size. Its layout's kv_valid / block_tables / state_rows lists are dummies: an op that read
+a value from them would bake the first step's value in (SeqLayout.traced tells ops to use the arrays).
+The pools go in and come out; the caller rebinds its cache to the outputs.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from types import SimpleNamespace
+
+import mlx.core as mx
+
+from ..kernels import SeqLayout
+
+_INPUTS = ("positions", "write_blocks", "write_offsets", "state_rows", "query_start_loc", "kv_valid")
+
+
+def _pow2_at_least(n: int, lo: int) -> int:
+    b = lo
+    while b < n:
+        b *= 2
+    return b
+
+
+class CompiledDecode:
+    """`model.forward` for batches whose sequences all send one token (decode), compiled per shape class.
+    At most `max_traces` traces are kept (least recently used dropped)."""
+
+    MIN_LEN = 256  # attention length bound never below this: short contexts share one trace
+
+    def __init__(self, model, max_traces: int = 32):
+        self.model, self.max_traces = model, max_traces
+        self._fns: OrderedDict[tuple, object] = OrderedDict()
+        self.traces = 0  # traces built so far (a new key; tests and benchmarks read it)
+
+    @staticmethod
+    def eligible(layout: SeqLayout) -> bool:
+        return layout.verify is None and layout.num_seqs > 0 and layout.num_tokens == layout.num_seqs
+
+    def __call__(self, input_ids: mx.array, layout: SeqLayout, cache, logits_rows: mx.array | None) -> mx.array:
+        """Logits as `Qwen35Model.forward`; `cache`'s pools are rebound to the step's outputs."""
+        B = layout.num_seqs
+        width = _pow2_at_least(max(len(t) for t in layout.block_tables), 1)
+        max_len = _pow2_at_least(layout.longest(), self.MIN_LEN)
+        self.model.rope.ensure(max_len)  # the trace holds the table: it must cover the whole bucket
+        tables = mx.array([t + [0] * (width - len(t)) for t in layout.block_tables], dtype=mx.int32)
+        arrays = [layout.array(n) for n in _INPUTS] + [tables]
+        rows = () if logits_rows is None else (logits_rows,)
+        key = (B, width, max_len, self.model.rope.size, layout.block_tokens, len(rows) and logits_rows.shape[0])
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = mx.compile(self._step_fn(B, width, max_len, layout.block_tokens, bool(rows)))
+            self.traces += 1
+            if len(self._fns) > self.max_traces:
+                self._fns.popitem(last=False)
+        else:
+            self._fns.move_to_end(key)
+        n_attn, n_gdn = len(cache.k_pools), len(cache.conv_states)
+        out = fn(input_ids, arrays, rows, cache.arrays())
+        pools = out[1:]
+        cache.k_pools[:], cache.v_pools[:] = pools[:n_attn], pools[n_attn : 2 * n_attn]
+        cache.conv_states[:], cache.rec_states[:] = pools[2 * n_attn : 2 * n_attn + n_gdn], pools[2 * n_attn + n_gdn :]
+        return out[0]
+
+    def _step_fn(self, B: int, width: int, max_len: int, block_tokens: int, has_rows: bool):
+        model = self.model
+
+        def step(ids, arrays, rows, pools):
+            lay = SeqLayout(list(range(B + 1)), [0] * B, [[0] * width] * B, [0] * B, block_tokens,
+                            max_len=max_len, traced=True)
+            lay._arrays.update(zip(_INPUTS + ("block_tables",), arrays))
+            n_attn = len(model.config.full_attention_layers)
+            n_gdn = len(model.config.linear_attention_layers)
+            view = SimpleNamespace(  # the model's writes rebind these lists; they are returned below
+                k_pools=list(pools[:n_attn]), v_pools=list(pools[n_attn : 2 * n_attn]),
+                conv_states=list(pools[2 * n_attn : 2 * n_attn + n_gdn]),
+                rec_states=list(pools[2 * n_attn + n_gdn :]), candidates={},
+            )
+            logits = model.forward(ids, lay, view, rows[0] if has_rows else None)
+            return [logits, *view.k_pools, *view.v_pools, *view.conv_states, *view.rec_states]
+
+        return step

@@ -1,0 +1,58 @@
+"""The compiled decode step (model/compiled.py) on CPU: mx.compile over the reference ops. A trace is
+replayed with other slots, lengths and block tables than the ones it was traced with, so any value
+baked into it would show up as a wrong token here."""
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mtlqwen.model.compiled import CompiledDecode
+from mtlqwen.runtime import Engine
+
+from engine_checks import assert_idle, assert_reference, greedy, run_arrivals
+from hf_checkpoints import random_token_ids
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(
+    lens=st.lists(st.integers(1, 300), min_size=2, max_size=7),
+    arrivals=st.lists(st.integers(0, 30), min_size=7, max_size=7),
+    slots=st.integers(1, 4),
+    block_tokens=st.sampled_from([16, 32]),
+)
+def test_compiled_decode_matches_each_request_alone(model, lens, arrivals, slots, block_tokens):
+    reqs = [(arrivals[i], random_token_ids(n, 512, seed=n + i), greedy(12 + i)) for i, n in enumerate(lens)]
+    eng = Engine(model, slots=slots, step_tokens=64, block_tokens=block_tokens, num_blocks=256,
+                 compile_decode=True, prefix_interval=0)
+    outs = run_arrivals(eng, reqs)
+    for (_, prompt, sp), out in zip(reqs, outs):
+        assert_reference(model, prompt, out, sp.max_tokens)
+    assert_idle(eng)
+    # traces are keyed by shape class only: far fewer than the decode steps that used them
+    decode_tokens = sum(len(o.token_ids) - 1 for o in outs)
+    assert 1 <= eng.compiled.traces < decode_tokens
+
+
+def test_one_trace_serves_growing_sequences_until_a_bucket_changes(model):
+    """Batch-1 decode from 20 to 60 tokens with 16-token blocks: the block-table width bucket goes
+    2 -> 4 (at 33 tokens) and the attention bound stays at 256, so exactly two traces."""
+    eng = Engine(model, slots=1, step_tokens=64, block_tokens=16, num_blocks=16, compile_decode=True,
+                 prefix_interval=0)
+    prompt = random_token_ids(20, 512, seed=3)
+    out = eng.generate([prompt], greedy(40, ignore_eos=True))[0]
+    assert_reference(model, prompt, out, 40)
+    assert eng.compiled.traces == 2
+    assert list(eng.compiled._fns) == [(1, 2, 256, eng.model.rope.size, 16, 1), (1, 4, 256, eng.model.rope.size, 16, 1)]
+
+
+def test_eligible_only_for_one_token_per_sequence():
+    from mtlqwen.kernels import SeqLayout
+
+    assert CompiledDecode.eligible(SeqLayout([0, 1, 2], [5, 9], [[0], [1]], [0, 1]))
+    assert not CompiledDecode.eligible(SeqLayout([0, 1, 3], [5, 9], [[0], [1]], [0, 1]))  # a 2-token chunk
+    verify = SeqLayout([0, 1, 2], [5, 9], [[0], [1]], [0, 1])
+    verify.verify = [True, False]
+    assert not CompiledDecode.eligible(verify)
+
+
+def test_default_is_off_on_the_cpu_references(model):
+    assert Engine(model, slots=1, num_blocks=4).compiled is None
