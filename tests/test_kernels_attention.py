@@ -118,3 +118,48 @@ def test_kernel_matches_reference(data, bt, nkv, rep, hd, nseq, dtype, splits, g
                else paged_attention_ref(q, kp, vp, layout, scale))
         ref = np.array(ref.astype(mx.float32))
     assert rel_err(out, ref) < TOL[dt]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@settings(max_examples=n_examples(25), **GPU_SETTINGS)
+@given(data=st.data(), bt=st.sampled_from([16, 128]), nkv=st.integers(1, 4), rep=st.sampled_from([1, 2, 4]),
+       hd=st.sampled_from([64, 128, 256]), nseq=st.integers(1, 4), dtype=st.sampled_from(["bfloat16", "float32"]),
+       splits=st.sampled_from([None, 1, 3]), seed=st.integers(0, 2**31 - 1))
+def test_inplace_kv_write_then_attention_matches_functional(data, bt, nkv, rep, hd, nseq, dtype, splits, seed):
+    """write_kv_inplace + attention ordered after it (one evaluation) == the functional scatter +
+    reference; every pool element outside the written slots is unchanged."""
+    from mtlqwen.kernels import paged_attn_kernels as pa  # noqa: PLC0415
+    from mtlqwen.kernels.kv_write_kernels import write_kv_inplace_kernel  # noqa: PLC0415
+    from mtlqwen.kernels.paged_attention import write_kv  # noqa: PLC0415
+
+    pa.POISON = float("nan")
+    dt = {"bfloat16": mx.bfloat16, "float32": mx.float32}[dtype]
+    rng = np.random.default_rng(seed)
+    past = [data.draw(contexts(bt)) for _ in range(nseq)]
+    qlens = [data.draw(st.integers(1, 5)) for _ in range(nseq)]
+    q, kp, vp, layout = make_batch(rng, bt, nkv, rep, hd, past, qlens, dt)
+    T = q.shape[0]
+    k = mx.array(rng.standard_normal((T, nkv, hd)).astype(np.float32)).astype(dt)
+    v = mx.array(rng.standard_normal((T, nkv, hd)).astype(np.float32)).astype(dt)
+    with mx.stream(mx.cpu):  # functional reference on copies of the pools
+        rk, rv = write_kv(kp + 0, vp + 0, k, v, layout)  # new buffers: the kernel below writes kp, vp
+        ref = np.array(paged_attention_ref(q, rk, rv, layout, hd**-0.5).astype(mx.float32))
+        rk, rv = np.array(rk.astype(mx.float32)), np.array(rv.astype(mx.float32))
+    done = write_kv_inplace_kernel(kp, vp, k, v, layout)
+    out = pa.paged_attention_gpu(q, kp, vp, layout, hd**-0.5, splits=splits, after=done)
+    mx.eval(out)
+    assert rel_err(out, ref) < TOL[dt]
+    assert np.array_equal(np.array(kp.astype(mx.float32)), rk) and np.array_equal(np.array(vp.astype(mx.float32)), rv)
+
+
+def test_traced_reference_equals_the_reference():
+    """The compile-safe reference (padded block tables, keys masked by kv_valid) == the exact-length one."""
+    from mtlqwen.kernels.paged_attention import _paged_attention_traced  # noqa: PLC0415
+
+    rng = np.random.default_rng()
+    q, kp, vp, layout = make_batch(rng, 16, 2, 2, 64, [0, 17, 40], [1, 1, 3], mx.float32)
+    width = max(len(t) for t in layout.block_tables) + 2
+    layout._arrays["block_tables"] = mx.array([t + [0] * (width - len(t)) for t in layout.block_tables])
+    want = dense_attention(q, kp, vp, layout, 0.2)
+    assert rel_err(_paged_attention_traced(q, kp, vp, layout, 0.2), want) < 1e-5

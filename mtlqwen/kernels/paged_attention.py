@@ -69,7 +69,22 @@ def _paged_attention_traced(q, k_pool, v_pool, layout: SeqLayout, scale: float) 
     return mx.concatenate(outs, axis=0)
 
 
-def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, layout: SeqLayout, scale: float) -> mx.array:
+def paged_attention(
+    q: mx.array, k_pool: mx.array, v_pool: mx.array, layout: SeqLayout, scale: float, after: mx.array | None = None
+) -> mx.array:
+    """`after`: the token of `write_kv_inplace` (given only when `write_kv_inplace` returned one)."""
     kern = kernel_for("paged_attention")
-    out = kern(q, k_pool, v_pool, layout, scale) if kern is not None else None
+    out = kern(q, k_pool, v_pool, layout, scale, after) if kern is not None else None
     return out if out is not None else paged_attention_ref(q, k_pool, v_pool, layout, scale)
+
+
+def write_kv_inplace(
+    k_pool: mx.array, v_pool: mx.array, k: mx.array, v: mx.array, layout: SeqLayout, q_shape, q_dtype
+) -> mx.array | None:
+    """On GPU back-ends: write k, v [T, nKV, hd] into the pools' own buffers (no pool copy) and return a
+    token that `paged_attention(..., after=token)` takes so it runs after the write. None when that path
+    does not apply (CPU, or an attention the kernel does not cover): then use `write_kv`."""
+    kern, covers = kernel_for("write_kv_inplace"), kernel_for("paged_attention_covers")
+    if kern is None or covers is None or not covers(q_shape, q_dtype, k_pool, v_pool, layout):
+        return None
+    return kern(k_pool, v_pool, k, v, layout)

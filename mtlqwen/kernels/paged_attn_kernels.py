@@ -256,13 +256,14 @@ def _kernel(split: int, gate: bool):
     if key not in _K:
         ins = ["q", "k_pool", "v_pool", "block_tables", "kv_valid", "query_start_loc", "prm", "scale_arr"]
         ins += ["gate"] if gate and not split else []
+        ins += ["dep"]  # unread: orders this kernel after the in-place KV write (kv_write_kernels.py)
         outs = ["po", "pm", "pl"] if split else ["out"]
         body = _BODY.replace("WRITE_OUT", _WRITE_SPLIT if split else _WRITE_FINAL).replace(
             "GATE_CODE", "o = o / (1.0f + EXP(-TO_FLOAT(gate[row * HD + dc + i])));" if gate else "")
         ex = [KernelExample(
             inputs=[(dt, (4, 16, 256)), (dt, (64, 128, 4, 256)), (dt, (64, 128, 4, 256)), (mx.int32, (2, 8)),
                     (mx.int32, (2,)), (mx.int32, (3,)), (mx.int32, (3,)), (mx.float32, (1,))]
-            + ([(dt, (4, 4096))] if gate and not split else []),
+            + ([(dt, (4, 4096))] if gate and not split else []) + [(mx.int32, (1,))],
             outputs=[mx.float32] * 3 if split else [dt],
             template=[("TQ", dt), ("TV", dt), ("KK", _KIND[dt]), ("HD", 256), ("REP", 4), ("TPT", 2), ("BT", 128)],
         ) for dt in (mx.bfloat16, mx.float32)]
@@ -323,16 +324,30 @@ def _consts(ns: int, cs: int, nqt: int, scale: float) -> tuple[mx.array, mx.arra
     return _CONSTS[key]
 
 
-def paged_attention_gpu(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate=None, splits=None):
-    """q [T, nH, hd] -> [T, nH, hd]; gate [T, nH*hd] (optional) multiplies by sigmoid(gate)."""
+def covers(q_shape, q_dtype, k_pool: mx.array, v_pool: mx.array, layout: SeqLayout) -> bool:
+    """Whether the kernel handles this attention (else the reference runs)."""
+    T, nH, hd = q_shape
+    nKV = k_pool.shape[2]
+    return not (nH % nKV or hd % 32 or hd > 512 or k_pool.dtype not in _KIND or q_dtype not in _KIND
+                or v_pool.dtype != k_pool.dtype or 128 % (hd // 4) or layout.num_seqs == 0 or T == 0
+                or nH // nKV > 16)
+
+
+_NO_DEP: list = []
+
+
+def paged_attention_gpu(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate=None, splits=None, after=None):
+    """q [T, nH, hd] -> [T, nH, hd]; gate [T, nH*hd] (optional) multiplies by sigmoid(gate); `after`: the
+    token of an in-place KV write this attention must follow."""
     T, nH, hd = q.shape
     nKV = k_pool.shape[2]
-    if (nH % nKV or hd % 32 or hd > 512 or k_pool.dtype not in _KIND or q.dtype not in _KIND
-            or v_pool.dtype != k_pool.dtype or 128 % (hd // 4) or layout.num_seqs == 0 or T == 0):
+    if not covers(q.shape, q.dtype, k_pool, v_pool, layout):
         return None
     rep = nH // nKV
-    if rep > 16:
-        return None
+    if after is None:
+        if not _NO_DEP:
+            _NO_DEP.append(mx.zeros((1,), dtype=mx.int32))
+        after = _NO_DEP[0]
     ns, cs, nqt, tpt = plan(layout, nKV, rep, splits)
     prm, sc = _consts(ns, cs, nqt, scale)
     arrays = [q, k_pool, v_pool, layout.array("block_tables"), layout.array("kv_valid"),
@@ -345,11 +360,11 @@ def paged_attention_gpu(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate
         gate = gate.reshape(T, nH * hd)
     if ns == 1:
         return _kernel(0, gate is not None)(
-            be, inputs=arrays + ([gate] if gate is not None else []), output_shapes=[(T, nH, hd)],
+            be, inputs=arrays + ([gate] if gate is not None else []) + [after], output_shapes=[(T, nH, hd)],
             output_dtypes=[q.dtype], grid=(groups * 128, 1, 1), threadgroup=(128, 1, 1), template=tmpl,
             init_value=POISON)[0]
     po, pm, pl = _kernel(1, False)(
-        be, inputs=arrays, output_shapes=[(ns, T, nH, hd), (ns, T, nH), (ns, T, nH)],
+        be, inputs=arrays + [after], output_shapes=[(ns, T, nH, hd), (ns, T, nH), (ns, T, nH)],
         output_dtypes=[mx.float32] * 3, grid=(groups * 128, 1, 1), threadgroup=(128, 1, 1),
         template=tmpl, init_value=POISON)
     return _merge_kernel(gate is not None)(
@@ -359,8 +374,13 @@ def paged_attention_gpu(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate
 
 
 @register_kernel("paged_attention")
-def paged_attention_kernel(q, k_pool, v_pool, layout, scale):
-    return paged_attention_gpu(q, k_pool, v_pool, layout, scale)
+def paged_attention_kernel(q, k_pool, v_pool, layout, scale, after=None):
+    return paged_attention_gpu(q, k_pool, v_pool, layout, scale, after=after)
+
+
+@register_kernel("paged_attention_covers")
+def paged_attention_covers(q_shape, q_dtype, k_pool, v_pool, layout):
+    return covers(q_shape, q_dtype, k_pool, v_pool, layout)
 
 
 def paged_attention_gated_ref(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate: mx.array) -> mx.array:

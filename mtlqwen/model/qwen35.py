@@ -24,6 +24,7 @@ from ..kernels import (
     paged_attention,
     rms_norm,
     write_kv,
+    write_kv_inplace,
 )
 from ..kernels.fused_small import add_rms_norm
 from ..kernels.gated_delta import gated_delta_candidates
@@ -152,9 +153,12 @@ class AttentionMixer:
         pos = layout.array("positions")
         q = apply_rope(rms_norm(q, self.q_norm, c.rms_norm_eps), pos, self.rope)
         k = apply_rope(rms_norm(k, self.k_norm, c.rms_norm_eps), pos, self.rope)
-        kp, vp = write_kv(cache.k_pools[self.idx], cache.v_pools[self.idx], k, v, layout)
-        cache.k_pools[self.idx], cache.v_pools[self.idx] = kp, vp
-        o = paged_attention(q, kp, vp, layout, 1.0 / math.sqrt(hd)).reshape(T, nH * hd)
+        kp, vp = cache.k_pools[self.idx], cache.v_pools[self.idx]
+        written = write_kv_inplace(kp, vp, k, v, layout, q.shape, q.dtype)  # GPU: no pool copy
+        if written is None:
+            kp, vp = write_kv(kp, vp, k, v, layout)
+            cache.k_pools[self.idx], cache.v_pools[self.idx] = kp, vp
+        o = paged_attention(q, kp, vp, layout, 1.0 / math.sqrt(hd), after=written).reshape(T, nH * hd)
         return linear(o * mx.sigmoid(gate), self.o_proj)
 
 

@@ -273,7 +273,9 @@ class Engine:
             samp = plan_batch.sampling
             tokens = sample(logits, [s.seq.params for s in samp], [s.seq.seed for s in samp], [s.sample_index for s in samp])
         caps = self.prefix.capture(scheduled, cache) if self.prefix is not None else []
-        mx.async_eval(*([tokens] if tokens is not None else []), *cache.arrays(), *(a for c in caps for a in c.arrays()))
+        mx.async_eval(*([tokens] if tokens is not None else []), *cache.arrays())
+        if caps:  # a separate evaluation runs after the step's in-place KV writes (kv_write_kernels.py)
+            mx.async_eval(*(a for c in caps for a in c.arrays()))
         return _InFlight(plan_batch.sampling, tokens, {s.seq: r for r, s in enumerate(plan_batch.sampling)}, caps, spec)
 
     def _commit(self, flight: _InFlight) -> list[Delta]:
