@@ -22,10 +22,10 @@ from .seqs import SeqLayout
 
 # one thread per element of a token's K (and V) row: ROW = nKV * hd
 _BODY = """
-const uint gid = GID_X;
-const uint T = (uint)k_shape[0];
+const uint32_t gid = GID_X;
+const uint32_t T = (uint32_t)k_shape[0];
 if (gid < T * ROW) {
-  const uint t = gid / ROW, r = gid % ROW;
+  const uint32_t t = gid / ROW, r = gid % ROW;
   const size_t dst = ((size_t)blocks[t] * BT + (size_t)offsets[t]) * ROW + r;
   ((DEVICE_PTR TP*)k_pool)[dst] = FROM_FLOAT(TP, TO_FLOAT(k[gid]));
   ((DEVICE_PTR TP*)v_pool)[dst] = FROM_FLOAT(TP, TO_FLOAT(v[gid]));

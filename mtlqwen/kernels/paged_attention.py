@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 
 from .backend import kernel_for
@@ -84,6 +86,8 @@ def write_kv_inplace(
     """On GPU back-ends: write k, v [T, nKV, hd] into the pools' own buffers (no pool copy) and return a
     token that `paged_attention(..., after=token)` takes so it runs after the write. None when that path
     does not apply (CPU, or an attention the kernel does not cover): then use `write_kv`."""
+    if os.environ.get("MTLQWEN_KV_INPLACE", "1") == "0":  # debugging switch: the functional scatter
+        return None
     kern, covers = kernel_for("write_kv_inplace"), kernel_for("paged_attention_covers")
     if kern is None or covers is None or not covers(q_shape, q_dtype, k_pool, v_pool, layout):
         return None

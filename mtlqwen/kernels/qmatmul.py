@@ -439,7 +439,8 @@ def _flat(x: mx.array) -> tuple[mx.array, tuple]:
 def _big_m(x2: mx.array, p: LinearParams) -> mx.array:
     """More rows than qmv takes: MLX's quantized GEMM (None: the reference) or dequantize + GEMM."""
     M = x2.shape[0]
-    if SELECT["dequant_gemm_min_rows"] <= M and x2.dtype in (mx.bfloat16, mx.float16):
+    small_n = SELECT["small_n_dequant"] and p.out_features % 128 != 0
+    if (SELECT["dequant_gemm_min_rows"] <= M or small_n) and x2.dtype in (mx.bfloat16, mx.float16):
         return x2 @ p.dequantized().astype(x2.dtype).T
     if M <= SELECT["qmv_loop_max_rows"]:  # a few qmv launches beat MLX's GEMM for small M
         return mx.concatenate([qmv(x2[i:i + 8], [p])[0] for i in range(0, M, 8)], axis=0)

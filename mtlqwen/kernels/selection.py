@@ -7,11 +7,18 @@ markdown beside it records the runs. Change a row only with a measurement that j
 from __future__ import annotations
 
 SELECT: dict[str, int] = {
-    # M <= 7: our qmv kernel. Measured 2026-11-30 (benchmarks/kernels_qmatmul_attn.md): at M=1 it beats
+    # M <= 8: our qmv kernel. Measured 2026-11-30 (benchmarks/kernels_qmatmul_attn.md): at M=1 it beats
     # MLX's qmv by 1.2-1.8x (lm_head 340 vs 603 us), at M=2/4 by 1.5-2.7x (MLX's qmv re-reads the
-    # weights per row); at M=8 MLX switches to its tensor-core GEMM (qmm_sm80), which beats our FMA
-    # kernel 2.4x (25 vs 62 us, qkv 8192x4096), so 8 rows go to MLX.
-    "qmv_max_rows": 7,
+    # weights per row). At M=8 MLX switches to its GEMM (qmm_sm80), which the chained benchmark showed
+    # 2.4x faster (25 vs 62 us, qkv) -- but those chains let independent launches overlap. Timed one
+    # kernel at a time inside a real B=8 step (Nsight Compute, benchmarks/decode_profile.md), qmm_sm80
+    # takes ~58 us for every K=4096 matrix whatever N (grid of only N/128 blocks: bound by the K loop)
+    # and 168 us for down_proj, so our qmv (40-103 us, 512+ blocks) wins at 8 rows too.
+    "qmv_max_rows": 8,
+    # More rows than that, N not a multiple of 128 (the GDN b / a projections, N = 32): MLX has no
+    # tensor-core GEMM for it (qmm_naive: 77 us per 32x4096 matrix in that profile); dequantize the small
+    # matrix and use the bf16 GEMM instead.
+    "small_n_dequant": 1,
     # CUDA, 4-bit, bf16/fp16 x: rows from which the tensor-core qmv variant (mma.sync) replaces the FMA
     # kernel; 0 = never. Steady state (one launch, 2026-11-30): at M=8 mma 1.09 / 1.27 TB/s vs FMA 0.43 /
     # 0.33 and MLX's GEMM 1.11 / 1.05 (4096-K / 12288-K); at M=1 mma 1.24 / 1.36 vs FMA 1.69 / 1.94.
