@@ -459,7 +459,9 @@ def linear_kernel(x: mx.array, p: LinearParams):
     x2, lead = _flat(x)
     if not qmv_supported(x2 if x2.shape[0] <= 8 else x2[:8], [p]):
         return None
-    y = qmv(x2, [p])[0] if x2.shape[0] <= SELECT["qmv_max_rows"] else _big_m(x2, p)
+    M = x2.shape[0]
+    wide = M >= 8 and p.out_features >= SELECT["mlx_qmm_min_n_at_8_rows"]
+    y = qmv(x2, [p])[0] if M <= SELECT["qmv_max_rows"] and not wide else _big_m(x2, p)
     return None if y is None else y.reshape(*lead, p.out_features)
 
 

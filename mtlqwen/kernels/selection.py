@@ -15,6 +15,9 @@ SELECT: dict[str, int] = {
     # takes ~58 us for every K=4096 matrix whatever N (grid of only N/128 blocks: bound by the K loop)
     # and 168 us for down_proj, so our qmv (40-103 us, 512+ blocks) wins at 8 rows too.
     "qmv_max_rows": 8,
+    # ... except a matrix this wide at 8 rows (the LM head, N = 248320): there MLX's GEMM has ~1900
+    # blocks to spread and took 471 us against our qmv's 1334 us (H200, 2026-11-30, decode_profile.md).
+    "mlx_qmm_min_n_at_8_rows": 65536,
     # More rows than that, N not a multiple of 128 (the GDN b / a projections, N = 32): MLX has no
     # tensor-core GEMM for it (qmm_naive: 77 us per 32x4096 matrix in that profile); dequantize the small
     # matrix and use the bf16 GEMM instead.
