@@ -56,3 +56,18 @@ def test_eligible_only_for_one_token_per_sequence():
 
 def test_default_is_off_on_the_cpu_references(model):
     assert Engine(model, slots=1, num_blocks=4).compiled is None
+
+
+def test_compiled_decode_with_the_prefix_cache(model):
+    """Compiled decode steps next to prefix-cache captures (evaluated after the step) and restores: the
+    second request reuses the first one's 64-token prefix and both match the single-sequence reference."""
+    eng = Engine(model, slots=2, step_tokens=32, block_tokens=16, num_blocks=64, compile_decode=True,
+                 prefix_interval=32)
+    shared = random_token_ids(70, 512, seed=11)
+    first = eng.generate([shared], greedy(10, ignore_eos=True))[0]
+    second_prompt = shared[:66] + random_token_ids(5, 512, seed=12)
+    second = eng.generate([second_prompt], greedy(10, ignore_eos=True))[0]
+    assert_reference(model, shared, first, 10)
+    assert_reference(model, second_prompt, second, 10)
+    assert second.cached_tokens == 64 and eng.compiled.traces >= 1
+    assert_idle(eng)

@@ -74,6 +74,18 @@ def contexts(bt):
                      st.integers(0, 5 * bt))
 
 
+def drawn_batch(data, bt, nkv, rep, hd, nseq, dtype: str, seed: int):
+    """A GPU test's batch: kernel outputs poisoned, contexts and 1-5 query tokens per sequence drawn."""
+    from mtlqwen.kernels import paged_attn_kernels as pa  # noqa: PLC0415
+
+    pa.POISON = float("nan")
+    dt = {"bfloat16": mx.bfloat16, "float32": mx.float32}[dtype]
+    rng = np.random.default_rng(seed)
+    past = [data.draw(contexts(bt)) for _ in range(nseq)]
+    qlens = [data.draw(st.integers(1, 5)) for _ in range(nseq)]
+    return rng, dt, make_batch(rng, bt, nkv, rep, hd, past, qlens, dt)
+
+
 @settings(max_examples=15, deadline=None)
 @given(data=st.data(), bt=st.sampled_from([4, 16]), nkv=st.integers(1, 2), rep=st.sampled_from([1, 2, 4]),
        nseq=st.integers(1, 3), seed=st.integers(0, 2**31 - 1))
@@ -103,12 +115,7 @@ def test_gated_reference_is_attention_times_sigmoid():
        splits=st.sampled_from([None, 1, 3, 8]), gated=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_kernel_matches_reference(data, bt, nkv, rep, hd, nseq, dtype, splits, gated, seed):
     from mtlqwen.kernels import paged_attn_kernels as pa  # noqa: PLC0415
-    pa.POISON = float("nan")
-    dt = {"bfloat16": mx.bfloat16, "float32": mx.float32}[dtype]
-    rng = np.random.default_rng(seed)
-    past = [data.draw(contexts(bt)) for _ in range(nseq)]
-    qlens = [data.draw(st.integers(1, 5)) for _ in range(nseq)]
-    q, kp, vp, layout = make_batch(rng, bt, nkv, rep, hd, past, qlens, dt)
+    rng, dt, (q, kp, vp, layout) = drawn_batch(data, bt, nkv, rep, hd, nseq, dtype, seed)
     scale = hd**-0.5
     gate = mx.array(rng.standard_normal((q.shape[0], q.shape[1] * hd)).astype(np.float32)).astype(dt) if gated else None
     out = pa.paged_attention_gpu(q, kp, vp, layout, scale, gate=gate, splits=splits)
@@ -133,12 +140,7 @@ def test_inplace_kv_write_then_attention_matches_functional(data, bt, nkv, rep, 
     from mtlqwen.kernels.kv_write_kernels import write_kv_inplace_kernel  # noqa: PLC0415
     from mtlqwen.kernels.paged_attention import write_kv  # noqa: PLC0415
 
-    pa.POISON = float("nan")
-    dt = {"bfloat16": mx.bfloat16, "float32": mx.float32}[dtype]
-    rng = np.random.default_rng(seed)
-    past = [data.draw(contexts(bt)) for _ in range(nseq)]
-    qlens = [data.draw(st.integers(1, 5)) for _ in range(nseq)]
-    q, kp, vp, layout = make_batch(rng, bt, nkv, rep, hd, past, qlens, dt)
+    rng, dt, (q, kp, vp, layout) = drawn_batch(data, bt, nkv, rep, hd, nseq, dtype, seed)
     T = q.shape[0]
     k = mx.array(rng.standard_normal((T, nkv, hd)).astype(np.float32)).astype(dt)
     v = mx.array(rng.standard_normal((T, nkv, hd)).astype(np.float32)).astype(dt)
