@@ -23,6 +23,18 @@ from mtlqwen.model.builtin import demo_config, qwen35_9b_config, random_model
 from mtlqwen.model.config import QuantSpec
 
 
+class Live(dict):
+    """Results that are also printed the moment they exist (a run cut by a time limit keeps them)."""
+
+    def __init__(self, engine: str):
+        super().__init__()
+        self.engine = engine
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        print(f"[{self.engine}] {key} = {value:.4g}", flush=True)
+
+
 def median_of(fn, repeats: int):
     vals = [fn() for _ in range(repeats)]
     return statistics.median(vals), vals
@@ -37,7 +49,7 @@ def rand_prompt(n: int, vocab: int, seed: int) -> list[int]:
 def ours(config, args) -> dict:
     model = random_model(config, quantize=QuantSpec(4, 64), dtype=mx.bfloat16)
     vocab = config.vocab_size
-    res = {}
+    res = Live("mtlqwen")
     greedy = SamplingParams(max_tokens=args.gen, ignore_eos=True)
 
     def decode_rate(n_req: int, prompt_len: int, step_tokens: int):
@@ -85,7 +97,7 @@ def mlxlm(config, args) -> dict:
     nn.quantize(model, group_size=64, bits=4)
     mx.eval(model.parameters())
     vocab = config.vocab_size
-    res = {}
+    res = Live("mlx-lm")
 
     def b1(prompt_len, gen):
         prompt = mx.array(rand_prompt(prompt_len, vocab, 5))
