@@ -18,6 +18,7 @@ from mtlqwen.kernels.gated_delta import (
     gated_delta,
     gated_delta_candidates,
     gated_delta_candidates_ref,
+    gated_delta_packed,
     gated_delta_ref,
 )
 from mtlqwen.kernels.seqs import SeqLayout
@@ -191,6 +192,46 @@ def test_gdn_kernel_matches_reference(seed, lens, geom, dtype, chunk, tpr):
     _check(out, on_cpu(gated_delta_ref, **args, layout=layout), dtype, f"chunk={chunk} tpr={tpr}")
 
 
+def packed_case(args: dict) -> tuple[mx.array, tuple]:
+    """The conv-output layout of a case: y [T, 2*Hk*dk + Hv*dv] = q | k | v channels, and its heads."""
+    q, k, v = args["q"], args["k"], args["v"]
+    T, Hk, dk = q.shape
+    heads = (Hk, dk, v.shape[1], v.shape[2])
+    return mx.concatenate([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], axis=1), heads
+
+
+def test_packed_reference_is_the_reference_on_split_channels():
+    args, layout = make_case(7, [3, 1, 20], 2, 3, 32, 48)
+    y, heads = packed_case(args)
+    rest = {n: args[n] for n in ("a", "b", "A_log", "dt_bias", "state_pool")}
+    got = gated_delta_packed(y, **rest, layout=layout, heads=heads)
+    want = gated_delta_ref(**args, layout=layout)
+    assert all(np.array_equal(np.array(g), np.array(w)) for g, w in zip(got, want))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@settings(max_examples=12, **GPU_SETTINGS)
+@given(
+    seed=st.integers(0, 2**31),
+    lens=st.lists(LENGTHS, min_size=1, max_size=4),
+    geom=st.sampled_from(GEOMS),
+    dtype=st.sampled_from([mx.float32, mx.bfloat16]),
+    chunk=st.sampled_from([None, True, False]),
+)
+def test_gdn_kernel_reads_packed_qkv(seed, lens, geom, dtype, chunk):
+    """The kernels reading q, k, v in place from the conv output (strided rows) == the reference."""
+    from mtlqwen.kernels.gdn_kernels import run_gdn  # noqa: PLC0415
+
+    args, layout = make_case(seed, lens, *geom, dtype=dtype)
+    y, heads = packed_case(args)
+    rest = {n: args[n] for n in ("a", "b", "A_log", "dt_bias", "state_pool")}
+    out = run_gdn(y, y, y, **rest, layout=layout, chunk=chunk, heads=heads, init_value=float("nan"))
+    assert out is not None
+    mx.eval(out)
+    _check(out, on_cpu(gated_delta_ref, **args, layout=layout), dtype, f"packed chunk={chunk}")
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
@@ -229,9 +270,14 @@ def test_dispatchers_use_the_kernels():
     """gated_delta / gated_delta_candidates pick the kernels on a GPU back-end and agree with the twins."""
     assert backend.kernel_for("gated_delta") is not None
     assert backend.kernel_for("gated_delta_candidates") is not None
+    assert backend.kernel_for("gated_delta_packed") is not None
     for lens in ([1, 1, 1], [3, 40]):
         args, layout = make_case(3, lens, 2, 3, 32, 48)
         _check(gated_delta(**args, layout=layout), on_cpu(gated_delta_ref, **args, layout=layout), mx.float32,
                "dispatch")
         _check(gated_delta_candidates(**args, layout=layout), on_cpu(gated_delta_candidates_ref, **args, layout=layout),
                mx.float32, "dispatch candidates")
+        y, heads = packed_case(args)
+        rest = {n: args[n] for n in ("a", "b", "A_log", "dt_bias", "state_pool")}
+        _check(gated_delta_packed(y, **rest, layout=layout, heads=heads),
+               on_cpu(gated_delta_ref, **args, layout=layout), mx.float32, "dispatch packed")

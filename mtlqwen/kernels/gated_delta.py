@@ -156,3 +156,18 @@ def gated_delta_candidates(q, k, v, a, b, A_log, dt_bias, state_pool, layout: Se
     kern = kernel_for("gated_delta_candidates")
     out = kern(q, k, v, a, b, A_log, dt_bias, state_pool, layout) if kern is not None else None
     return out if out is not None else gated_delta_candidates_ref(q, k, v, a, b, A_log, dt_bias, state_pool, layout)
+
+
+def split_qkv(y: mx.array, heads: tuple[int, int, int, int]) -> tuple[mx.array, mx.array, mx.array]:
+    """The conv output y [T, 2*Hk*dk + Hv*dv] -> q, k [T, Hk, dk], v [T, Hv, dv] (channel order q | k | v)."""
+    Hk, dk, Hv, dv = heads
+    T, kd = y.shape[0], Hk * dk
+    return y[:, :kd].reshape(T, Hk, dk), y[:, kd : 2 * kd].reshape(T, Hk, dk), y[:, 2 * kd :].reshape(T, Hv, dv)
+
+
+def gated_delta_packed(y, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, heads: tuple[int, int, int, int]):
+    """`gated_delta` on the packed conv output y (heads = (Hk, dk, Hv, dv)): the kernel reads q, k, v where
+    they lie in y instead of taking three sliced copies."""
+    kern = kernel_for("gated_delta_packed")
+    out = kern(y, a, b, A_log, dt_bias, state_pool, layout, heads) if kern is not None else None
+    return out if out is not None else gated_delta_ref(*split_qkv(y, heads), a, b, A_log, dt_bias, state_pool, layout)

@@ -96,10 +96,10 @@ for (int t = t0; t < t1; ++t) {
   float kn[NE];
   float qn[NE];
   float kss = 0.0f, qss = 0.0f;
-  const size_t kb = ((size_t)t * HK + hk) * DK;
+  const size_t kb = (size_t)t * QS + hk * DK;
   for (int e = 0; e < NE; ++e) {
     const int c = ((e / 4) * TPR + p) * 4 + e % 4;
-    kn[e] = TO_FLOAT(k[kb + c]);
+    kn[e] = TO_FLOAT(k[kb + KO + c]);
     qn[e] = TO_FLOAT(q[kb + c]);
     kss += kn[e] * kn[e];
     qss += qn[e] * qn[e];
@@ -119,7 +119,7 @@ for (int t = t0; t < t1; ++t) {
     pred += s[e] * kn[e];
   }
   RED_PRED
-  const float vv = live ? TO_FLOAT(v[((size_t)t * HV + hv) * DV + row]) : 0.0f;
+  const float vv = live ? TO_FLOAT(v[(size_t)t * VS + VO + hv * DV + row]) : 0.0f;
   const float delta = beta * (vv - pred);
   float out = 0.0f;
   for (int e = 0; e < NE; ++e) {
@@ -150,6 +150,7 @@ def _examples(cand: bool, chunk: int | None) -> list[KernelExample]:
         dts = [dt, dt, dt, dt, dt, mx.float32, dt, mx.float32, mx.int32, mx.int32]
         tmpl = [("InT", dt), ("HK", Hk), ("HV", Hv), ("DK", dk), ("DV", dv), ("TPR", tpr)]
         tmpl += [("BV", chunk or 128 // tpr)] + ([("C", chunk)] if chunk else [])
+        tmpl += [("QS", Hk * dk), ("KO", 0), ("VS", Hv * dv), ("VO", 0)]
         outs = [dt, mx.float32] + ([mx.float32] if cand else [])
         out.append(KernelExample(list(zip(dts, shapes)), outs, tmpl))
     return out
@@ -191,12 +192,12 @@ for (int c0 = t0; c0 < t1; c0 += C) {
   {
     // 1. token r: normalise k and q, gates, v for the block's rows (zeros past the segment: no-ops)
     const bool tv = r < n;
-    const size_t kb = ((size_t)(c0 + (tv ? r : 0)) * HK + hk) * DK;
+    const size_t kb = (size_t)(c0 + (tv ? r : 0)) * QS + hk * DK;
     float qv[NE];
     float kss = 0.0f, qss = 0.0f;
     for (int e = 0; e < NE; ++e) {
       const int c = ((e / 4) * TPR + p) * 4 + e % 4;
-      kj[e] = tv ? TO_FLOAT(k[kb + c]) : 0.0f;
+      kj[e] = tv ? TO_FLOAT(k[kb + KO + c]) : 0.0f;
       qv[e] = tv ? TO_FLOAT(q[kb + c]) : 0.0f;
       kss += kj[e] * kj[e];
       qss += qv[e] * qv[e];
@@ -219,7 +220,7 @@ for (int c0 = t0; c0 < t1; c0 += C) {
     }
     for (int cc = p; cc < C; cc += TPR) {
       const int vr = TGID_X * BV + cc;
-      Xs[r * (C + 1) + cc] = (tv && vr < DV) ? TO_FLOAT(v[((size_t)(c0 + r) * HV + hv) * DV + vr]) : 0.0f;
+      Xs[r * (C + 1) + cc] = (tv && vr < DV) ? TO_FLOAT(v[(size_t)(c0 + r) * VS + VO + hv * DV + vr]) : 0.0f;
     }
   }
   BARRIER;
@@ -313,13 +314,23 @@ CHUNK = portable_kernel(
 
 
 def run_gdn(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, *, candidates=False, chunk=None,
-            init_value=None, tpr=None):
+            init_value=None, tpr=None, heads=None):
     """Launch one GDN kernel over the packed batch. Returns (o, states[, all_states]) or None if the
     shapes are not covered. `chunk` forces (True) or forbids (False) the chunk kernel; tests poison the
-    outputs through `init_value`; benchmarks try other lanes-per-row splits of the recurrence (`tpr`)."""
+    outputs through `init_value`; benchmarks try other lanes-per-row splits of the recurrence (`tpr`).
+    heads=(Hk, dk, Hv, dv): q = k = v = the conv output [T, 2*Hk*dk + Hv*dv] (q | k | v channels), read
+    where it lies -- slicing it instead would make MLX copy each slice to a contiguous array first."""
     backend = gpu_backend()
-    T, Hk, dk = q.shape
-    Hv, dv = v.shape[1], v.shape[2]
+    if heads is None:
+        T, Hk, dk = q.shape
+        Hv, dv = v.shape[1], v.shape[2]
+        strides = [("QS", Hk * dk), ("KO", 0), ("VS", Hv * dv), ("VO", 0)]
+    else:
+        Hk, dk, Hv, dv = heads
+        T = q.shape[0]
+        if q.ndim != 2 or q.shape[1] != 2 * Hk * dk + Hv * dv:
+            return None
+        strides = [("QS", q.shape[1]), ("KO", Hk * dk), ("VS", q.shape[1]), ("VO", 2 * Hk * dk)]
     B = layout.num_seqs
     if backend is None or T == 0 or B == 0 or state_pool.dtype != mx.float32 or Hv % Hk:
         return None
@@ -339,6 +350,7 @@ def run_gdn(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, *, can
     bv = C if use_chunk else 128 // tpr
     kern = CHUNK if use_chunk else (RECURRENT_CAND if candidates else RECURRENT)
     tmpl = [("InT", dt), ("HK", Hk), ("HV", Hv), ("DK", dk), ("DV", dv), ("TPR", tpr), ("BV", bv)] + ([("C", C)] if use_chunk else [])
+    tmpl += strides
     nt = bv * tpr
     nblk = -(-dv // bv)
     shapes = [(T, Hv, dv), (B, Hv, dv, dk)] + ([(T, Hv, dv, dk)] if candidates else [])
@@ -359,6 +371,12 @@ def run_gdn(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, *, can
 @register_kernel("gated_delta")
 def gated_delta_kernel(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout):
     out = run_gdn(q, k, v, a, b, A_log, dt_bias, state_pool, layout)
+    return None if out is None else (out[0], out[1])
+
+
+@register_kernel("gated_delta_packed")
+def gated_delta_packed_kernel(y, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, heads):
+    out = run_gdn(y, y, y, a, b, A_log, dt_bias, state_pool, layout, heads=heads)
     return None if out is None else (out[0], out[1])
 
 

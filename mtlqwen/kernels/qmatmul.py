@@ -433,7 +433,8 @@ def _qmv_mma(x: mx.array, ps: list[LinearParams], epi: int) -> list[mx.array]:
 
 def _flat(x: mx.array) -> tuple[mx.array, tuple]:
     lead = x.shape[:-1]
-    return x.reshape(-1, x.shape[-1]), lead
+    # a reshape with -1 is a graph node even when nothing changes (host cost on every step)
+    return (x if x.ndim == 2 else x.reshape(-1, x.shape[-1])), lead
 
 
 def _big_m(x2: mx.array, p: LinearParams) -> mx.array:

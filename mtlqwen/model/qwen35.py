@@ -27,7 +27,7 @@ from ..kernels import (
     write_kv_inplace,
 )
 from ..kernels.fused_small import add_rms_norm
-from ..kernels.gated_delta import gated_delta_candidates
+from ..kernels.gated_delta import gated_delta_candidates, gated_delta_packed, split_qkv
 from ..kernels.linear_fused import linear_multi, swiglu_linear
 from .cache import ModelCache
 from .config import Qwen35Config
@@ -90,21 +90,20 @@ class GDNMixer:
         Hk, Hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         # one launch for the four projections of x at decode sizes
         mixed, z, b, a = linear_multi(x, [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
-        z = z.reshape(T, Hv, dv)  # mixed [T, conv_dim]: q | k | v channels; b, a [T, Hv]
+        # mixed [T, conv_dim]: q | k | v channels; z [T, value_dim]; b, a [T, Hv]
         if layout.verify is not None and any(layout.verify):
             o = self._mix_verifying(mixed, a, b, layout, cache)
-            o = gated_rms_norm(o, z, self.norm_w, c.rms_norm_eps).reshape(T, c.value_dim)
+            o = gated_rms_norm(o, z.reshape(T, Hv, dv), self.norm_w, c.rms_norm_eps).reshape(T, c.value_dim)
             return linear(o, self.out_proj)
         y, conv_new = causal_conv1d(mixed, self.conv_w, cache.conv_states[self.idx], layout)
-        q = y[:, : c.key_dim].reshape(T, Hk, dk)
-        k = y[:, c.key_dim : 2 * c.key_dim].reshape(T, Hk, dk)
-        v = y[:, 2 * c.key_dim :].reshape(T, Hv, dv)
-        o, rec_new = gated_delta(q, k, v, a, b, self.A_log, self.dt_bias, cache.rec_states[self.idx], layout)
+        o, rec_new = gated_delta_packed(y, a, b, self.A_log, self.dt_bias, cache.rec_states[self.idx], layout,
+                                        (Hk, dk, Hv, dv))
         rows = layout.array("state_rows")
         cache.conv_states[self.idx][rows] = conv_new
         cache.rec_states[self.idx][rows] = rec_new
-        o = gated_rms_norm(o, z, self.norm_w, c.rms_norm_eps).reshape(T, c.value_dim)
-        return linear(o, self.out_proj)
+        # per-head norm on [T * Hv, dv] views: 2-D inputs need no reshape inside the norm op
+        o = gated_rms_norm(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), self.norm_w, c.rms_norm_eps)
+        return linear(o.reshape(T, c.value_dim), self.out_proj)
 
     def _mix_verifying(self, mixed, a, b, layout: SeqLayout, cache: ModelCache) -> mx.array:
         """The conv + delta rule of a batch holding verifications -> o [T, Hv, dv]. Plain sequences commit
@@ -114,9 +113,8 @@ class GDNMixer:
         sp = _VerifySplit.of(layout)
         conv_pool, rec_pool = cache.conv_states[self.idx], cache.rec_states[self.idx]
         y, conv_new = causal_conv1d(mixed, self.conv_w, conv_pool, layout)  # every row's conv output is final
-        q = y[:, : c.key_dim].reshape(T, c.linear_num_key_heads, c.linear_key_head_dim)
-        k = y[:, c.key_dim : 2 * c.key_dim].reshape(T, c.linear_num_key_heads, c.linear_key_head_dim)
-        v = y[:, 2 * c.key_dim :].reshape(T, c.linear_num_value_heads, c.linear_value_head_dim)
+        q, k, v = split_qkv(y, (c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads,
+                                c.linear_value_head_dim))
         vr = sp.verify_rows
         o_v, _, every = gated_delta_candidates(q[vr], k[vr], v[vr], a[vr], b[vr], self.A_log, self.dt_bias,
                                                rec_pool, sp.verify)
