@@ -234,6 +234,37 @@ def test_gdn_kernel_reads_packed_qkv(seed, lens, geom, dtype, chunk):
 
 @pytest.mark.gpu
 @needs_gpu
+@settings(max_examples=12, **GPU_SETTINGS)
+@given(
+    seed=st.integers(0, 2**31),
+    lens=st.lists(LENGTHS, min_size=1, max_size=4),
+    geom=st.sampled_from(GEOMS),
+    dtype=st.sampled_from([mx.float32, mx.bfloat16]),
+    chunk=st.sampled_from([None, True, False]),
+)
+def test_gdn_inplace_state_write(seed, lens, geom, dtype, chunk):
+    """inplace=True: o as the reference, the sequences' pool rows hold the reference's new states and every
+    other pool row is untouched (the gate for SELECT["gdn_state_inplace"])."""
+    from mtlqwen.kernels.gdn_kernels import run_gdn  # noqa: PLC0415
+
+    args, layout = make_case(seed, lens, *geom, dtype=dtype)
+    before = np.array(args["state_pool"])
+    ref_o, ref_states = on_cpu(gated_delta_ref, **{**args, "state_pool": mx.array(before)}, layout=layout)
+    y, heads = packed_case(args)
+    rest = {n: args[n] for n in ("a", "b", "A_log", "dt_bias", "state_pool")}
+    out = run_gdn(y, y, y, **rest, layout=layout, chunk=chunk, heads=heads, inplace=True, init_value=float("nan"))
+    assert out is not None
+    mx.eval(out)
+    assert rel(out[0], ref_o) < TOL[dtype]
+    after = np.array(args["state_pool"])
+    rows = layout.state_rows
+    assert rel(mx.array(after[rows]), ref_states) < (1e-4 if dtype == mx.float32 else 1e-3)
+    others = [i for i in range(after.shape[0]) if i not in rows]
+    assert np.array_equal(after[others], before[others])
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_gdn_chunk_boundaries(dtype):
     """Segments of 31/32/33/64/65 tokens packed together through the chunk kernel, vs float64."""

@@ -165,9 +165,12 @@ def split_qkv(y: mx.array, heads: tuple[int, int, int, int]) -> tuple[mx.array, 
     return y[:, :kd].reshape(T, Hk, dk), y[:, kd : 2 * kd].reshape(T, Hk, dk), y[:, 2 * kd :].reshape(T, Hv, dv)
 
 
-def gated_delta_packed(y, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, heads: tuple[int, int, int, int]):
+def gated_delta_packed(y, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, heads: tuple[int, int, int, int],
+                       write_state: bool = False):
     """`gated_delta` on the packed conv output y (heads = (Hk, dk, Hv, dv)): the kernel reads q, k, v where
-    they lie in y instead of taking three sliced copies."""
+    they lie in y instead of taking three sliced copies. write_state: the caller allows the kernel to write
+    the new states into state_pool's rows itself; it then returns (o, None) and the caller skips its scatter
+    (the reference always returns the states)."""
     kern = kernel_for("gated_delta_packed")
-    out = kern(y, a, b, A_log, dt_bias, state_pool, layout, heads) if kern is not None else None
+    out = kern(y, a, b, A_log, dt_bias, state_pool, layout, heads, write_state) if kern is not None else None
     return out if out is not None else gated_delta_ref(*split_qkv(y, heads), a, b, A_log, dt_bias, state_pool, layout)

@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from .backend import gpu_backend, register_kernel
 from .portable import KernelExample, portable_kernel
+from .selection import SELECT
 from .seqs import SeqLayout
 
 # A batch whose longest segment exceeds this runs the chunk kernel. H200, Qwen3.5-9B GDN shape, B=1:
@@ -135,13 +136,17 @@ FINAL_STORE
     .replace("RED_QSS", _reduce("qss"))
     .replace("RED_PRED", _reduce("pred"))
     .replace("RED_OUT", _reduce("out"))
-    .replace("FINAL_STORE", _store_state("state_out", "seq"))
 )
+# In-place variant: the final state goes straight into the pool rows it was read from (each threadgroup
+# owns its rows, read in the prologue, written here), so no scatter has to copy the pool; `done` is the
+# output MLX needs. Only where nothing else reads that pool in the same evaluation (GDNMixer's plain path).
+_INPLACE_STORE = _store_state("((DEVICE_PTR float*)state_pool)", "rows[seq]") + """
+if (TGID_X == 0 && TGID_Y == 0 && TGID_Z == 0 && TID_X == 0) done[0] = 1;"""
 
 _IN = ["q", "k", "v", "a", "b", "A_log", "dt_bias", "state_pool", "qsl", "rows"]
 
 
-def _examples(cand: bool, chunk: int | None) -> list[KernelExample]:
+def _examples(cand: bool, chunk: int | None, inplace: bool = False) -> list[KernelExample]:
     """Qwen3.5-9B in bf16, and a small fp32 shape with r = 3, dk != dv, a tiny (constant) gate vector."""
     out = []
     for dt, T, B, Hk, Hv, dk, dv in ((mx.bfloat16, 8, 2, 16, 32, 128, 128), (mx.float32, 7, 2, 2, 6, 32, 48)):
@@ -151,7 +156,7 @@ def _examples(cand: bool, chunk: int | None) -> list[KernelExample]:
         tmpl = [("InT", dt), ("HK", Hk), ("HV", Hv), ("DK", dk), ("DV", dv), ("TPR", tpr)]
         tmpl += [("BV", chunk or 128 // tpr)] + ([("C", chunk)] if chunk else [])
         tmpl += [("QS", Hk * dk), ("KO", 0), ("VS", Hv * dv), ("VO", 0)]
-        outs = [dt, mx.float32] + ([mx.float32] if cand else [])
+        outs = [dt, mx.int32 if inplace else mx.float32] + ([mx.float32] if cand else [])
         out.append(KernelExample(list(zip(dts, shapes)), outs, tmpl))
     return out
 
@@ -160,15 +165,23 @@ RECURRENT = portable_kernel(
     name="gdn_recurrent",
     input_names=_IN,
     output_names=["o", "state_out"],
-    body=_RECURRENT.replace("CAND_STORE", ""),
+    body=_RECURRENT.replace("CAND_STORE", "").replace("FINAL_STORE", _store_state("state_out", "seq")),
     examples=_examples(False, None),
 )
 RECURRENT_CAND = portable_kernel(
     name="gdn_recurrent_cand",
     input_names=_IN,
     output_names=["o", "state_out", "all_states"],
-    body=_RECURRENT.replace("CAND_STORE", _store_state("all_states", "t")),
+    body=_RECURRENT.replace("CAND_STORE", _store_state("all_states", "t")).replace(
+        "FINAL_STORE", _store_state("state_out", "seq")),
     examples=_examples(True, None),
+)
+RECURRENT_INPLACE = portable_kernel(
+    name="gdn_recurrent_inplace",
+    input_names=_IN,
+    output_names=["o", "done"],
+    body=_RECURRENT.replace("CAND_STORE", "").replace("FINAL_STORE", _INPLACE_STORE),
+    examples=_examples(False, None, inplace=True),
 )
 
 # Chunked scan (§2.8) in this layout (S rows r, columns c over dk), for a chunk of C tokens i, j:
@@ -302,24 +315,31 @@ FINAL_STORE
 )
 for _v in ("kss", "qss", "kk", "ks", "qk", "qs"):
     _CHUNK = _CHUNK.replace(f"RED_{_v.upper()}", _reduce(_v))
-_CHUNK = _CHUNK.replace("FINAL_STORE", _store_state("state_out", "seq"))
 
 CHUNK = portable_kernel(
     name="gdn_chunk",
     input_names=_IN,
     output_names=["o", "state_out"],
-    body=_CHUNK,
+    body=_CHUNK.replace("FINAL_STORE", _store_state("state_out", "seq")),
     examples=_examples(False, 16),
+)
+CHUNK_INPLACE = portable_kernel(
+    name="gdn_chunk_inplace",
+    input_names=_IN,
+    output_names=["o", "done"],
+    body=_CHUNK.replace("FINAL_STORE", _INPLACE_STORE),
+    examples=_examples(False, 16, inplace=True),
 )
 
 
 def run_gdn(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, *, candidates=False, chunk=None,
-            init_value=None, tpr=None, heads=None):
+            init_value=None, tpr=None, heads=None, inplace=False):
     """Launch one GDN kernel over the packed batch. Returns (o, states[, all_states]) or None if the
     shapes are not covered. `chunk` forces (True) or forbids (False) the chunk kernel; tests poison the
     outputs through `init_value`; benchmarks try other lanes-per-row splits of the recurrence (`tpr`).
     heads=(Hk, dk, Hv, dv): q = k = v = the conv output [T, 2*Hk*dk + Hv*dv] (q | k | v channels), read
-    where it lies -- slicing it instead would make MLX copy each slice to a contiguous array first."""
+    where it lies -- slicing it instead would make MLX copy each slice to a contiguous array first.
+    inplace: the new states are written into state_pool's rows; returns (o, done) (not with candidates)."""
     backend = gpu_backend()
     if heads is None:
         T, Hk, dk = q.shape
@@ -342,19 +362,22 @@ def run_gdn(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, *, can
     longest = max(layout.q_len(i) for i in range(B))
     C = _chunk_fits(backend, dk)
     use_chunk = (longest > CHUNK_MIN_T if chunk is None else chunk) and C and not candidates
-    if chunk and not use_chunk:
+    if (chunk and not use_chunk) or (inplace and candidates):
         return None
     tpr = tpr or (CHUNK_TPR if use_chunk else _tpr(dk))
     if dk % (4 * tpr) or tpr > (8 if use_chunk else 32):
         return None
     bv = C if use_chunk else 128 // tpr
-    kern = CHUNK if use_chunk else (RECURRENT_CAND if candidates else RECURRENT)
+    if inplace:
+        kern = CHUNK_INPLACE if use_chunk else RECURRENT_INPLACE
+    else:
+        kern = CHUNK if use_chunk else (RECURRENT_CAND if candidates else RECURRENT)
     tmpl = [("InT", dt), ("HK", Hk), ("HV", Hv), ("DK", dk), ("DV", dv), ("TPR", tpr), ("BV", bv)] + ([("C", C)] if use_chunk else [])
     tmpl += strides
     nt = bv * tpr
     nblk = -(-dv // bv)
-    shapes = [(T, Hv, dv), (B, Hv, dv, dk)] + ([(T, Hv, dv, dk)] if candidates else [])
-    dtypes = [dt, mx.float32] + ([mx.float32] if candidates else [])
+    shapes = [(T, Hv, dv), (1,) if inplace else (B, Hv, dv, dk)] + ([(T, Hv, dv, dk)] if candidates else [])
+    dtypes = [dt, mx.int32 if inplace else mx.float32] + ([mx.float32] if candidates else [])
     return kern(
         backend,
         inputs=[q, k, v, a, b, A_log, dt_bias, state_pool, layout.array("query_start_loc"),
@@ -375,9 +398,11 @@ def gated_delta_kernel(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLay
 
 
 @register_kernel("gated_delta_packed")
-def gated_delta_packed_kernel(y, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, heads):
-    out = run_gdn(y, y, y, a, b, A_log, dt_bias, state_pool, layout, heads=heads)
-    return None if out is None else (out[0], out[1])
+def gated_delta_packed_kernel(y, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, heads, write_state=False):
+    """-> (o, new states) or, with write_state (and SELECT allows it), (o, None): states written in place."""
+    inplace = bool(write_state and SELECT["gdn_state_inplace"])
+    out = run_gdn(y, y, y, a, b, A_log, dt_bias, state_pool, layout, heads=heads, inplace=inplace)
+    return None if out is None else (out[0], None if inplace else out[1])
 
 
 @register_kernel("gated_delta_candidates")

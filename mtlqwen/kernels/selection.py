@@ -1,4 +1,5 @@
-"""Which quantized-matmul path runs for which shape class, and the qmv kernel's blocking.
+"""Which quantized-matmul path runs for which shape class, the qmv kernel's blocking, and the kernel
+variants that stay off until their GPU tests have passed.
 
 Numbers come from benchmarks/kernels_qmatmul_attn.py on the project's H200 (MLX 0.32.4 CUDA); the
 markdown beside it records the runs. Change a row only with a measurement that justifies it.
@@ -36,6 +37,12 @@ SELECT: dict[str, int] = {
     # 46 us): MLX's dequantize costs ~65 us per 4096x4096. The crossover, interpolated linearly
     # between the two measured sizes, lies near 300 rows (not measured there).
     "dequant_gemm_min_rows": 320,
+    # GDN decode / prefill kernels write the new recurrent states into the pool in place (gdn_kernels.py)
+    # instead of returning them for a scatter, which on the GPU copies the whole pool every step (MLX keeps
+    # kernel inputs alive, so the pool is never donated): +54 MiB per step at B=1 with one slot, +423 MiB at
+    # B=8 (decode_profile.md). OFF until tests/test_kernels_gdn.py::test_gdn_inplace_state_write has run
+    # on the device; then 1.
+    "gdn_state_inplace": 0,
 }
 
 # (MT, bits) -> (R weight rows per SIMD group, U chunks in flight per lane and row). R amortises each

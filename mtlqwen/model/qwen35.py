@@ -97,10 +97,11 @@ class GDNMixer:
             return linear(o, self.out_proj)
         y, conv_new = causal_conv1d(mixed, self.conv_w, cache.conv_states[self.idx], layout)
         o, rec_new = gated_delta_packed(y, a, b, self.A_log, self.dt_bias, cache.rec_states[self.idx], layout,
-                                        (Hk, dk, Hv, dv))
+                                        (Hk, dk, Hv, dv), write_state=True)
         rows = layout.array("state_rows")
         cache.conv_states[self.idx][rows] = conv_new
-        cache.rec_states[self.idx][rows] = rec_new
+        if rec_new is not None:  # else the kernel wrote the states into the pool itself
+            cache.rec_states[self.idx][rows] = rec_new
         # per-head norm on [T * Hv, dv] views: 2-D inputs need no reshape inside the norm op
         o = gated_rms_norm(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), self.norm_w, c.rms_norm_eps)
         return linear(o.reshape(T, c.value_dim), self.out_proj)
