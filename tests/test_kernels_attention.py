@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mlx.core as mx
-from mtlqwen.kernels.paged_attention import paged_attention_ref
+from mtlqwen.kernels.paged_attention import paged_attention_gated_ref, paged_attention_ref
 from mtlqwen.kernels.seqs import SeqLayout
 
 from gpu_checks import GPU_SETTINGS, n_examples, needs_gpu
@@ -99,7 +99,6 @@ def test_reference_matches_dense_attention(data, bt, nkv, rep, nseq, seed):
 
 
 def test_gated_reference_is_attention_times_sigmoid():
-    from mtlqwen.kernels.paged_attn_kernels import paged_attention_gated_ref  # noqa: PLC0415
     rng = np.random.default_rng(1)
     q, kp, vp, layout = make_batch(rng, 4, 2, 2, 8, [5, 9], [2, 1], mx.float32)
     gate = mx.array(rng.standard_normal((3, 4 * 8)).astype(np.float32))
@@ -121,7 +120,7 @@ def test_kernel_matches_reference(data, bt, nkv, rep, hd, nseq, dtype, splits, g
     out = pa.paged_attention_gpu(q, kp, vp, layout, scale, gate=gate, splits=splits)
     assert out is not None and out.shape == q.shape and out.dtype == dt
     with mx.stream(mx.cpu):  # the GPU's fp32 matmuls may use TF32 (~3e-4): keep the reference exact
-        ref = (pa.paged_attention_gated_ref(q, kp, vp, layout, scale, gate) if gated
+        ref = (paged_attention_gated_ref(q, kp, vp, layout, scale, gate) if gated
                else paged_attention_ref(q, kp, vp, layout, scale))
         ref = np.array(ref.astype(mx.float32))
     assert rel_err(out, ref) < TOL[dt]

@@ -80,6 +80,22 @@ def paged_attention(
     return out if out is not None else paged_attention_ref(q, k_pool, v_pool, layout, scale)
 
 
+def paged_attention_gated_ref(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate: mx.array) -> mx.array:
+    """Attention, then the output gate of qwen35-architecture.md §3.6: o * sigmoid(gate), gate [T, nH*hd]."""
+    o = paged_attention_ref(q, k_pool, v_pool, layout, scale)
+    g = gate.reshape(o.shape).astype(mx.float32)
+    return (o.astype(mx.float32) * mx.sigmoid(g)).astype(q.dtype)
+
+
+def paged_attention_gated(
+    q, k_pool, v_pool, layout: SeqLayout, scale: float, gate: mx.array, after: mx.array | None = None
+) -> mx.array:
+    """`paged_attention` with the sigmoid output gate applied inside the kernel (no separate ops)."""
+    kern = kernel_for("paged_attention_gated")
+    out = kern(q, k_pool, v_pool, layout, scale, gate, after) if kern is not None else None
+    return out if out is not None else paged_attention_gated_ref(q, k_pool, v_pool, layout, scale, gate)
+
+
 def write_kv_inplace(
     k_pool: mx.array, v_pool: mx.array, k: mx.array, v: mx.array, layout: SeqLayout, q_shape, q_dtype
 ) -> mx.array | None:

@@ -14,8 +14,7 @@ import math
 
 import mlx.core as mx
 
-from .backend import gpu_backend, kernel_for, register_kernel
-from .paged_attention import paged_attention_ref
+from .backend import gpu_backend, register_kernel
 from .portable import KernelExample, portable_kernel
 from .seqs import SeqLayout
 
@@ -383,19 +382,6 @@ def paged_attention_covers(q_shape, q_dtype, k_pool, v_pool, layout):
     return covers(q_shape, q_dtype, k_pool, v_pool, layout)
 
 
-def paged_attention_gated_ref(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate: mx.array) -> mx.array:
-    """Attention, then the output gate of qwen35-architecture.md §3.6: o * sigmoid(gate), gate [T, nH*hd]."""
-    o = paged_attention_ref(q, k_pool, v_pool, layout, scale)
-    g = gate.reshape(o.shape).astype(mx.float32)
-    return (o.astype(mx.float32) * mx.sigmoid(g)).astype(q.dtype)
-
-
 @register_kernel("paged_attention_gated")
-def paged_attention_gated_kernel(q, k_pool, v_pool, layout, scale, gate):
-    return paged_attention_gpu(q, k_pool, v_pool, layout, scale, gate=gate)
-
-
-def paged_attention_gated(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate: mx.array) -> mx.array:
-    kern = kernel_for("paged_attention_gated")
-    out = kern(q, k_pool, v_pool, layout, scale, gate) if kern is not None else None
-    return out if out is not None else paged_attention_gated_ref(q, k_pool, v_pool, layout, scale, gate)
+def paged_attention_gated_kernel(q, k_pool, v_pool, layout, scale, gate, after=None):
+    return paged_attention_gpu(q, k_pool, v_pool, layout, scale, gate=gate, after=after)

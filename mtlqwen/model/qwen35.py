@@ -21,12 +21,12 @@ from ..kernels import (
     gated_rms_norm,
     gather_linear,
     linear,
-    paged_attention,
     rms_norm,
     write_kv,
     write_kv_inplace,
 )
 from ..kernels.fused_small import add_rms_norm
+from ..kernels.paged_attention import paged_attention_gated
 from ..kernels.gated_delta import gated_delta_candidates, gated_delta_packed, split_qkv
 from ..kernels.linear_fused import linear_multi, swiglu_linear
 from .cache import ModelCache
@@ -110,7 +110,7 @@ class GDNMixer:
         """The conv + delta rule of a batch holding verifications -> o [T, Hv, dv]. Plain sequences commit
         their new state; verifying ones leave the pools alone and stash (all states [Tv, Hv, dv, dk],
         old conv rows [Sv, K-1, C], raw verify rows [Tv, C]) for `Qwen35Model.commit_candidates`."""
-        c, T = self.c, mixed.shape[0]
+        c = self.c
         sp = _VerifySplit.of(layout)
         conv_pool, rec_pool = cache.conv_states[self.idx], cache.rec_states[self.idx]
         y, conv_new = causal_conv1d(mixed, self.conv_w, conv_pool, layout)  # every row's conv output is final
@@ -157,8 +157,8 @@ class AttentionMixer:
         if written is None:
             kp, vp = write_kv(kp, vp, k, v, layout)
             cache.k_pools[self.idx], cache.v_pools[self.idx] = kp, vp
-        o = paged_attention(q, kp, vp, layout, 1.0 / math.sqrt(hd), after=written).reshape(T, nH * hd)
-        return linear(o * mx.sigmoid(gate), self.o_proj)
+        o = paged_attention_gated(q, kp, vp, layout, 1.0 / math.sqrt(hd), gate, after=written)
+        return linear(o.reshape(T, nH * hd), self.o_proj)
 
 
 class DenseMLP:
