@@ -252,7 +252,9 @@ def test_random_workloads_with_speculation_match_plain_decoding(model, drafter, 
             assert_reference(model, prompt, o, sp.max_tokens)
     s = eng.stats()
     assert s["generated_tokens"] == sum(len(outs[i].token_ids) for i in outs)
-    if w["noise"] == 0.0:  # only drafts past a stop token (the oracle has no continuation there) fail
+    same = all(o.token_ids == b.token_ids for o, b in zip(outs.values(), base))
+    # the oracle proposes the plain run's tokens: after a near-tie divergence it proposes the wrong ones
+    if w["noise"] == 0.0 and same:  # only drafts past a stop token (no continuation there) fail then
         stopped = sum(outs[i].finish_reason == "stop" for i in outs)
         assert s["accepted_tokens"] >= s["draft_tokens"] - stopped * w["n_draft"]
     assert_idle(eng)
