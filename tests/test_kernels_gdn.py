@@ -161,6 +161,16 @@ def on_cpu(fn, *args, **kw):
     return out
 
 
+# random packed batches for the kernel tests: segment lengths, head geometry, activation dtype, kernel choice
+KERNEL_CASES = dict(
+    seed=st.integers(0, 2**31),
+    lens=st.lists(LENGTHS, min_size=1, max_size=4),
+    geom=st.sampled_from(GEOMS),
+    dtype=st.sampled_from([mx.float32, mx.bfloat16]),
+    chunk=st.sampled_from([None, True, False]),
+)
+
+
 def _check(out, ref, dtype, what):
     assert len(out) == len(ref)
     tol = TOL[dtype]
@@ -173,14 +183,7 @@ def _check(out, ref, dtype, what):
 @pytest.mark.gpu
 @needs_gpu
 @settings(max_examples=20, **GPU_SETTINGS)
-@given(
-    seed=st.integers(0, 2**31),
-    lens=st.lists(LENGTHS, min_size=1, max_size=4),
-    geom=st.sampled_from(GEOMS),
-    dtype=st.sampled_from([mx.float32, mx.bfloat16]),
-    chunk=st.sampled_from([None, True, False]),
-    tpr=st.sampled_from([None, None, 4, 8, 16, 32]),  # lanes per state row (None: the default)
-)
+@given(**KERNEL_CASES, tpr=st.sampled_from([None, None, 4, 8, 16, 32]))  # lanes per state row (None: default)
 def test_gdn_kernel_matches_reference(seed, lens, geom, dtype, chunk, tpr):
     from mtlqwen.kernels.gdn_kernels import run_gdn  # noqa: PLC0415
 
@@ -211,54 +214,29 @@ def test_packed_reference_is_the_reference_on_split_channels():
 
 @pytest.mark.gpu
 @needs_gpu
-@settings(max_examples=12, **GPU_SETTINGS)
-@given(
-    seed=st.integers(0, 2**31),
-    lens=st.lists(LENGTHS, min_size=1, max_size=4),
-    geom=st.sampled_from(GEOMS),
-    dtype=st.sampled_from([mx.float32, mx.bfloat16]),
-    chunk=st.sampled_from([None, True, False]),
-)
-def test_gdn_kernel_reads_packed_qkv(seed, lens, geom, dtype, chunk):
-    """The kernels reading q, k, v in place from the conv output (strided rows) == the reference."""
-    from mtlqwen.kernels.gdn_kernels import run_gdn  # noqa: PLC0415
-
-    args, layout = make_case(seed, lens, *geom, dtype=dtype)
-    y, heads = packed_case(args)
-    rest = {n: args[n] for n in ("a", "b", "A_log", "dt_bias", "state_pool")}
-    out = run_gdn(y, y, y, **rest, layout=layout, chunk=chunk, heads=heads, init_value=float("nan"))
-    assert out is not None
-    mx.eval(out)
-    _check(out, on_cpu(gated_delta_ref, **args, layout=layout), dtype, f"packed chunk={chunk}")
-
-
-@pytest.mark.gpu
-@needs_gpu
-@settings(max_examples=12, **GPU_SETTINGS)
-@given(
-    seed=st.integers(0, 2**31),
-    lens=st.lists(LENGTHS, min_size=1, max_size=4),
-    geom=st.sampled_from(GEOMS),
-    dtype=st.sampled_from([mx.float32, mx.bfloat16]),
-    chunk=st.sampled_from([None, True, False]),
-)
-def test_gdn_inplace_state_write(seed, lens, geom, dtype, chunk):
-    """inplace=True: o as the reference, the sequences' pool rows hold the reference's new states and every
-    other pool row is untouched (the gate for SELECT["gdn_state_inplace"])."""
+@settings(max_examples=20, **GPU_SETTINGS)
+@given(**KERNEL_CASES, inplace=st.booleans())
+def test_gdn_kernel_reads_packed_qkv(seed, lens, geom, dtype, chunk, inplace):
+    """The kernels reading q, k, v in place from the conv output (strided rows) == the reference. With
+    inplace=True (the gate for SELECT["gdn_state_inplace"]) the sequences' pool rows must then hold the
+    reference's new states and every other pool row must be untouched."""
     from mtlqwen.kernels.gdn_kernels import run_gdn  # noqa: PLC0415
 
     args, layout = make_case(seed, lens, *geom, dtype=dtype)
     before = np.array(args["state_pool"])
-    ref_o, ref_states = on_cpu(gated_delta_ref, **{**args, "state_pool": mx.array(before)}, layout=layout)
+    ref = on_cpu(gated_delta_ref, **{**args, "state_pool": mx.array(before)}, layout=layout)
     y, heads = packed_case(args)
     rest = {n: args[n] for n in ("a", "b", "A_log", "dt_bias", "state_pool")}
-    out = run_gdn(y, y, y, **rest, layout=layout, chunk=chunk, heads=heads, inplace=True, init_value=float("nan"))
+    out = run_gdn(y, y, y, **rest, layout=layout, chunk=chunk, heads=heads, inplace=inplace, init_value=float("nan"))
     assert out is not None
     mx.eval(out)
-    assert rel(out[0], ref_o) < TOL[dtype]
+    if not inplace:
+        _check(out, ref, dtype, f"packed chunk={chunk}")
+        return
+    assert rel(out[0], ref[0]) < TOL[dtype]
     after = np.array(args["state_pool"])
     rows = layout.state_rows
-    assert rel(mx.array(after[rows]), ref_states) < (1e-4 if dtype == mx.float32 else 1e-3)
+    assert rel(mx.array(after[rows]), ref[1]) < (1e-4 if dtype == mx.float32 else 1e-3)
     others = [i for i in range(after.shape[0]) if i not in rows]
     assert np.array_equal(after[others], before[others])
 

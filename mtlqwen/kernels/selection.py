@@ -40,7 +40,7 @@ SELECT: dict[str, int] = {
     # GDN decode / prefill kernels write the new recurrent states into the pool in place (gdn_kernels.py)
     # instead of returning them for a scatter, which on the GPU copies the whole pool every step (MLX keeps
     # kernel inputs alive, so the pool is never donated): +54 MiB per step at B=1 with one slot, +423 MiB at
-    # B=8 (decode_profile.md). OFF until tests/test_kernels_gdn.py::test_gdn_inplace_state_write has run
+    # B=8 (decode_profile.md). OFF until tests/test_kernels_gdn.py::test_gdn_kernel_reads_packed_qkv has run
     # on the device; then 1.
     "gdn_state_inplace": 0,
 }
