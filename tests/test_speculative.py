@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dflash_checkpoints import write_tiny_drafter
@@ -35,8 +35,14 @@ class Oracle:
     """A proposer that knows each request's plain greedy continuation (`ref`: prompt -> full tokens) and
     proposes it, each draft replaced by a wrong token with probability `noise` (0: full acceptance)."""
 
-    def __init__(self, ref: dict, noise: float = 0.0, seed: int = 0, vocab: int = 512):
-        self.ref, self.noise, self.rng, self.vocab = ref, noise, np.random.default_rng(seed), vocab
+    def __init__(self, ref, noise: float = 0.0, seed: int = 0, vocab: int = 512):
+        """ref: (prompt, full tokens) pairs; requests that share a prompt share its longest continuation
+        (a shorter one, from a smaller max_tokens, would leave the longer request without proposals)."""
+        self.ref: dict = {}
+        for p, full in ref.items() if isinstance(ref, dict) else ref:
+            if len(full) > len(self.ref.get(tuple(p), ())):
+                self.ref[tuple(p)] = full
+        self.noise, self.rng, self.vocab = noise, np.random.default_rng(seed), vocab
 
     def __call__(self, seqs, layout, n):
         rows = []
@@ -235,6 +241,10 @@ def spec_workloads(draw):
 
 @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(w=spec_workloads())
+# found by hypothesis: requests sharing one prompt with different max_tokens (the oracle must propose
+# the longest continuation)
+@example(w=dict(slots=1, n_draft=1, reqs=[(0, [425], 3, True), (0, [425], 1, False), (0, [425], 1, False)],
+                step_tokens=2, block_tokens=8, prefix_interval=0, noise=0.0, extra_blocks=0))
 def test_random_workloads_with_speculation_match_plain_decoding(model, drafter, w):
     """Speculating sequences share steps with prefilling ones (arrivals staggered), across block and
     prefix-interval boundaries, with preemptions under tight pools, some requests opted out; outputs
@@ -245,7 +255,7 @@ def test_random_workloads_with_speculation_match_plain_decoding(model, drafter, 
     kw = dict(slots=w["slots"], step_tokens=w["step_tokens"], block_tokens=bt, num_blocks=need + w["extra_blocks"])
     base = plain_outputs(model, [p for _, p, _ in requests], [sp for _, _, sp in requests], **kw)
     eng = Engine(model, draft=drafter, n_draft=w["n_draft"], prefix_interval=w["prefix_interval"], **kw)
-    eng.spec.propose = Oracle({tuple(p): p + o.token_ids for (_, p, _), o in zip(requests, base)}, w["noise"])
+    eng.spec.propose = Oracle([(p, p + o.token_ids) for (_, p, _), o in zip(requests, base)], w["noise"])
     outs = dict(enumerate(run_arrivals(eng, requests, max_steps=5000)))
     for (_, prompt, sp), o, b in zip(requests, outs.values(), base):
         if o.token_ids != b.token_ids:
