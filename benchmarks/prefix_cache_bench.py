@@ -18,7 +18,6 @@ TTFT mean and max over the requests, total wall time, prompt tokens served from 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -26,21 +25,10 @@ import time
 import mlx.core as mx
 import numpy as np
 
-import mtlqwen
-from mtlqwen.model import QuantSpec
 from mtlqwen.runtime import Engine, SamplingParams
 from mtlqwen.runtime.block_pool import BlockPool
 
-
-def build_model(args):
-    if args.model:
-        return mtlqwen.load(args.model), args.model
-    from mtlqwen.model import builtin  # noqa: PLC0415
-
-    config = builtin.qwen35_9b_config() if args.shape == "9b" else builtin.demo_config()
-    quant = QuantSpec(args.bits, args.group_size) if args.bits else None
-    model = builtin.random_model(config=config, seed=0, quantize=quant)
-    return model, f"random {args.shape} ({f'{args.bits}-bit g{args.group_size}' if quant else 'bf16'})"
+from bench_common import add_model_args, build_model, timed_generate, ttft_ms, write_json
 
 
 def tokens(rng, n: int, vocab: int) -> list[int]:
@@ -48,22 +36,13 @@ def tokens(rng, n: int, vocab: int) -> list[int]:
 
 
 def run(engine: Engine, prompts: list[list[int]], gen_len: int) -> dict:
-    params = SamplingParams(max_tokens=gen_len, ignore_eos=True)
-    t0 = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    wall = time.perf_counter() - t0
-    assert all(o.finish_reason == "length" for o in outs), [o.error for o in outs]
-    ttft = [o.ttft for o in outs]
-    return {"ttft_mean_ms": 1e3 * statistics.mean(ttft), "ttft_max_ms": 1e3 * max(ttft), "wall_s": wall,
-            "hit_tokens": sum(o.cached_tokens for o in outs)}
+    outs, wall, first = timed_generate(engine, prompts, gen_len)
+    return {**ttft_ms(first), "wall_s": wall, "hit_tokens": sum(o.cached_tokens for o in outs)}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="checkpoint directory or repo id; default: random weights of --shape")
-    ap.add_argument("--shape", choices=["9b", "demo"], default="9b")
-    ap.add_argument("--bits", type=int, default=4, help="quantize random weights (0: bf16)")
-    ap.add_argument("--group-size", type=int, default=64)
+    add_model_args(ap)
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--system-len", type=int, default=2048)
     ap.add_argument("--question-len", type=int, default=64)
@@ -119,9 +98,7 @@ def main():
         off, on = results["off"], results["warm"]
         print(f"warm vs off: TTFT mean {off['ttft_mean_ms'] / on['ttft_mean_ms']:.2f}x, "
               f"total {off['wall_s'] / on['wall_s']:.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": name, "args": vars(args), "results": results}, f, indent=2)
+    write_json(args.json, name, args, results)
     return 0
 
 

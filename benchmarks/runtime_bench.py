@@ -17,48 +17,30 @@ warm-up that compiles the kernels. Reported per level (medians over repeats):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
 import mlx.core as mx
 
-import mtlqwen
-from mtlqwen.model import QuantSpec
-from mtlqwen.runtime import Engine, SamplingParams
+from mtlqwen.runtime import Engine
 from mtlqwen.runtime.block_pool import BlockPool
 
-
-def build_model(args):
-    if args.model:
-        return mtlqwen.load(args.model), args.model
-    from mtlqwen.model import builtin  # noqa: PLC0415
-
-    config = builtin.qwen35_9b_config() if args.shape == "9b" else builtin.demo_config()
-    quant = QuantSpec(args.bits, args.group_size) if args.bits else None
-    model = builtin.random_model(config=config, seed=0, quantize=quant)
-    return model, f"random {args.shape} ({f'{args.bits}-bit g{args.group_size}' if quant else 'bf16'})"
+from bench_common import add_model_args, build_model, timed_generate, ttft_ms, write_json
 
 
 def run_level(engine: Engine, concurrency: int, prompt_len: int, gen_len: int, seed: int) -> dict:
     vocab = engine.config.vocab_size
     key = mx.random.key(seed)
     prompts = mx.random.randint(0, vocab, (concurrency, prompt_len), key=key).tolist()
-    params = SamplingParams(max_tokens=gen_len, ignore_eos=True)
-    t0 = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    wall = time.perf_counter() - t0
-    assert all(o.finish_reason == "length" for o in outs), [o.error for o in outs]
-    first = [o.ttft for o in outs]
+    outs, wall, first = timed_generate(engine, prompts, gen_len)
     finish = [o.total_time for o in outs]  # all submitted at t0 (to within microseconds)
     decode_span = max(finish) - min(first)
     gen = sum(len(o.token_ids) for o in outs)
     return {
         "decode_tok_s": sum(len(o.token_ids) - 1 for o in outs) / decode_span if decode_span > 0 else float("nan"),
         "output_tok_s": gen / wall,
-        "ttft_mean_ms": 1e3 * statistics.mean(first),
-        "ttft_max_ms": 1e3 * max(first),
+        **ttft_ms(first),
         "prefill_tok_s": concurrency * prompt_len / max(first),
         "wall_s": wall,
     }
@@ -66,10 +48,7 @@ def run_level(engine: Engine, concurrency: int, prompt_len: int, gen_len: int, s
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="checkpoint directory or repo id; default: random weights of --shape")
-    ap.add_argument("--shape", choices=["9b", "demo"], default="9b")
-    ap.add_argument("--bits", type=int, default=4, help="quantize random weights (0: bf16)")
-    ap.add_argument("--group-size", type=int, default=64)
+    add_model_args(ap)
     ap.add_argument("--concurrency", default="1,4,8")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen-len", type=int, default=128)
@@ -112,9 +91,7 @@ def main():
               f"{med['ttft_max_ms']:>12.1f} {med['prefill_tok_s']:>14.1f}", flush=True)
     print(f"peak memory: {max(r['peak_memory_gb'] for r in results):.2f} GB | engine stats: "
           f"{ {k: engine.stats()[k] for k in ('steps', 'preemptions', 'padding_tokens')} }")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": name, "args": vars(args), "results": results}, f, indent=2)
+    write_json(args.json, name, args, results)
     return 0
 
 

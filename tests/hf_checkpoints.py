@@ -265,6 +265,7 @@ def write_tiny_checkpoint(
     extra_tensors: bool = True,
     dtype: str = "float32",
     fused_experts: bool = True,
+    text_only: bool = False,
 ) -> pathlib.Path:
     """Write a tiny random Qwen3.5 (VL layout) checkpoint into dest and return dest.
 
@@ -272,30 +273,18 @@ def write_tiny_checkpoint(
     A_log stays float32 either way. extra_tensors adds a fake `mtp.*` block and MTP config fields.
     MoE experts are saved fused (`experts.gate_up_proj` [E, 2*Im, H], gate rows first, and
     `experts.down_proj` [E, H, Im]) as in the official files; fused_experts=False writes the per-expert
-    `experts.{e}.{gate,up,down}_proj.weight` form that transformers also accepts.
+    `experts.{e}.{gate,up,down}_proj.weight` form that transformers also accepts. text_only: see
+    write_tiny_text_only_checkpoint.
     """
     return _build(dest, moe=moe, tied=tied, r=r, num_layers=num_layers, seed=seed, vocab_size=vocab_size,
-                  extra_tensors=extra_tensors, dtype=dtype, fused_experts=fused_experts, text_only=False)
+                  extra_tensors=extra_tensors, dtype=dtype, fused_experts=fused_experts, text_only=text_only)
 
 
-def write_tiny_text_only_checkpoint(
-    dest: pathlib.Path,
-    *,
-    moe: bool = False,
-    tied: bool = False,
-    r: int = 3,
-    num_layers: int = 8,
-    seed: int = 0,
-    vocab_size: int = 512,
-    extra_tensors: bool = True,
-    dtype: str = "float32",
-    fused_experts: bool = True,
-) -> pathlib.Path:
-    """Same model as write_tiny_checkpoint (identical decoder weights for equal arguments), saved by
+def write_tiny_text_only_checkpoint(dest: pathlib.Path, **kw) -> pathlib.Path:
+    """Same model as write_tiny_checkpoint (identical decoder weights for equal keyword arguments), saved by
     Qwen3_5ForCausalLM: text-only config (model_type qwen3_5_text / qwen3_5_moe_text, no text_config),
     keys `model.*` and `lm_head.weight`, no vision tower."""
-    return _build(dest, moe=moe, tied=tied, r=r, num_layers=num_layers, seed=seed, vocab_size=vocab_size,
-                  extra_tensors=extra_tensors, dtype=dtype, fused_experts=fused_experts, text_only=True)
+    return write_tiny_checkpoint(dest, text_only=True, **kw)
 
 
 # path -> (config.json mtime, model); loading costs ~1 s, forwards are cheap.

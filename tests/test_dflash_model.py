@@ -318,17 +318,23 @@ def test_config_fallbacks(target_dir, target, tmp_path):
     assert parse_dflash_config({**cfg, "is_causal": True}).causal == (True, True)
 
 
+def first_draft_logits(drafters, target_dir, target, ids, anchor) -> list[np.ndarray]:
+    """Each drafter's logits for its first draft after the context of `ids` (HF taps) at position P."""
+    feat = mx.array(hf_taps(target_dir, ids, drafters[0].tap_layers), dtype=mx.float32)
+    outs = []
+    for dr in drafters:
+        dc = fresh_cache(dr, target)
+        dr.write_context(feat, layout([0], [P], [TABLE]), dc)
+        outs.append(np.array(draft_one(dr, dc, anchor, P, TABLE, 8)[1][0]))
+    return outs
+
+
 def test_quantize_at_load(target_dir, target, prompt, tmp_path):
     ids, anchor = prompt
     d = D.write_tiny_drafter(tmp_path / "q", target_dir, seed=6)
     fp, q8 = load_drafter(d, target), load_drafter(d, target, quantize="8bit")
     assert q8.fc.quantized and q8.ctx_kv.quantized and q8.layers[1].kv_proj.bits == 8
-    feat = mx.array(hf_taps(target_dir, ids, fp.tap_layers), dtype=mx.float32)
-    outs = []
-    for dr in (fp, q8):
-        dc = fresh_cache(dr, target)
-        dr.write_context(feat, layout([0], [P], [TABLE]), dc)
-        outs.append(np.array(draft_one(dr, dc, anchor, P, TABLE, 8)[1][0]))
+    outs = first_draft_logits((fp, q8), target_dir, target, ids, anchor)
     assert rel_err(outs[1], outs[0]) <= 0.05
 
 
@@ -354,12 +360,7 @@ def test_prequantized_mixed_bits_checkpoint(target_dir, target, prompt, tmp_path
     (qd / "config.json").write_text(json.dumps(cfg))
     fp, qm = load_drafter(d, target), load_drafter(qd, target)
     assert qm.ctx_kv is None and qm.layers[0].kv_proj is None and qm.layers[1].kv_proj.bits == 8
-    feat = mx.array(hf_taps(target_dir, ids, fp.tap_layers), dtype=mx.float32)
-    outs = []
-    for dr in (fp, qm):
-        dc = fresh_cache(dr, target)
-        dr.write_context(feat, layout([0], [P], [TABLE]), dc)
-        outs.append(np.array(draft_one(dr, dc, anchor, P, TABLE, 8)[1][0]))
+    outs = first_draft_logits((fp, qm), target_dir, target, ids, anchor)
     assert rel_err(outs[1], outs[0]) <= 0.1
     with pytest.raises(ConfigError, match="already quantized"):
         load_drafter(qd, target, quantize="4bit")

@@ -218,17 +218,7 @@ def test_a_step_writes_the_kv_pools_in_place(model):
     pool_bytes = eng.cache.k_pools[0].nbytes
     for i in range(4):
         eng.submit(random_token_ids(30 + i, 512, seed=i), greedy(12))
-    for _ in range(3):  # warm-up: prefill and the first decodes
-        eng.step()
-    mx.synchronize()
-    base = mx.get_active_memory()
-    mx.reset_peak_memory()
-    for _ in range(4):
-        eng.step()
-    mx.synchronize()
-    assert mx.get_peak_memory() - base < pool_bytes // 2, "a step copied a KV pool"
-    while eng.has_work():
-        eng.step()
+    assert step_peak(eng, warm=3, steps=4) < pool_bytes // 2, "a step copied a KV pool"
 
 
 def test_padding_to_buckets_is_exact(model):
@@ -275,18 +265,24 @@ def _decode_peak(model, vocab, num_blocks):
     eng = Engine(model, slots=4, step_tokens=128, block_tokens=128, num_blocks=num_blocks)
     for i, n in enumerate((200, 150, 90, 60)):
         eng.submit(random_token_ids(n, vocab, seed=i), greedy(24))
-    for _ in range(6):  # the prompts (500 tokens) are prefilled by step 5
+    # the prompts (500 tokens) are prefilled by step 5
+    return step_peak(eng, warm=6, steps=6), eng.cache.k_pools[0].nbytes
+
+
+def step_peak(eng, warm: int, steps: int) -> int:
+    """Bytes above the settled memory at the peak of `steps` steps after `warm` steps; then runs to the end."""
+    for _ in range(warm):
         eng.step()
     mx.synchronize()
     base = mx.get_active_memory()
     mx.reset_peak_memory()
-    for _ in range(6):
+    for _ in range(steps):
         eng.step()
     mx.synchronize()
     peak = mx.get_peak_memory() - base
     while eng.has_work():
         eng.step()
-    return peak, eng.cache.k_pools[0].nbytes
+    return peak
 
 
 @pytest.mark.gpu

@@ -219,31 +219,37 @@ def finish_reason(reason: str | None) -> str | None:
     return reason if reason in ("stop", "length") else ("stop" if reason else None)
 
 
+def _envelope(rid: str, obj: str, created: int, model: str, choices: list, use: dict | None = None) -> dict:
+    """The fields every OpenAI response and stream chunk carries; `usage` only when given."""
+    out = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+    if use is not None:
+        out["usage"] = use
+    return out
+
+
+def _choice(reason: str | None, **fields) -> dict:
+    return {"index": 0, **fields, "logprobs": None, "finish_reason": finish_reason(reason)}
+
+
 def chat_completion(rid: str, model: str, content: str, reasoning: str | None, reason: str, use: dict) -> dict:
     msg: dict[str, Any] = {"role": "assistant", "content": content}
     if reasoning:
         msg["reasoning_content"] = reasoning
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": msg, "logprobs": None, "finish_reason": finish_reason(reason)}],
-            "usage": use}
+    return _envelope(rid, "chat.completion", int(time.time()), model, [_choice(reason, message=msg)], use)
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict, reason: str | None = None) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason(reason)}]}
+    return _envelope(rid, "chat.completion.chunk", created, model, [_choice(reason, delta=delta)])
 
 
 def completion(rid: str, model: str, text: str, reason: str, use: dict) -> dict:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}],
-            "usage": use}
+    return _envelope(rid, "text_completion", int(time.time()), model, [_choice(reason, text=text)], use)
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str, reason: str | None = None) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}]}
+    return _envelope(rid, "text_completion", created, model, [_choice(reason, text=text)])
 
 
 def usage_chunk(rid: str, created: int, model: str, kind: str, use: dict) -> dict:
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
+    return _envelope(rid, obj, created, model, [], use)

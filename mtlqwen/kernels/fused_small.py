@@ -41,26 +41,23 @@ if (TPRN > 32) {
 const float inv = RSQRT(ss / (float)D + eps[0]);
 """
 
-_RMS = _ROW_HEAD + """
+# the row's sum of squares over this thread's columns (RMS and gated norms)
+_SUM_SQ = """
 float ss = 0.0f;
 for (int i = lt; i < D; i += TPRN) {
   const float xv = TO_FLOAT(x[base + i]);
   ss += xv * xv;
 }
-""" + _ROW_SUM + """
+"""
+
+_RMS = _ROW_HEAD + _SUM_SQ + _ROW_SUM + """
 if (live) {
   for (int i = lt; i < D; i += TPRN) y[base + i] = FROM_FLOAT(XT, TO_FLOAT(x[base + i]) * inv * TO_FLOAT(w[i]));
 }
 """
 
 # HF order (§2.9): normalise, cast to the activation dtype, times w, times silu(z), cast
-_GATED = _ROW_HEAD + """
-float ss = 0.0f;
-for (int i = lt; i < D; i += TPRN) {
-  const float xv = TO_FLOAT(x[base + i]);
-  ss += xv * xv;
-}
-""" + _ROW_SUM + """
+_GATED = _ROW_HEAD + _SUM_SQ + _ROW_SUM + """
 if (live) {
   for (int i = lt; i < D; i += TPRN) {
     const float yv = TO_FLOAT(FROM_FLOAT(XT, TO_FLOAT(x[base + i]) * inv)) * TO_FLOAT(w[i]);

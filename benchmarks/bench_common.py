@@ -1,0 +1,49 @@
+"""What the engine benchmarks share: the model arguments, building the model, one timed generate, the JSON."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import mtlqwen
+from mtlqwen.model import QuantSpec
+from mtlqwen.runtime import Engine, SamplingParams
+
+
+def add_model_args(ap) -> None:
+    ap.add_argument("--model", help="checkpoint directory or repo id; default: random weights of --shape")
+    ap.add_argument("--shape", choices=["9b", "demo"], default="9b")
+    ap.add_argument("--bits", type=int, default=4, help="quantize random weights (0: bf16)")
+    ap.add_argument("--group-size", type=int, default=64)
+
+
+def build_model(args):
+    """(model, description) from --model, or random weights of --shape quantized per --bits / --group-size."""
+    if args.model:
+        return mtlqwen.load(args.model), args.model
+    from mtlqwen.model import builtin  # noqa: PLC0415
+
+    config = builtin.qwen35_9b_config() if args.shape == "9b" else builtin.demo_config()
+    quant = QuantSpec(args.bits, args.group_size) if args.bits else None
+    model = builtin.random_model(config=config, seed=0, quantize=quant)
+    return model, f"random {args.shape} ({f'{args.bits}-bit g{args.group_size}' if quant else 'bf16'})"
+
+
+def timed_generate(engine: Engine, prompts: list[list[int]], gen_len: int) -> tuple[list, float, list[float]]:
+    """Submit every prompt at once, EOS ignored: (outputs, wall seconds, each request's time to first token)."""
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, SamplingParams(max_tokens=gen_len, ignore_eos=True))
+    wall = time.perf_counter() - t0
+    assert all(o.finish_reason == "length" for o in outs), [o.error for o in outs]
+    return outs, wall, [o.ttft for o in outs]
+
+
+def ttft_ms(first: list[float]) -> dict:
+    return {"ttft_mean_ms": 1e3 * statistics.mean(first), "ttft_max_ms": 1e3 * max(first)}
+
+
+def write_json(path: str | None, name: str, args, results) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"model": name, "args": vars(args), "results": results}, f, indent=2)
