@@ -7,6 +7,8 @@ markdown beside it records the runs. Change a row only with a measurement that j
 
 from __future__ import annotations
 
+import os
+
 SELECT: dict[str, int] = {
     # M <= 8: our qmv kernel. Measured 2026-11-30 (benchmarks/kernels_qmatmul_attn.md): at M=1 it beats
     # MLX's qmv by 1.2-1.8x (lm_head 340 vs 603 us), at M=2/4 by 1.5-2.7x (MLX's qmv re-reads the
@@ -44,6 +46,19 @@ SELECT: dict[str, int] = {
     # on the device; then 1.
     "gdn_state_inplace": 0,
 }
+
+
+def _apply_env_overrides(table: dict[str, int], spec: str) -> None:
+    """`MTLQWEN_SELECT="gdn_state_inplace=1,qmv_mma_min_rows=5"`: try a row on the device without an edit;
+    an unknown name is an error, so a typo never silently measures the default."""
+    for item in filter(None, (t.strip() for t in spec.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or name.strip() not in table:
+            raise ValueError(f"MTLQWEN_SELECT: {item!r} is not NAME=INT with NAME one of {sorted(table)}")
+        table[name.strip()] = int(value)
+
+
+_apply_env_overrides(SELECT, os.environ.get("MTLQWEN_SELECT", ""))
 
 # (MT, bits) -> (R weight rows per SIMD group, U chunks in flight per lane and row). R amortises each
 # activation load over R rows; U keeps loads in flight. Swept at M=1 / 8 on 4096x4096, 12288x4096 and
