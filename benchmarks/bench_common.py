@@ -18,8 +18,18 @@ def add_model_args(ap) -> None:
     ap.add_argument("--group-size", type=int, default=64)
 
 
+_BUILT: dict = {}  # one model per process: benchmarks/suite.py runs several scripts on the same weights
+
+
 def build_model(args):
     """(model, description) from --model, or random weights of --shape quantized per --bits / --group-size."""
+    key = (args.model, args.shape, args.bits, args.group_size)
+    if key not in _BUILT:
+        _BUILT[key] = _build(args)
+    return _BUILT[key]
+
+
+def _build(args):
     if args.model:
         return mtlqwen.load(args.model), args.model
     from mtlqwen.model import builtin  # noqa: PLC0415

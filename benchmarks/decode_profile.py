@@ -208,7 +208,8 @@ def main():
         r["step_peak_above_active_MiB"] = step_peak_mib(plain)
         if not args.no_compile:
             f = mx.compile(step_fn(model, cache, B, args.past))
-            ref_pools = [mx.array(a) for a in cache.arrays()]  # new handles: the forward below rebinds the cache's
+            # copies, not new handles: kernels that write K/V and GDN states in place would update a handle too
+            ref_pools = [a + 0 for a in cache.arrays()]
             ref_logits = model.forward(ids, layout_for(B, args.past), cache)
             mx.eval(ref_logits)
             set_pools(cache, ref_pools)

@@ -15,12 +15,14 @@ import argparse
 import json
 import statistics
 import time
+from types import SimpleNamespace
 
 import mlx.core as mx
 
 from mtlqwen import Engine, SamplingParams
-from mtlqwen.model.builtin import demo_config, qwen35_9b_config, random_model
-from mtlqwen.model.config import QuantSpec
+from mtlqwen.model.builtin import demo_config, qwen35_9b_config
+
+from bench_common import build_model
 
 
 class Live(dict):
@@ -47,7 +49,7 @@ def rand_prompt(n: int, vocab: int, seed: int) -> list[int]:
 
 # ---------------------------------------------------------------- mtlqwen
 def ours(config, args) -> dict:
-    model = random_model(config, quantize=QuantSpec(4, 64), dtype=mx.bfloat16)
+    model, _ = build_model(SimpleNamespace(model=None, shape=args.shape, bits=4, group_size=64))
     vocab = config.vocab_size
     res = Live("mtlqwen")
     greedy = SamplingParams(max_tokens=args.gen, ignore_eos=True)
@@ -139,7 +141,7 @@ def mlxlm(config, args) -> dict:
     return res
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=["9b", "demo"], default="9b")
     ap.add_argument("--prompt", type=int, default=512)
@@ -152,7 +154,7 @@ def main():
     ap.add_argument("--skip-mlxlm", action="store_true")
     ap.add_argument("--skip-ours", action="store_true")
     ap.add_argument("--json", default=None, help="write results here too")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     config = qwen35_9b_config() if args.shape == "9b" else demo_config()
     out = {"mlx": mx.__version__, "device": str(mx.default_device()), "shape": args.shape}
     if not args.skip_ours:

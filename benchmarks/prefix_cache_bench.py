@@ -40,7 +40,7 @@ def run(engine: Engine, prompts: list[list[int]], gen_len: int) -> dict:
     return {**ttft_ms(first), "wall_s": wall, "hit_tokens": sum(o.cached_tokens for o in outs)}
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
     ap.add_argument("--requests", type=int, default=8)
@@ -53,7 +53,7 @@ def main():
     ap.add_argument("--block-tokens", type=int, default=128)
     ap.add_argument("--modes", default="off,cold,warm")
     ap.add_argument("--json", help="also write the results to this file")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     t = time.perf_counter()
     model, name = build_model(args)

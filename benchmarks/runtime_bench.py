@@ -46,7 +46,7 @@ def run_level(engine: Engine, concurrency: int, prompt_len: int, gen_len: int, s
     }
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
     ap.add_argument("--concurrency", default="1,4,8")
@@ -57,7 +57,7 @@ def main():
     ap.add_argument("--block-tokens", type=int, default=128)
     ap.add_argument("--pad-buckets", choices=["on", "off"], default="off")
     ap.add_argument("--json", help="also write the results to this file")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     levels = [int(c) for c in args.concurrency.split(",")]
     t = time.perf_counter()

@@ -27,6 +27,7 @@ import json
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
 import mlx.core as mx
 
@@ -36,6 +37,8 @@ from mtlqwen.model.dflash import Drafter, drafter_shapes
 from mtlqwen.model.dflash_config import parse_dflash_config
 from mtlqwen.runtime import Engine, SamplingParams
 from mtlqwen.runtime.block_pool import BlockPool
+
+from bench_common import build_model
 
 TAUS = (3, 5, 7)
 
@@ -79,11 +82,8 @@ def random_drafter(shape: str, target, bits: int = 0, dtype=mx.bfloat16) -> Draf
 
 
 def build_target(shape: str, bits: int):
-    from mtlqwen.model import builtin  # noqa: PLC0415
-
-    config = builtin.qwen35_9b_config() if shape == "9b" else builtin.demo_config()
-    quant = QuantSpec(bits, 64) if bits else None
-    return builtin.random_model(config=config, seed=0, quantize=quant)
+    model, _ = build_model(SimpleNamespace(model=None, shape=shape, bits=bits, group_size=64))
+    return model
 
 
 def _timed(fn, repeats: int) -> float:

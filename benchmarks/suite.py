@@ -1,0 +1,151 @@
+"""Several benchmark scripts in one process, on one set of random weights.
+
+A device call is short (10 minutes) and every fresh process pays the same start-up: building the random
+Qwen3.5-9B weights and compiling each kernel instantiation on first use (~30 s). This driver pays it
+once and then runs the named parts in order, each under its own time limit, so a slow part loses only
+its own numbers. Each part is the script's own `main(argv)`; its JSON goes to --out.
+
+    source .device/env.sh && python benchmarks/suite.py --out $OUT --parts check:60 e2e:240 runtime:90
+
+Parts (NAME:SECONDS):
+  check    the engine's greedy tokens with the compiled step and in-place GDN states against the
+           uncompiled step with the functional state scatter (the path tested on the device before), and
+           both against the one-shot forward: where they differ, the reference's top-2 gap says whether
+           it was a near-tie
+  e2e      benchmarks/e2e_bench.py (mtlqwen vs mlx-lm)
+  runtime  benchmarks/runtime_bench.py (1 / 4 / 8 concurrent)
+  prefix   benchmarks/prefix_cache_bench.py (off / cold / warm)
+  spec     benchmarks/spec_bench.py (speculative step cost)
+Extra arguments for a part: --args PART="..." (split on spaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_common import build_model  # noqa: E402
+
+
+class PartTimeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise PartTimeout
+
+
+def check(model, argv: list[str], out: str) -> None:
+    """Compiled + in-place decode vs uncompiled + functional scatter vs the one-shot forward."""
+    from mtlqwen.kernels.selection import SELECT  # noqa: PLC0415
+    from mtlqwen.runtime import Engine, SamplingParams  # noqa: PLC0415
+
+    vocab, gen = model.config.vocab_size, 48
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, vocab, n).tolist() for n in (300, 129, 7, 1)]
+    saved = SELECT["gdn_state_inplace"]
+
+    def run(compiled: bool, inplace: int) -> list[list[int]]:
+        SELECT["gdn_state_inplace"] = inplace
+        try:
+            eng = Engine(model, slots=4, step_tokens=128, num_blocks=16, prefix_interval=0, compile_decode=compiled)
+            outs = eng.generate(prompts, SamplingParams(max_tokens=gen, ignore_eos=True))
+            st = eng.stats()
+            assert st["free_blocks"] == st["total_blocks"] and st["running"] == 0, st
+            return [o.token_ids for o in outs]
+        finally:
+            SELECT["gdn_state_inplace"] = saved
+
+    base = run(False, 0)
+    new = run(True, 1)
+    report = []
+    for p, a, b in zip(prompts, base, new):
+        rows = np.asarray(model.logits(p + a[:-1])[len(p) - 1 :].astype(mx.float32))
+        gaps = [(r.max() - r[t]) / np.abs(r).max() for t, r in zip(a, rows)]  # 0 where a is the argmax
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        top2 = None
+        if first is not None:
+            s = np.sort(rows[first])[-2:]
+            top2 = float((s[1] - s[0]) / np.abs(rows[first]).max())
+        report.append({"prompt_len": len(p), "first_difference": first, "ref_top2_gap_there": top2,
+                       "uncompiled_vs_one_shot_differ": int(sum(g > 0 for g in gaps)),
+                       "worst_gap": float(max(gaps))})
+        print(f"[check] prompt {len(p):4d}: compiled+in-place vs uncompiled first differs at "
+              f"{first} (ref top-2 gap there {top2}); uncompiled vs one-shot: "
+              f"{report[-1]['uncompiled_vs_one_shot_differ']} of {gen} differ, worst gap {max(gaps):.2e}", flush=True)
+    if out:
+        with open(os.path.join(out, "check.json"), "w") as f:
+            json.dump({"mlx": mx.__version__, "gen": gen, "prompts": report}, f, indent=1)
+
+
+def script_part(module: str, json_name: str):
+    def run(model, argv: list[str], out: str) -> None:
+        mod = __import__(module)
+        mod.main(argv + (["--json", os.path.join(out, json_name)] if out else []))
+    return run
+
+
+PARTS = {
+    "check": check,
+    "e2e": script_part("e2e_bench", "e2e.json"),
+    "runtime": script_part("runtime_bench", "runtime.json"),
+    "prefix": script_part("prefix_cache_bench", "prefix.json"),
+    "spec": script_part("spec_bench", "spec.json"),
+}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", nargs="+", required=True, help="NAME:SECONDS, run in this order")
+    ap.add_argument("--args", nargs="*", default=[], help='PART="extra arguments" for that part\'s script')
+    ap.add_argument("--shape", choices=["9b", "demo"], default="9b")
+    ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for each part's JSON")
+    args = ap.parse_args(argv)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    extra = {k: v.split() for k, _, v in (a.partition("=") for a in args.args)}
+    for p in args.parts:
+        if p.partition(":")[0] not in PARTS:
+            ap.error(f"unknown part {p!r}; parts: {', '.join(PARTS)}")
+
+    t = time.perf_counter()
+    model, name = build_model(SimpleNamespace(model=None, shape=args.shape, bits=4, group_size=64))
+    print(f"[suite] {name} built in {time.perf_counter() - t:.1f} s on {mx.default_device()}, MLX {mx.__version__}",
+          flush=True)
+    signal.signal(signal.SIGALRM, _alarm)
+    status = {}
+    for p in args.parts:
+        part, _, secs = p.partition(":")
+        argv_p = (["--shape", args.shape] if part != "check" else []) + extra.get(part, [])
+        t = time.perf_counter()
+        signal.alarm(int(secs or 0))
+        try:
+            PARTS[part](model, argv_p, args.out)
+            status[part] = "ok"
+        except PartTimeout:
+            status[part] = f"cut at its {secs} s limit"
+        except Exception:  # one part's failure must not take the others' numbers with it
+            traceback.print_exc()
+            status[part] = "failed"
+        finally:
+            signal.alarm(0)
+        mx.synchronize()
+        mx.clear_cache()
+        print(f"[suite] {part}: {status[part]} after {time.perf_counter() - t:.1f} s", flush=True)
+    print("[suite] " + ", ".join(f"{k} {v}" for k, v in status.items()))
+    return 0 if all(v == "ok" for v in status.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
