@@ -7,22 +7,29 @@ against one plain decode step, and the speed-up that implies for a given accepta
 Weights are random (no download): the target is `random_model(qwen35_9b_config(), quantize=QuantSpec(4, 64))`;
 the drafter has the published z-lab/Qwen3.5-9B-DFlash shape (5 layers, hidden 4096, 32 heads, 8 KV heads,
 head_dim 128, intermediate 12288, taps [1, 8, 15, 22, 29], mask 248070), built in memory. A random drafter
-accepts ~nothing, which does not matter here: a step's cost does not depend on how many drafts it accepts
-(beyond the commit's gathers), so acceptance enters only through the formula
+accepts ~nothing, which hardly matters here: a step's cost barely depends on how many drafts it accepts
+(the commit's gathers and drafter-context rows), so acceptance enters only through the formula
 
     speed-up(tau) = tau * T_plain / T_spec          (tau = tokens per speculative step, bonus included)
 
-Measured per (sequences S, n_draft):
+The exception is the commit mode (--commit, the model's `verify_commit`): "candidates" keeps the GDN state
+after every verified token, "replay" reruns anchor + accepted drafts at commit, so its cost grows with the
+acceptance. --accept K makes every verification accept min(K, n_draft) drafts whatever the target says
+(the outputs are then the drafts: timing does not care), so both modes commit realistic lengths.
+
+Measured per (sequences S, n_draft, commit mode):
   engine   wall time per Engine.step() in steady state, every sequence decoding (S requests, EOS
            ignored): plain engine (pipelined) vs speculative engine (synchronous: drafting needs the
            previous step's tokens). This is the number the speed-up uses.
   parts    the same batch through the model alone: plain decode forward, drafter pass, verification
-           forward (taps + candidate states), each timed with a sync.
+           forward (taps + candidate states or replay inputs) + commit of n_draft // 2 accepted drafts
+           (--accept K: min(K, n_draft)), each timed with a sync.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -35,7 +42,8 @@ from mtlqwen.kernels import SeqLayout
 from mtlqwen.model import QuantSpec
 from mtlqwen.model.dflash import Drafter, drafter_shapes
 from mtlqwen.model.dflash_config import parse_dflash_config
-from mtlqwen.runtime import Engine, SamplingParams
+from mtlqwen.model.qwen35 import VERIFY_COMMITS
+from mtlqwen.runtime import Engine, SamplingParams, speculative
 from mtlqwen.runtime.block_pool import BlockPool
 
 from bench_common import build_model
@@ -98,6 +106,23 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+@contextlib.contextmanager
+def forced_acceptance(accept: int | None):
+    """While inside, every verification accepts min(accept, its drafts) drafts (None: what the target
+    says). The step keeps the verifier's next token: a consistent run whose tokens are the drafts."""
+    real = speculative.verify
+    if accept is not None:
+        def verify(target_logits, drafts, n, params, q, keys):
+            _, tok = real(target_logits, drafts, n, params, q, keys)
+            return mx.minimum(mx.array(n, dtype=mx.int32), accept), tok
+
+        speculative.verify = verify
+    try:
+        yield
+    finally:
+        speculative.verify = real
+
+
 def engine_step_ms(model, drafter, S: int, n: int, args) -> float:
     """Steady-state ms per Engine.step() with S decoding requests (n = 0: no drafter)."""
     gen = (args.warmup + args.steps) * (n + 1) + 8  # long enough that no step's drafts are capped
@@ -150,11 +175,12 @@ def part_ms(model, drafter, S: int, n: int, args) -> dict:
     ver = SeqLayout([i * B for i in range(S + 1)], [L] * S, tables, list(range(S)), bt, verify=[True] * S)
     vids = mx.zeros((S * B,), dtype=mx.int32)
 
-    def verify():
+    acc = n // 2 if args.accept is None else min(args.accept, n)
+
+    def verify():  # commits acc drafts: a replay's cost is in its commit (the state moves; timing does not care)
         logits, t = model.forward_with_taps(vids, ver, cache, drafter.tap_layers)
-        stash = [a for k, v in cache.candidates.items() if k != "layout" for a in v]
-        mx.eval(mx.argmax(logits, axis=-1), t, *stash, *cache.arrays())
-        cache.candidates = {}
+        model.commit_candidates(cache, [acc] * S)
+        mx.eval(mx.argmax(logits, axis=-1), t, *cache.arrays())
 
     return {name: _timed(fn, args.steps) for name, fn in (("decode", decode), ("draft", draft), ("verify", verify))}
 
@@ -166,6 +192,10 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-bits", type=int, default=0, help="drafter quantization bits (0 = bf16, as published)")
     ap.add_argument("--seqs", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--n-draft", type=int, nargs="+", default=[4, 8, 15])
+    ap.add_argument("--commit", nargs="+", choices=list(VERIFY_COMMITS), default=list(VERIFY_COMMITS),
+                    help="how verified GDN states are committed (Qwen35Model.verify_commit); each is measured")
+    ap.add_argument("--accept", type=int, default=None,
+                    help="force min(K, n_draft) accepted drafts per verification (default: the random drafter's ~0)")
     ap.add_argument("--prompt-len", type=int, default=512, help="context of every sequence when measured")
     ap.add_argument("--steps", type=int, default=20, help="timed steps (and repeats of each part)")
     ap.add_argument("--warmup", type=int, default=3)
@@ -182,20 +212,24 @@ def main(argv=None) -> int:
     for S in args.seqs:
         plain = engine_step_ms(model, None, S, 0, args)
         for n in args.n_draft:
-            spec = engine_step_ms(model, drafter, S, n, args)
-            row = {"seqs": S, "n_draft": n, "plain_step_ms": plain, "spec_step_ms": spec, "ratio": spec / plain,
-                   "speedup": {t: (t * plain / spec if t <= n + 1 else None) for t in TAUS}}
-            if not args.no_parts:
-                row["parts_ms"] = part_ms(model, drafter, S, n, args)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    print("\n| seqs | n_draft | plain step ms | spec step ms | spec / plain | " + " | ".join(f"speed-up at tau={t}" for t in TAUS)
-          + " | parts: decode / draft / verify ms |")
-    print("|---|---|---|---|---|" + "---|" * len(TAUS) + "---|")
+            for mode in args.commit:
+                model.verify_commit = mode  # read by every verifying forward (engine and parts alike)
+                with forced_acceptance(args.accept):
+                    spec = engine_step_ms(model, drafter, S, n, args)
+                row = {"seqs": S, "n_draft": n, "commit": mode, "plain_step_ms": plain, "spec_step_ms": spec,
+                       "ratio": spec / plain, "speedup": {t: (t * plain / spec if t <= n + 1 else None) for t in TAUS}}
+                if not args.no_parts:
+                    row["parts_ms"] = part_ms(model, drafter, S, n, args)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print("\n| seqs | n_draft | commit | plain step ms | spec step ms | spec / plain | "
+          + " | ".join(f"speed-up at tau={t}" for t in TAUS) + " | parts: decode / draft / verify ms |")
+    print("|---|---|---|---|---|---|" + "---|" * len(TAUS) + "---|")
     for r in rows:
         sp = " | ".join(f"{r['speedup'][t]:.2f}x" if r["speedup"][t] else "-" for t in TAUS)
         parts = " / ".join(f"{r['parts_ms'][k]:.2f}" for k in ("decode", "draft", "verify")) if "parts_ms" in r else "-"
-        print(f"| {r['seqs']} | {r['n_draft']} | {r['plain_step_ms']:.2f} | {r['spec_step_ms']:.2f} | {r['ratio']:.2f} | {sp} | {parts} |")
+        print(f"| {r['seqs']} | {r['n_draft']} | {r['commit']} | {r['plain_step_ms']:.2f} | {r['spec_step_ms']:.2f} "
+              f"| {r['ratio']:.2f} | {sp} | {parts} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "device": str(mx.default_device()), "rows": rows}, f, indent=1)

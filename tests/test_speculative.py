@@ -1,6 +1,6 @@
 """Speculative decoding (DFlash drafter + target verification) on a tiny random Qwen3.5 and a tiny random
 drafter in the published layout (CPU): greedy outputs equal plain decoding whatever the acceptance,
-candidate GDN states commit exactly, drafter context tracks kv_valid; the knobs. Sampling:
+candidate and replayed GDN states commit exactly, drafter context tracks kv_valid; the knobs. Sampling:
 test_spec_sampling.py."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from hf_checkpoints import random_token_ids
 from mtlqwen import SeqLayout
 from mtlqwen.model.dflash import DrafterCache, load_drafter
 from mtlqwen.model.cache import ModelCache
+from mtlqwen.model.qwen35 import VERIFY_COMMITS
 from mtlqwen.runtime import Engine, SamplingParams
 from mtlqwen.runtime.block_pool import BlockPool
 from mtlqwen.runtime.speculative import resolve_n_draft
@@ -29,6 +30,17 @@ def draft_dir(ckpt, tmp_path_factory):
 @pytest.fixture(scope="module")
 def drafter(draft_dir, model):
     return load_drafter(draft_dir, model)
+
+
+@pytest.fixture(params=VERIFY_COMMITS)
+def verify_commit(request, model):
+    """Runs the test once per commit mode of verified GDN states; the model is shared, so restore it."""
+    before = model.verify_commit
+    model.verify_commit = request.param
+    try:
+        yield request.param
+    finally:
+        model.verify_commit = before
 
 
 class Oracle:
@@ -60,10 +72,10 @@ def plain_outputs(model, prompts, sps, **kw):
 
 # ------------------------------------------------------------------------------- model: candidate states
 @pytest.mark.parametrize("k", [0, 2, 4])
-def test_commit_candidates_equals_plain_run_exactly(model, k):
+def test_commit_candidates_equals_plain_run_exactly(model, verify_commit, k):
     """A batch of a prefill chunk + a verification of anchor + 4 drafts; after committing k accepted drafts
-    the slot's conv and recurrent states equal a plain run over anchor + k drafts, bit for bit, and the
-    other sequence's state and every logit row are those of plain runs."""
+    (candidate states or a replay) the slot's conv and recurrent states equal a plain run over anchor + k
+    drafts, bit for bit, and the other sequence's state and every logit row are those of plain runs."""
     bt, prompt, other = 16, random_token_ids(21, 512, seed=1), random_token_ids(30, 512, seed=2)
     ver = [7, 9, 11, 13, 15]
 
@@ -75,6 +87,7 @@ def test_commit_candidates_equals_plain_run_exactly(model, k):
     c = prefilled()
     lay = SeqLayout([0, 30, 35], [0, 21], [[0, 1], [3, 4]], [2, 1], bt, verify=[False, True])
     logits = model.forward(mx.array(other + ver, dtype=mx.int32), lay, c)
+    assert c.candidates["mode"] == verify_commit
     model.commit_candidates(c, [k])
     ref = prefilled()
     ref_logits = model.forward(mx.array(ver[: k + 1], dtype=mx.int32), SeqLayout([0, k + 1], [21], [[3, 4]], [1], bt), ref)
@@ -129,7 +142,7 @@ def test_garbage_drafter_accepts_about_nothing_and_changes_nothing(model, drafte
     assert eng.stats()["draft_tokens"] > 0
 
 
-def test_state_and_drafter_context_after_partial_accepts(model, drafter):
+def test_state_and_drafter_context_after_partial_accepts(model, drafter, verify_commit):
     """Each step accepts a different number of drafts (0..n). Whenever a verification is launched, the
     slot's GDN state must be that of a plain token-by-token run over the committed tokens (exact), and
     the drafter context rows must exist exactly for positions < kv_valid (= the one-shot projection of
@@ -159,6 +172,7 @@ def test_state_and_drafter_context_after_partial_accepts(model, drafter):
             continue
         (s,) = fl.spec.seqs
         P, seq = s.start, s.seq
+        assert eng.cache.candidates["mode"] == verify_commit  # the stash waiting for this step's commit
         assert seq.tokens == full[: P + 1]
         # plain run: the prompt in one chunk (as the engine did), then one token per step
         ref = model.make_cache(8, 1, bt)
@@ -245,7 +259,7 @@ def spec_workloads(draw):
 # the longest continuation)
 @example(w=dict(slots=1, n_draft=1, reqs=[(0, [425], 3, True), (0, [425], 1, False), (0, [425], 1, False)],
                 step_tokens=2, block_tokens=8, prefix_interval=0, noise=0.0, extra_blocks=0))
-def test_random_workloads_with_speculation_match_plain_decoding(model, drafter, w):
+def test_random_workloads_with_speculation_match_plain_decoding(model, drafter, verify_commit, w):
     """Speculating sequences share steps with prefilling ones (arrivals staggered), across block and
     prefix-interval boundaries, with preemptions under tight pools, some requests opted out; outputs
     equal plain decoding token for token except at near-ties."""
@@ -254,7 +268,8 @@ def test_random_workloads_with_speculation_match_plain_decoding(model, drafter, 
     need = max(BlockPool.blocks_for(len(p) + sp.max_tokens - 1, bt) for _, p, sp in requests)
     kw = dict(slots=w["slots"], step_tokens=w["step_tokens"], block_tokens=bt, num_blocks=need + w["extra_blocks"])
     base = plain_outputs(model, [p for _, p, _ in requests], [sp for _, _, sp in requests], **kw)
-    eng = Engine(model, draft=drafter, n_draft=w["n_draft"], prefix_interval=w["prefix_interval"], **kw)
+    eng = Engine(model, draft=drafter, n_draft=w["n_draft"], prefix_interval=w["prefix_interval"],
+                 verify_commit=verify_commit, **kw)
     eng.spec.propose = Oracle([(p, p + o.token_ids) for (_, p, _), o in zip(requests, base)], w["noise"])
     outs = dict(enumerate(run_arrivals(eng, requests, max_steps=5000)))
     for (_, prompt, sp), o, b in zip(requests, outs.values(), base):
@@ -305,6 +320,26 @@ def test_knobs_opt_out_stats_and_memory(model, drafter, draft_dir):
     assert eng.stats()["padding_tokens"] > 0 and eng.stats()["spec_steps"] > 0
     for p, o in zip(prompts, outs):
         assert_reference(model, p, o, 9)
+
+
+def test_verify_commit_knob(model, drafter):
+    """Engine(verify_commit=...) sets the model's mode, which the next verifying forward records; unknown
+    modes are refused by both, before anything changes."""
+    before = model.verify_commit
+    assert before == "candidates"  # the default
+    try:
+        for bad in ("Replay", "", None, 1):
+            with pytest.raises(ValueError, match="verify_commit"):
+                model.verify_commit = bad
+        with pytest.raises(ValueError, match="verify_commit must be one of"):
+            Engine(model, num_blocks=8, draft=drafter, verify_commit="rerun")
+        assert model.verify_commit == before
+        Engine(model, num_blocks=8, draft=drafter, verify_commit="replay")
+        assert model.verify_commit == "replay"
+        Engine(model, num_blocks=8, draft=drafter)  # None leaves the mode alone
+        assert model.verify_commit == "replay"
+    finally:
+        model.verify_commit = before
 
 
 def test_server_passes_draft_to_the_engine(draft_dir, ckpt):

@@ -36,7 +36,8 @@ class ModelCache:
         self.rec_states = [mx.zeros(rec_shape, dtype=mx.float32) for _ in range(n_gdn)]
         mx.eval(self.k_pools, self.v_pools, self.conv_states, self.rec_states)
         # Filled by a forward with verifying sequences (SeqLayout.verify), consumed by
-        # Qwen35Model.commit_candidates: per GDN layer the candidate states of those sequences.
+        # Qwen35Model.commit_candidates: per GDN layer the candidate states of those sequences (or, in
+        # replay mode, their delta-rule inputs), plus "layout" and "mode".
         self.candidates: dict = {}
 
     @staticmethod

@@ -7,6 +7,7 @@ Chunked prefill, decode and multi-token verification are all this one call.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import mlx.core as mx
@@ -32,6 +33,10 @@ from ..kernels.linear_fused import linear_multi, swiglu_linear
 from .cache import ModelCache
 from .config import Qwen35Config
 
+# How verified sequences get their GDN state (Qwen35Model.verify_commit): "candidates" keeps the state after
+# every verified token and picks one; "replay" keeps the inputs and reruns the accepted tokens at commit.
+VERIFY_COMMITS = ("candidates", "replay")
+
 
 def _lin(w: dict[str, mx.array], name: str, config) -> LinearParams:
     """A LinearParams from the weight dict; quantized when `<name>.scales` exists (mlx-lm's rule).
@@ -46,7 +51,8 @@ def _lin(w: dict[str, mx.array], name: str, config) -> LinearParams:
 class _VerifySplit:
     """A batch with verifying sequences, split once per layout (every GDN layer reuses it): the plain
     sequences run `gated_delta` and commit their state at once; the verifying ones run
-    `gated_delta_candidates`, so prefill and decode rows never pay for per-token states."""
+    `gated_delta_candidates` (or plain `gated_delta` when replaying), so prefill and decode rows never pay
+    for per-token states."""
 
     def __init__(self, layout: SeqLayout):
         ver = [i for i, v in enumerate(layout.verify) if v]
@@ -108,8 +114,9 @@ class GDNMixer:
 
     def _mix_verifying(self, mixed, a, b, layout: SeqLayout, cache: ModelCache) -> mx.array:
         """The conv + delta rule of a batch holding verifications -> o [T, Hv, dv]. Plain sequences commit
-        their new state; verifying ones leave the pools alone and stash (all states [Tv, Hv, dv, dk],
-        old conv rows [Sv, K-1, C], raw verify rows [Tv, C]) for `Qwen35Model.commit_candidates`."""
+        their new state; verifying ones leave the pools alone and stash (rec, old conv rows [Sv, K-1, C],
+        raw verify rows [Tv, C]) for `Qwen35Model.commit_candidates`, where rec is all states
+        [Tv, Hv, dv, dk] ("candidates") or the verify rows' (q, k, v, a, b) ("replay")."""
         c = self.c
         sp = _VerifySplit.of(layout)
         conv_pool, rec_pool = cache.conv_states[self.idx], cache.rec_states[self.idx]
@@ -117,10 +124,14 @@ class GDNMixer:
         q, k, v = split_qkv(y, (c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads,
                                 c.linear_value_head_dim))
         vr = sp.verify_rows
-        o_v, _, every = gated_delta_candidates(q[vr], k[vr], v[vr], a[vr], b[vr], self.A_log, self.dt_bias,
-                                               rec_pool, sp.verify)
+        ins = (q[vr], k[vr], v[vr], a[vr], b[vr])  # q, k [Tv, Hk, dk], v [Tv, Hv, dv], a, b [Tv, Hv]
+        if cache.candidates.get("mode") == "replay":  # outputs only; the states come from the replay at commit
+            o_v, _ = gated_delta(*ins, self.A_log, self.dt_bias, rec_pool, sp.verify)
+            rec = ins
+        else:
+            o_v, _, rec = gated_delta_candidates(*ins, self.A_log, self.dt_bias, rec_pool, sp.verify)
         # read the verifying slots' old conv rows before the plain rows' writes below
-        cache.candidates[self.idx] = (every, conv_pool[sp.verify_slots], mixed[vr])
+        cache.candidates[self.idx] = (rec, conv_pool[sp.verify_slots], mixed[vr])
         cache.candidates["layout"] = sp.verify
         if sp.plain is None:
             return o_v
@@ -218,7 +229,14 @@ class DecoderLayer:
 
 class Qwen35Model:
     """The decoder. `weights` uses mtlqwen's internal names (`model.layers.N....`, `lm_head`), with the
-    mlx-lm conventions: (1+w) folded into zero-centred norms, conv weight [C, K]."""
+    mlx-lm conventions: (1+w) folded into zero-centred norms, conv weight [C, K].
+
+    verify_commit (one of VERIFY_COMMITS): how a verifying forward leaves the GDN states for
+    `commit_candidates`. "candidates" (default) writes the state after every verified token, (n_draft + 1)
+    states of traffic per layer and sequence; "replay" keeps only the verify rows' inputs and reruns anchor
+    + accepted drafts from the pre-step state at commit (a second, shorter delta-rule pass)."""
+
+    _verify_commit = "candidates"
 
     def __init__(self, config: Qwen35Config, weights: dict[str, mx.array]):
         self.config, self.weights = config, weights
@@ -228,15 +246,26 @@ class Qwen35Model:
         self.lm_head = self.embed if c.tie_word_embeddings else _lin(weights, "lm_head", c)
         self.final_norm = weights["model.norm.weight"]
         self.layers: list[DecoderLayer] = []
-        n_gdn = n_attn = 0
+        self.gdn_mixers: list[GDNMixer] = []  # by state index: a replay needs each layer's gate parameters
+        n_attn = 0
         for i, kind in enumerate(c.layer_types):
             if kind == "linear_attention":
-                mixer = GDNMixer(weights, f"model.layers.{i}.linear_attn", c, n_gdn)
-                n_gdn += 1
+                mixer = GDNMixer(weights, f"model.layers.{i}.linear_attn", c, len(self.gdn_mixers))
+                self.gdn_mixers.append(mixer)
             else:
                 mixer = AttentionMixer(weights, f"model.layers.{i}.self_attn", c, n_attn, self.rope)
                 n_attn += 1
             self.layers.append(DecoderLayer(weights, i, c, mixer))
+
+    @property
+    def verify_commit(self) -> str:
+        return self._verify_commit
+
+    @verify_commit.setter
+    def verify_commit(self, mode: str) -> None:
+        if mode not in VERIFY_COMMITS:
+            raise ValueError(f"verify_commit must be one of {VERIFY_COMMITS}, got {mode!r}")
+        self._verify_commit = mode
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -249,6 +278,9 @@ class Qwen35Model:
     def _run(self, input_ids, layout, cache, taps: tuple[int, ...] = ()):
         """Final-normed hidden states [T, H] and the residual stream after each layer in `taps`."""
         self.rope.ensure(max(kv + layout.q_len(i) for i, kv in enumerate(layout.kv_valid)))
+        if layout.verify is not None and any(layout.verify):
+            # a fresh stash in this forward's mode: the commit follows it even if the knob changes meanwhile
+            cache.candidates = {"mode": self._verify_commit}
         h = self.embed.rows(input_ids)
         x = rms_norm(h, self.layers[0].input_norm, self.config.rms_norm_eps)
         captured = []
@@ -292,20 +324,32 @@ class Qwen35Model:
         up to that token. Rejected tokens' K/V need no undo: the runtime does not count them in kv_valid."""
         stash, cache.candidates = cache.candidates, {}
         lay = stash.pop("layout", None)
+        mode = stash.pop("mode", "candidates")
         if lay is None:
             raise RuntimeError("commit_candidates without a verifying forward before it")
         if len(accepted) != lay.num_seqs or any(not 0 <= k < lay.q_len(j) for j, k in enumerate(accepted)):
             raise ValueError(f"accepted {accepted} does not fit verifications of {[lay.q_len(j) for j in range(lay.num_seqs)]} tokens")
         K1, S = self.config.linear_conv_kernel_dim - 1, lay.num_seqs
         qsl = lay.query_start_loc
-        pick = mx.array([qsl[j] + k for j, k in enumerate(accepted)], dtype=mx.int32)
+        if mode == "replay":
+            # sequence j reruns its first accepted[j] + 1 verify rows from the state its slot still holds
+            rows = mx.array([qsl[j] + r for j, k in enumerate(accepted) for r in range(k + 1)], dtype=mx.int32)
+            rl = SeqLayout(list(itertools.accumulate((k + 1 for k in accepted), initial=0)), list(lay.kv_valid),
+                           lay.block_tables, lay.state_rows, lay.block_tokens)
+        else:
+            pick = mx.array([qsl[j] + k for j, k in enumerate(accepted)], dtype=mx.int32)
         # window j = [old conv rows (K-1) ; its raw verify rows]: after k drafts, rows k+1 .. k+K-1 are the last
         # K-1 inputs. Flattened as [all old rows ; all raw rows] so one gather serves every sequence.
         win = [j * K1 + r if r < K1 else S * K1 + qsl[j] + r - K1
                for j, k in enumerate(accepted) for r in range(k + 1, k + 1 + K1)]
         win, slots = mx.array(win, dtype=mx.int32), mx.array(lay.state_rows, dtype=mx.int32)
-        for idx, (every, old_conv, raw) in stash.items():
-            cache.rec_states[idx][slots] = every[pick]
+        for idx, (rec, old_conv, raw) in stash.items():
+            if mode == "replay":
+                m = self.gdn_mixers[idx]
+                _, new = gated_delta(*(t[rows] for t in rec), m.A_log, m.dt_bias, cache.rec_states[idx], rl)
+            else:
+                new = rec[pick]  # rec: all states [Tv, Hv, dv, dk]
+            cache.rec_states[idx][slots] = new
             flat = mx.concatenate([old_conv.reshape(S * K1, -1), raw.astype(old_conv.dtype)])
             cache.conv_states[idx][slots] = flat[win].reshape(S, K1, -1)
 

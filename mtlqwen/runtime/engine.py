@@ -22,6 +22,7 @@ import mlx.core as mx
 from ..kernels import use_kernels
 from ..model.cache import ModelCache
 from ..model.compiled import CompiledDecode
+from ..model.qwen35 import VERIFY_COMMITS
 from .batch import PackedBatch, pack, token_buckets
 from .block_pool import BlockPool
 from .memory import device_memory, resolve_num_blocks
@@ -76,7 +77,8 @@ class Engine:
 
     draft: a DFlash drafter (Drafter, directory or repo id) for speculative decoding; n_draft: drafts per
     step (default the drafter's block_size - 1, capped so every slot can verify within step_tokens);
-    a request opts out with SamplingParams(speculative=False) (speculative.py).
+    a request opts out with SamplingParams(speculative=False) (speculative.py). verify_commit: sets the
+    model's `verify_commit` ("candidates" or "replay": how verified GDN states are committed) when given.
 
     compile_decode: run steps in which every sequence decodes one token through `mx.compile`
     (model/compiled.py); default on when the GPU kernels run, off on the CPU references.
@@ -100,7 +102,10 @@ class Engine:
         draft=None,
         n_draft: int | None = None,
         compile_decode: bool | None = None,
+        verify_commit: str | None = None,
     ):
+        if verify_commit is not None and verify_commit not in VERIFY_COMMITS:
+            raise ValueError(f"verify_commit must be one of {VERIFY_COMMITS}, got {verify_commit!r}")
         if isinstance(model_or_path, (str, Path)):
             from ..model import load, resolve_model_path  # noqa: PLC0415
 
@@ -157,6 +162,8 @@ class Engine:
         self._events: list[Delta] = []  # cancellations, reported by the next step
         self._held: list[Delta] = []  # deltas of submit()ted requests that arrived inside generate/stream
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_tokens": 0, "steps": 0, "padding_tokens": 0}
+        if verify_commit is not None:  # on the model (engines sharing it share it), once every check passed
+            model.verify_commit = verify_commit
 
     # ---- requests
     def _prompt_ids(self, prompt) -> list[int]:

@@ -7,8 +7,9 @@ The engine calls four hooks when a drafter is loaded:
                      ids, one target pass (taps captured) for the whole batch, sampling of the plain rows,
                      verification of the rest, drafter context for the tokens committed by this pass.
   commit(state)      after the one read-back: accepted drafts + the next token per verifying sequence; GDN
-                     candidate states and drafter context of the anchor + accepted drafts are committed and
-                     kv_valid covers them. KV of rejected drafts is left where it is, past kv_valid.
+                     states (picked candidates or a replay: Qwen35Model.verify_commit) and drafter context
+                     of the anchor + accepted drafts are committed and kv_valid covers them. KV of rejected
+                     drafts is left where it is, past kv_valid.
   must_sync(flight)  a step that verified, or sampled a speculating sequence, is committed before the next
                      one is scheduled: its drafts need the host to know the anchor and kv_valid.
 
