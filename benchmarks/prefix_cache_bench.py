@@ -35,9 +35,9 @@ def tokens(rng, n: int, vocab: int) -> list[int]:
     return [int(t) for t in rng.integers(0, vocab, size=n)]
 
 
-def run(engine: Engine, prompts: list[list[int]], gen_len: int) -> dict:
+def run(engine: Engine, prompts: list[list[int]], gen_len: int) -> tuple[dict, list[list[int]]]:
     outs, wall, first = timed_generate(engine, prompts, gen_len)
-    return {**ttft_ms(first), "wall_s": wall, "hit_tokens": sum(o.cached_tokens for o in outs)}
+    return {**ttft_ms(first), "wall_s": wall, "hit_tokens": sum(o.cached_tokens for o in outs)}, [o.token_ids for o in outs]
 
 
 def main(argv=None):
@@ -68,7 +68,7 @@ def main(argv=None):
           f"interval {args.interval}, step_tokens {args.step_tokens}, block_tokens {args.block_tokens}, pool {blocks} blocks, "
           f"{args.repeats} repeats (median)", flush=True)
 
-    results = {}
+    results, outputs = {}, {}
     header = f"{'mode':>5} {'TTFT mean ms':>13} {'TTFT max ms':>12} {'total s':>9} {'hit tokens':>11} {'prompt tok':>11}"
     for mode in args.modes.split(","):
         interval = 0 if mode == "off" else args.interval
@@ -76,15 +76,22 @@ def main(argv=None):
                         num_blocks=blocks, prefix_interval=interval)
         warm = tokens(np.random.default_rng(999), min(prompt_len, 2 * args.step_tokens), vocab)
         engine.generate([warm] * n, SamplingParams(max_tokens=2, ignore_eos=True))  # compile the kernels
-        runs = []
+        runs, answers = [], []
         for r in range(args.repeats):
             engine.clear_prefix_cache()
             qrng = np.random.default_rng(1 + r)
             if mode == "warm":  # an earlier request with the same system prompt
-                engine.generate([system + tokens(qrng, args.question_len, vocab)], SamplingParams(max_tokens=1))
+                other = tokens(np.random.default_rng(1000 + r), args.question_len, vocab)  # qrng stays as in off
+                engine.generate([system + other], SamplingParams(max_tokens=1))
             prompts = [system + tokens(qrng, args.question_len, vocab) for _ in range(n)]
-            runs.append(run(engine, prompts, args.gen_len))
+            res, toks = run(engine, prompts, args.gen_len)
+            runs.append(res)
+            answers.append(toks)
         med = {k: statistics.median(x[k] for x in runs) for k in runs[0]}
+        outputs[mode] = answers  # every mode sees the same prompts (the question seeds repeat)
+        if mode != "off" and "off" in outputs:  # greedy: the cache must not change an answer (bf16 near-ties aside)
+            pairs = [(a, b) for ra, rb in zip(outputs["off"], answers) for a, b in zip(ra, rb)]
+            med["same_tokens_as_off"] = f"{sum(a == b for a, b in pairs)} of {len(pairs)} requests"
         med["stats"] = {k: v for k, v in engine.stats().items() if k.startswith("prefix_") or k == "preemptions"}
         results[mode] = med
         if len(results) == 1:
@@ -93,7 +100,8 @@ def main(argv=None):
               f"{med['hit_tokens']:>11.0f} {n * prompt_len:>11}", flush=True)
         del engine
     for mode, med in results.items():
-        print(f"{mode} engine stats: {med['stats']}")
+        print(f"{mode} engine stats: {med['stats']}" + (f"; same tokens as off: {med['same_tokens_as_off']}"
+                                                        if "same_tokens_as_off" in med else ""))
     if "off" in results and "warm" in results:
         off, on = results["off"], results["warm"]
         print(f"warm vs off: TTFT mean {off['ttft_mean_ms'] / on['ttft_mean_ms']:.2f}x, "

@@ -123,13 +123,13 @@ def forced_acceptance(accept: int | None):
         speculative.verify = real
 
 
-def engine_step_ms(model, drafter, S: int, n: int, args) -> float:
+def engine_step_ms(model, drafter, S: int, n: int, args, commit: str | None = None) -> float:
     """Steady-state ms per Engine.step() with S decoding requests (n = 0: no drafter)."""
     gen = (args.warmup + args.steps) * (n + 1) + 8  # long enough that no step's drafts are capped
     bt = 128
     eng = Engine(model, slots=S, step_tokens=max(128, S * (n + 1)), block_tokens=bt,
                  num_blocks=S * BlockPool.blocks_for(args.prompt_len + gen, bt) + 1,
-                 draft=drafter if n else None, n_draft=n or None, prefix_interval=0)
+                 draft=drafter if n else None, n_draft=n or None, prefix_interval=0, verify_commit=commit)
     prompts = mx.random.randint(0, model.config.vocab_size, (S, args.prompt_len), key=mx.random.key(S)).tolist()
     for p in prompts:
         eng.submit(p, SamplingParams(max_tokens=gen, ignore_eos=True))
@@ -213,9 +213,9 @@ def main(argv=None) -> int:
         plain = engine_step_ms(model, None, S, 0, args)
         for n in args.n_draft:
             for mode in args.commit:
-                model.verify_commit = mode  # read by every verifying forward (engine and parts alike)
+                model.verify_commit = mode  # read by the parts' verifying forwards; the engine is told below
                 with forced_acceptance(args.accept):
-                    spec = engine_step_ms(model, drafter, S, n, args)
+                    spec = engine_step_ms(model, drafter, S, n, args, mode)
                 row = {"seqs": S, "n_draft": n, "commit": mode, "plain_step_ms": plain, "spec_step_ms": spec,
                        "ratio": spec / plain, "speedup": {t: (t * plain / spec if t <= n + 1 else None) for t in TAUS}}
                 if not args.no_parts:

@@ -53,13 +53,14 @@ def check(model, argv: list[str], out: str) -> None:
 
     vocab, gen = model.config.vocab_size, 48
     rng = np.random.default_rng()
-    prompts = [rng.integers(0, vocab, n).tolist() for n in (300, 129, 7, 1)]
+    lens = [int(a) for a in argv] or [300, 129, 7, 1]  # 5+ prompts: decode rows reach the tensor-core qmv
+    prompts = [rng.integers(0, vocab, n).tolist() for n in lens]
     saved = SELECT["gdn_state_inplace"]
 
     def run(compiled: bool, inplace: int) -> list[list[int]]:
         SELECT["gdn_state_inplace"] = inplace
         try:
-            eng = Engine(model, slots=4, step_tokens=128, num_blocks=16, prefix_interval=0, compile_decode=compiled)
+            eng = Engine(model, slots=len(prompts), step_tokens=128, num_blocks=4 * len(prompts), prefix_interval=0, compile_decode=compiled)
             outs = eng.generate(prompts, SamplingParams(max_tokens=gen, ignore_eos=True))
             st = eng.stats()
             assert st["free_blocks"] == st["total_blocks"] and st["running"] == 0, st

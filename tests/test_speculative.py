@@ -20,7 +20,7 @@ from mtlqwen.model.cache import ModelCache
 from mtlqwen.model.qwen35 import VERIFY_COMMITS
 from mtlqwen.runtime import Engine, SamplingParams
 from mtlqwen.runtime.block_pool import BlockPool
-from mtlqwen.runtime.speculative import resolve_n_draft
+from mtlqwen.runtime.speculative import REPLAY_MIN_DRAFTS, commit_mode_for, resolve_n_draft
 
 @pytest.fixture(scope="module")
 def draft_dir(ckpt, tmp_path_factory):
@@ -152,7 +152,7 @@ def test_state_and_drafter_context_after_partial_accepts(model, drafter, verify_
     (base,) = plain_outputs(model, [prompt], sp, slots=1, step_tokens=32, block_tokens=bt, num_blocks=8)
     full = prompt + base.token_ids
     eng = Engine(model, slots=1, step_tokens=32, block_tokens=bt, num_blocks=8, draft=drafter, n_draft=n_draft,
-                 prefix_interval=0)
+                 prefix_interval=0, verify_commit=verify_commit)
     calls = []
 
     def partial(seqs, layout, n):
@@ -323,10 +323,12 @@ def test_knobs_opt_out_stats_and_memory(model, drafter, draft_dir):
 
 
 def test_verify_commit_knob(model, drafter):
-    """Engine(verify_commit=...) sets the model's mode, which the next verifying forward records; unknown
-    modes are refused by both, before anything changes."""
+    """Unknown modes are refused by the model and the engine; a given mode is used by every verification of
+    that engine; without one the engine picks per step from its drafts (replay from REPLAY_MIN_DRAFTS)."""
     before = model.verify_commit
-    assert before == "candidates"  # the default
+    assert before == "candidates"  # the model's default
+    assert [commit_mode_for(n) for n in (1, REPLAY_MIN_DRAFTS - 1, REPLAY_MIN_DRAFTS, 15)] == \
+        ["candidates", "candidates", "replay", "replay"]
     try:
         for bad in ("Replay", "", None, 1):
             with pytest.raises(ValueError, match="verify_commit"):
@@ -334,10 +336,20 @@ def test_verify_commit_knob(model, drafter):
         with pytest.raises(ValueError, match="verify_commit must be one of"):
             Engine(model, num_blocks=8, draft=drafter, verify_commit="rerun")
         assert model.verify_commit == before
-        Engine(model, num_blocks=8, draft=drafter, verify_commit="replay")
-        assert model.verify_commit == "replay"
-        Engine(model, num_blocks=8, draft=drafter)  # None leaves the mode alone
-        assert model.verify_commit == "replay"
+        prompt = random_token_ids(9, 512, seed=3)
+        for given, n_draft in (("replay", 2), ("candidates", 12), (None, 2), (None, REPLAY_MIN_DRAFTS + 1)):
+            eng = Engine(model, slots=1, step_tokens=32, block_tokens=16, num_blocks=8, draft=drafter,
+                         n_draft=n_draft, prefix_interval=0, verify_commit=given)
+            eng.submit(prompt, greedy(n_draft + 6, ignore_eos=True))  # drafts shrink near max_tokens
+            seen = []  # (mode of the stash in flight, that verification's drafts)
+            while eng.has_work():
+                eng.step()
+                if eng._inflight is not None and eng._inflight.spec is not None:
+                    seen.append((eng.cache.candidates["mode"], max(eng._inflight.spec.n)))
+            want = [(given or commit_mode_for(n), n) for _, n in seen]
+            assert seen and seen == want, (given, n_draft, seen)
+            if given is None and n_draft > REPLAY_MIN_DRAFTS:  # long runs replay, the short last ones do not
+                assert {m for m, _ in seen} == {"replay", "candidates"}, seen
     finally:
         model.verify_commit = before
 

@@ -28,9 +28,9 @@ SELECT: dict[str, int] = {
     # CUDA, 4-bit, bf16/fp16 x: rows from which the tensor-core qmv variant (mma.sync) replaces the FMA
     # kernel; 0 = never. Steady state (one launch, 2026-11-30): at M=8 mma 1.09 / 1.27 TB/s vs FMA 0.43 /
     # 0.33 and MLX's GEMM 1.11 / 1.05 (4096-K / 12288-K); at M=1 mma 1.24 / 1.36 vs FMA 1.69 / 1.94.
-    # OFF until its equivalence test has passed on the device (the run that measured it ran out of time
-    # before the test finished); then set 5 and raise qmv_max_rows to 8.
-    "qmv_mma_min_rows": 0,
+    # Its equivalence test passed on the H200 (2026-11-30, benchmarks/kernels_qmatmul_attn.md); with it on,
+    # 8 concurrent requests decode at 1252 tok/s against 578 without (runtime_bench, benchmarks/e2e.md).
+    "qmv_mma_min_rows": 5,
     # One qmv launch per 8 rows past that: disabled (0). At M=16 MLX's qmm took 15-41 us, qmv per 8
     # rows 71-207 us.
     "qmv_loop_max_rows": 0,
@@ -42,9 +42,9 @@ SELECT: dict[str, int] = {
     # GDN decode / prefill kernels write the new recurrent states into the pool in place (gdn_kernels.py)
     # instead of returning them for a scatter, which on the GPU copies the whole pool every step (MLX keeps
     # kernel inputs alive, so the pool is never donated): +54 MiB per step at B=1 with one slot, +423 MiB at
-    # B=8 (decode_profile.md). OFF until tests/test_kernels_gdn.py::test_gdn_kernel_reads_packed_qkv has run
-    # on the device; then 1.
-    "gdn_state_inplace": 0,
+    # B=8 (decode_profile.md). Its property test and the engine's GPU test passed on the H200 (2026-11-30,
+    # benchmarks/kernels_gdn.md); 0 returns to the functional scatter.
+    "gdn_state_inplace": 1,
 }
 
 

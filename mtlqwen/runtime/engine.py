@@ -77,8 +77,9 @@ class Engine:
 
     draft: a DFlash drafter (Drafter, directory or repo id) for speculative decoding; n_draft: drafts per
     step (default the drafter's block_size - 1, capped so every slot can verify within step_tokens);
-    a request opts out with SamplingParams(speculative=False) (speculative.py). verify_commit: sets the
-    model's `verify_commit` ("candidates" or "replay": how verified GDN states are committed) when given.
+    a request opts out with SamplingParams(speculative=False) (speculative.py). verify_commit: how verified GDN
+    states are committed, "candidates" or "replay" (Qwen35Model.verify_commit); default: chosen per step by
+    the number of drafts, from the H200 measurement (speculative.REPLAY_MIN_DRAFTS).
 
     compile_decode: run steps in which every sequence decodes one token through `mx.compile`
     (model/compiled.py); default on when the GPU kernels run, off on the CPU references.
@@ -147,7 +148,8 @@ class Engine:
         # one spare bundle and slot beyond what the scheduler hands out: the padding sequence's scratch
         self.cache = model.make_cache(self.num_blocks + 1, slots + 1, block_tokens)
         self.spec = None if drafter is None else Speculator(
-            model, drafter, n_draft, self.cache, self.prefix.interval if self.prefix is not None else 0)
+            model, drafter, n_draft, self.cache, self.prefix.interval if self.prefix is not None else 0,
+            verify_commit)
         self.scratch = (slots, self.num_blocks)
         if compile_decode is None:
             compile_decode = use_kernels()
@@ -162,8 +164,6 @@ class Engine:
         self._events: list[Delta] = []  # cancellations, reported by the next step
         self._held: list[Delta] = []  # deltas of submit()ted requests that arrived inside generate/stream
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_tokens": 0, "steps": 0, "padding_tokens": 0}
-        if verify_commit is not None:  # on the model (engines sharing it share it), once every check passed
-            model.verify_commit = verify_commit
 
     # ---- requests
     def _prompt_ids(self, prompt) -> list[int]:

@@ -75,9 +75,25 @@ class _Verification:
     starts: list[int]  # packed row of each anchor
 
 
+# From this many drafts in a step, verified GDN states are committed by replay rather than by keeping every
+# candidate state (Qwen35Model.verify_commit). H200, 9B shape, 4-bit (benchmarks/spec.md, 2026-11-30): at
+# n_draft 4 candidates won (26.3 vs 28.8 ms at 1 sequence, 64.7 vs 66.3 at 8), at 8 they tied (within 1%),
+# at 15 replay won (36.2 vs 38.2 ms, 71.4 vs 74.3): the candidates' state writes grow with the drafts.
+REPLAY_MIN_DRAFTS = 9
+
+
+def commit_mode_for(drafts: int) -> str:
+    return "replay" if drafts >= REPLAY_MIN_DRAFTS else "candidates"
+
+
 class Speculator:
-    def __init__(self, model, drafter: Drafter, n_draft: int, cache, prefix_interval: int = 0):
+    """verify_commit: "candidates" or "replay" for every verification, or None to choose per step by the
+    step's longest draft run (commit_mode_for)."""
+
+    def __init__(self, model, drafter: Drafter, n_draft: int, cache, prefix_interval: int = 0,
+                 verify_commit: str | None = None):
         self.model, self.drafter, self.n_draft, self.cache = model, drafter, n_draft, cache
+        self.verify_commit = verify_commit
         self.interval = prefix_interval
         self.dcache: DrafterCache = drafter.make_cache(cache)
         cache.drafter_cache = self.dcache  # the prefix cache copies partial bundles with their drafter K/V
@@ -144,6 +160,8 @@ class Speculator:
             ids[mx.array(at, dtype=mx.int32)] = drafts.reshape(-1)[mx.array(src, dtype=mx.int32)]
             # N + 1 rows per sequence (shorter runs repeat their last row; verify() masks them)
             rows += [min(qsl[i] + t, qsl[i + 1] - 1) for i in ver for t in range(N + 1)]
+        if ver:  # the forward stashes in this mode and the commit follows the stash
+            self.model.verify_commit = self.verify_commit or commit_mode_for(N)
         logits, taps = self.model.forward_with_taps(ids, lay, cache, self.taps, mx.array(rows, dtype=mx.int32))
         tokens = None
         if R:
