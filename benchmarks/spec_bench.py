@@ -123,13 +123,14 @@ def forced_acceptance(accept: int | None):
         speculative.verify = real
 
 
-def engine_step_ms(model, drafter, S: int, n: int, args, commit: str | None = None) -> float:
+def engine_step_ms(model, drafter, S: int, n: int, args, commit: str | None = None, compiled: bool | None = None) -> float:
     """Steady-state ms per Engine.step() with S decoding requests (n = 0: no drafter)."""
     gen = (args.warmup + args.steps) * (n + 1) + 8  # long enough that no step's drafts are capped
     bt = 128
     eng = Engine(model, slots=S, step_tokens=max(128, S * (n + 1)), block_tokens=bt,
                  num_blocks=S * BlockPool.blocks_for(args.prompt_len + gen, bt) + 1,
-                 draft=drafter if n else None, n_draft=n or None, prefix_interval=0, verify_commit=commit)
+                 draft=drafter if n else None, n_draft=n or None, prefix_interval=0, verify_commit=commit,
+                 compile_decode=compiled)
     prompts = mx.random.randint(0, model.config.vocab_size, (S, args.prompt_len), key=mx.random.key(S)).tolist()
     for p in prompts:
         eng.submit(p, SamplingParams(max_tokens=gen, ignore_eos=True))
@@ -194,6 +195,9 @@ def main(argv=None) -> int:
     ap.add_argument("--n-draft", type=int, nargs="+", default=[4, 8, 15])
     ap.add_argument("--commit", nargs="+", choices=list(VERIFY_COMMITS), default=list(VERIFY_COMMITS),
                     help="how verified GDN states are committed (Qwen35Model.verify_commit); each is measured")
+    ap.add_argument("--compile", nargs="+", choices=["off", "on"], default=["off"],
+                    help="speculative steps uncompiled and/or through mx.compile (Engine(compile_decode=True)); "
+                         "each is measured")
     ap.add_argument("--accept", type=int, default=None,
                     help="force min(K, n_draft) accepted drafts per verification (default: the random drafter's ~0)")
     ap.add_argument("--prompt-len", type=int, default=512, help="context of every sequence when measured")
@@ -212,23 +216,23 @@ def main(argv=None) -> int:
     for S in args.seqs:
         plain = engine_step_ms(model, None, S, 0, args)
         for n in args.n_draft:
-            for mode in args.commit:
+            for mode, comp in [(m, c) for c in args.compile for m in args.commit]:
                 model.verify_commit = mode  # read by the parts' verifying forwards; the engine is told below
                 with forced_acceptance(args.accept):
-                    spec = engine_step_ms(model, drafter, S, n, args, mode)
-                row = {"seqs": S, "n_draft": n, "commit": mode, "plain_step_ms": plain, "spec_step_ms": spec,
+                    spec = engine_step_ms(model, drafter, S, n, args, mode, True if comp == "on" else None)
+                row = {"seqs": S, "n_draft": n, "commit": mode, "compiled": comp, "plain_step_ms": plain, "spec_step_ms": spec,
                        "ratio": spec / plain, "speedup": {t: (t * plain / spec if t <= n + 1 else None) for t in TAUS}}
-                if not args.no_parts:
+                if not args.no_parts and comp == args.compile[0]:  # model-only parts: the same either way
                     row["parts_ms"] = part_ms(model, drafter, S, n, args)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    print("\n| seqs | n_draft | commit | plain step ms | spec step ms | spec / plain | "
+    print("\n| seqs | n_draft | commit | compiled | plain step ms | spec step ms | spec / plain | "
           + " | ".join(f"speed-up at tau={t}" for t in TAUS) + " | parts: decode / draft / verify ms |")
-    print("|---|---|---|---|---|---|" + "---|" * len(TAUS) + "---|")
+    print("|---|---|---|---|---|---|---|" + "---|" * len(TAUS) + "---|")
     for r in rows:
         sp = " | ".join(f"{r['speedup'][t]:.2f}x" if r["speedup"][t] else "-" for t in TAUS)
         parts = " / ".join(f"{r['parts_ms'][k]:.2f}" for k in ("decode", "draft", "verify")) if "parts_ms" in r else "-"
-        print(f"| {r['seqs']} | {r['n_draft']} | {r['commit']} | {r['plain_step_ms']:.2f} | {r['spec_step_ms']:.2f} "
+        print(f"| {r['seqs']} | {r['n_draft']} | {r['commit']} | {r['compiled']} | {r['plain_step_ms']:.2f} | {r['spec_step_ms']:.2f} "
               f"| {r['ratio']:.2f} | {sp} | {parts} |")
     if args.json:
         with open(args.json, "w") as f:

@@ -41,7 +41,10 @@ def test_one_trace_serves_growing_sequences_until_a_bucket_changes(model):
     out = eng.generate([prompt], greedy(40, ignore_eos=True))[0]
     assert_reference(model, prompt, out, 40)
     assert eng.compiled.traces == 2
-    assert list(eng.compiled._fns) == [(1, 2, 256, eng.model.rope.size, 16, 1), (1, 4, 256, eng.model.rope.size, 16, 1)]
+    # (tokens per sequence as query_start_loc, table width, length bucket, RoPE size, block, logits rows,
+    #  taps, commit mode)
+    r = eng.model.rope.size
+    assert list(eng.compiled._fns) == [((0, 1), 2, 256, r, 16, 1, None, False), ((0, 1), 4, 256, r, 16, 1, None, False)]
 
 
 def test_eligible_only_for_one_token_per_sequence():

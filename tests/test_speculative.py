@@ -263,13 +263,27 @@ def test_random_workloads_with_speculation_match_plain_decoding(model, drafter, 
     """Speculating sequences share steps with prefilling ones (arrivals staggered), across block and
     prefix-interval boundaries, with preemptions under tight pools, some requests opted out; outputs
     equal plain decoding token for token except at near-ties."""
+    check_workload(model, drafter, verify_commit, w)
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(w=spec_workloads())
+def test_compiled_speculative_steps_match_plain_decoding(model, drafter, verify_commit, w):
+    """The same workloads with decode-with-taps and all-verify steps through `mx.compile`
+    (Engine(compile_decode=True)): a trace replayed at other lengths, tables and acceptances must give
+    the uncompiled plain run's tokens."""
+    eng = check_workload(model, drafter, verify_commit, w, compile_decode=True)
+    assert eng.spec.compiled is eng.compiled is not None
+
+
+def check_workload(model, drafter, verify_commit, w, **engine_kw) -> Engine:
     bt = w["block_tokens"]
     requests = [(arr, p, greedy(mt, speculative=spec)) for arr, p, mt, spec in w["reqs"]]
     need = max(BlockPool.blocks_for(len(p) + sp.max_tokens - 1, bt) for _, p, sp in requests)
     kw = dict(slots=w["slots"], step_tokens=w["step_tokens"], block_tokens=bt, num_blocks=need + w["extra_blocks"])
     base = plain_outputs(model, [p for _, p, _ in requests], [sp for _, _, sp in requests], **kw)
     eng = Engine(model, draft=drafter, n_draft=w["n_draft"], prefix_interval=w["prefix_interval"],
-                 verify_commit=verify_commit, **kw)
+                 verify_commit=verify_commit, **kw, **engine_kw)
     eng.spec.propose = Oracle([(p, p + o.token_ids) for (_, p, _), o in zip(requests, base)], w["noise"])
     outs = dict(enumerate(run_arrivals(eng, requests, max_steps=5000)))
     for (_, prompt, sp), o, b in zip(requests, outs.values(), base):
@@ -283,6 +297,34 @@ def test_random_workloads_with_speculation_match_plain_decoding(model, drafter, 
         stopped = sum(outs[i].finish_reason == "stop" for i in outs)
         assert s["accepted_tokens"] >= s["draft_tokens"] - stopped * w["n_draft"]
     assert_idle(eng)
+    return eng
+
+
+def test_compiled_verification_steps(model, drafter, verify_commit):
+    """Two requests verifying side by side with an oracle drafter: the all-verify steps run compiled
+    (trace keys carry the commit mode), one trace serves steps at growing lengths, and the tokens, the
+    acceptance counts and the slots' GDN states equal the uncompiled speculative engine's."""
+    prompts = [random_token_ids(n, 512, seed=n) for n in (21, 9)]
+    sp = greedy(24, ignore_eos=True)
+    base = plain_outputs(model, prompts, sp, slots=2, step_tokens=32, block_tokens=16, num_blocks=12)
+    engines = []
+    for compiled in (False, True):
+        eng = Engine(model, slots=2, step_tokens=32, block_tokens=16, num_blocks=12, draft=drafter, n_draft=3,
+                     prefix_interval=0, verify_commit=verify_commit, compile_decode=compiled)
+        eng.spec.propose = Oracle([(p, p + o.token_ids) for p, o in zip(prompts, base)], 0.0)
+        outs = eng.generate(prompts, sp)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+        engines.append(eng)
+    plain, comp = engines
+    keys = list(comp.compiled._fns)
+    verify_keys = [k for k in keys if k[-1]]
+    # anchor + 3 drafts each; shorter runs only where max_tokens caps the drafts
+    assert any(k[0] == (0, 4, 8) for k in verify_keys) and all(k[-1] == verify_commit for k in verify_keys), keys
+    assert len(verify_keys) < comp.stats()["spec_steps"] // 2  # fewer traces than verifying steps: replayed
+    for key in ("draft_tokens", "accepted_tokens", "spec_steps", "generated_tokens"):
+        assert comp.stats()[key] == plain.stats()[key], key
+    for a, b in zip(plain.cache.arrays(), comp.cache.arrays()):  # same states and KV (compiled CPU code may fuse)
+        assert mx.allclose(a.astype(mx.float32), b.astype(mx.float32), rtol=1e-5, atol=1e-5).item()
 
 
 # ------------------------------------------------------------------------------------------- knobs

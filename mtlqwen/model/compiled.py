@@ -1,4 +1,4 @@
-"""The decode forward through `mx.compile`: traced once per shape class, replayed every step.
+"""The decode (and verification) forward through `mx.compile`: traced once per shape class, replayed every step.
 
 Why: on the H200 host, building the batch-1 Qwen3.5-9B graph in Python takes ~6 ms, twice the device
 time of the step (benchmarks/decode_profile.md); a compiled step replays the recorded graph from C++.
@@ -32,7 +32,8 @@ def _pow2_at_least(n: int, lo: int) -> int:
 
 
 class CompiledDecode:
-    """`model.forward` for batches whose sequences all send one token (decode), compiled per shape class.
+    """`model.forward` for batches whose sequences all send one token (decode), compiled per shape class;
+    `with_taps` does `model.forward_with_taps` for the speculative engine's decode and all-verify batches.
     At most `max_traces` traces are kept (least recently used dropped)."""
 
     MIN_LEN = 256  # attention length bound never below this: short contexts share one trace
@@ -46,8 +47,21 @@ class CompiledDecode:
     def eligible(layout: SeqLayout) -> bool:
         return layout.verify is None and layout.num_seqs > 0 and layout.num_tokens == layout.num_seqs
 
+    @classmethod
+    def eligible_with_taps(cls, layout: SeqLayout) -> bool:
+        """Decode batches, and batches in which every sequence verifies (any number of tokens each)."""
+        return cls.eligible(layout) or (layout.verify is not None and layout.num_seqs > 0 and all(layout.verify))
+
     def __call__(self, input_ids: mx.array, layout: SeqLayout, cache, logits_rows: mx.array | None) -> mx.array:
         """Logits as `Qwen35Model.forward`; `cache`'s pools are rebound to the step's outputs."""
+        return self._run(input_ids, layout, cache, logits_rows, None)[0]
+
+    def with_taps(self, input_ids, layout: SeqLayout, cache, taps: tuple[int, ...], logits_rows: mx.array | None):
+        """(logits, taps) as `Qwen35Model.forward_with_taps`; a verification's stash is left in
+        `cache.candidates` with the real layout, as the uncompiled forward leaves it."""
+        return self._run(input_ids, layout, cache, logits_rows, tuple(taps))
+
+    def _run(self, input_ids, layout: SeqLayout, cache, logits_rows, taps):
         B = layout.num_seqs
         width = _pow2_at_least(max(len(t) for t in layout.block_tables), 1)
         max_len = _pow2_at_least(layout.longest(), self.MIN_LEN)
@@ -55,27 +69,43 @@ class CompiledDecode:
         tables = mx.array([t + [0] * (width - len(t)) for t in layout.block_tables], dtype=mx.int32)
         arrays = [layout.array(n) for n in _INPUTS] + [tables]
         rows = () if logits_rows is None else (logits_rows,)
-        key = (B, width, max_len, self.model.rope.size, layout.block_tokens, len(rows) and logits_rows.shape[0])
-        fn = self._fns.get(key)
+        verify = bool(layout.verify)  # eligible layouts: all verify, or none
+        # the graph's structure: tokens per sequence, table width, length bucket, what is returned, and the
+        # commit mode (it decides what a verification stashes)
+        shape = (tuple(layout.query_start_loc), width, max_len, self.model.rope.size, layout.block_tokens,
+                 len(rows) and logits_rows.shape[0], taps, verify and self.model.verify_commit)
+        fn = self._fns.get(shape)
         if fn is None:
-            fn = self._fns[key] = mx.compile(self._step_fn(B, width, max_len, layout.block_tokens, bool(rows)))
+            fn = self._fns[shape] = mx.compile(self._step_fn(B, layout.query_start_loc, width, max_len,
+                                                             layout.block_tokens, bool(rows), taps, verify))
             self.traces += 1
             if len(self._fns) > self.max_traces:
                 self._fns.popitem(last=False)
         else:
-            self._fns.move_to_end(key)
+            self._fns.move_to_end(shape)
         n_attn, n_gdn = len(cache.k_pools), len(cache.conv_states)
         out = fn(input_ids, arrays, rows, cache.arrays())
-        pools = out[1:]
+        head = 1 if taps is None else 2
+        pools, stash = out[head : head + len(cache.arrays())], out[head + len(cache.arrays()) :]
         cache.k_pools[:], cache.v_pools[:] = pools[:n_attn], pools[n_attn : 2 * n_attn]
         cache.conv_states[:], cache.rec_states[:] = pools[2 * n_attn : 2 * n_attn + n_gdn], pools[2 * n_attn + n_gdn :]
-        return out[0]
+        if verify:  # per GDN layer: rec (1 array, or 5 when replaying), old conv rows, raw rows
+            mode = self.model.verify_commit
+            per = 7 if mode == "replay" else 3
+            cache.candidates = {"mode": mode, "layout": layout}
+            for idx in range(n_gdn):
+                part = stash[idx * per : (idx + 1) * per]
+                rec = tuple(part[:5]) if mode == "replay" else part[0]
+                cache.candidates[idx] = (rec, part[-2], part[-1])
+        return out[0], (out[1] if taps is not None else None)
 
-    def _step_fn(self, B: int, width: int, max_len: int, block_tokens: int, has_rows: bool):
+    def _step_fn(self, B: int, qsl: list[int], width: int, max_len: int, block_tokens: int, has_rows: bool,
+                 taps: tuple[int, ...] | None, verify: bool):
         model = self.model
+        qsl = list(qsl)
 
         def step(ids, arrays, rows, pools):
-            lay = SeqLayout(list(range(B + 1)), [0] * B, [[0] * width] * B, [0] * B, block_tokens,
+            lay = SeqLayout(qsl, [0] * B, [[0] * width] * B, [0] * B, block_tokens, verify=[True] * B if verify else None,
                             max_len=max_len, traced=True)
             lay._arrays.update(zip(_INPUTS + ("block_tables",), arrays))
             n_attn = len(model.config.full_attention_layers)
@@ -85,7 +115,15 @@ class CompiledDecode:
                 conv_states=list(pools[2 * n_attn : 2 * n_attn + n_gdn]),
                 rec_states=list(pools[2 * n_attn + n_gdn :]), candidates={},
             )
-            logits = model.forward(ids, lay, view, rows[0] if has_rows else None)
-            return [logits, *view.k_pools, *view.v_pools, *view.conv_states, *view.rec_states]
+            r = rows[0] if has_rows else None
+            if taps is None:
+                head = [model.forward(ids, lay, view, r)]
+            else:
+                head = list(model.forward_with_taps(ids, lay, view, taps, r))
+            stash = []
+            for idx in range(n_gdn if verify else 0):
+                rec, old_conv, raw = view.candidates[idx]
+                stash += [*(rec if isinstance(rec, tuple) else (rec,)), old_conv, raw]
+            return [*head, *view.k_pools, *view.v_pools, *view.conv_states, *view.rec_states, *stash]
 
         return step

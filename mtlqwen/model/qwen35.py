@@ -57,6 +57,12 @@ class _VerifySplit:
     def __init__(self, layout: SeqLayout):
         ver = [i for i, v in enumerate(layout.verify) if v]
         plain = [i for i, v in enumerate(layout.verify) if not v]
+        # every sequence verifying (the steady state): the batch is its own verify layout, no row gathers,
+        # and the state rows come from the layout's array (a compiled trace's lists are dummies)
+        self.all = not plain
+        if self.all:
+            self.verify, self.verify_slots, self.plain = layout, layout.array("state_rows"), None
+            return
         self.verify, vrows = layout.subset(ver)
         self.verify_rows = mx.array(vrows, dtype=mx.int32)
         self.verify_slots = mx.array(self.verify.state_rows, dtype=mx.int32)
@@ -123,15 +129,19 @@ class GDNMixer:
         y, conv_new = causal_conv1d(mixed, self.conv_w, conv_pool, layout)  # every row's conv output is final
         q, k, v = split_qkv(y, (c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads,
                                 c.linear_value_head_dim))
-        vr = sp.verify_rows
-        ins = (q[vr], k[vr], v[vr], a[vr], b[vr])  # q, k [Tv, Hk, dk], v [Tv, Hv, dv], a, b [Tv, Hv]
+        if sp.all:
+            ins, raw = (q, k, v, a, b), mixed
+        else:
+            vr = sp.verify_rows
+            ins, raw = (q[vr], k[vr], v[vr], a[vr], b[vr]), mixed[vr]
+        # ins: q, k [Tv, Hk, dk], v [Tv, Hv, dv], a, b [Tv, Hv]; raw: the verify rows' conv inputs [Tv, C]
         if cache.candidates.get("mode") == "replay":  # outputs only; the states come from the replay at commit
             o_v, _ = gated_delta(*ins, self.A_log, self.dt_bias, rec_pool, sp.verify)
             rec = ins
         else:
             o_v, _, rec = gated_delta_candidates(*ins, self.A_log, self.dt_bias, rec_pool, sp.verify)
         # read the verifying slots' old conv rows before the plain rows' writes below
-        cache.candidates[self.idx] = (rec, conv_pool[sp.verify_slots], mixed[vr])
+        cache.candidates[self.idx] = (rec, conv_pool[sp.verify_slots], raw)
         cache.candidates["layout"] = sp.verify
         if sp.plain is None:
             return o_v

@@ -82,7 +82,9 @@ class Engine:
     the number of drafts, from the H200 measurement (speculative.REPLAY_MIN_DRAFTS).
 
     compile_decode: run steps in which every sequence decodes one token through `mx.compile`
-    (model/compiled.py); default on when the GPU kernels run, off on the CPU references.
+    (model/compiled.py); default on when the GPU kernels run, off on the CPU references. With a drafter,
+    True also compiles decode steps with taps and steps in which every sequence verifies (default off
+    there until it has been checked on a GPU).
 
     Not thread-safe: one thread calls submit/step/cancel (a server feeds it through a queue)."""
 
@@ -151,9 +153,13 @@ class Engine:
             model, drafter, n_draft, self.cache, self.prefix.interval if self.prefix is not None else 0,
             verify_commit)
         self.scratch = (slots, self.num_blocks)
-        if compile_decode is None:
+        auto = compile_decode is None
+        if auto:
             compile_decode = use_kernels()
-        self.compiled = CompiledDecode(model) if compile_decode and self.spec is None else None
+        # speculative steps compile only when asked for: their compiled path has not yet run on a GPU
+        self.compiled = CompiledDecode(model) if compile_decode and (self.spec is None or not auto) else None
+        if self.spec is not None:
+            self.spec.compiled = self.compiled
         self.pad_buckets = bool(pad_buckets)
         self.buckets = token_buckets(step_tokens) if self.pad_buckets else None
         self.eos = set(self.config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", None) or ())

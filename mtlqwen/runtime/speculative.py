@@ -94,6 +94,7 @@ class Speculator:
                  verify_commit: str | None = None):
         self.model, self.drafter, self.n_draft, self.cache = model, drafter, n_draft, cache
         self.verify_commit = verify_commit
+        self.compiled = None  # a CompiledDecode when the engine compiles speculative steps (Engine(compile_decode=True))
         self.interval = prefix_interval
         self.dcache: DrafterCache = drafter.make_cache(cache)
         cache.drafter_cache = self.dcache  # the prefix cache copies partial bundles with their drafter K/V
@@ -162,7 +163,11 @@ class Speculator:
             rows += [min(qsl[i] + t, qsl[i + 1] - 1) for i in ver for t in range(N + 1)]
         if ver:  # the forward stashes in this mode and the commit follows the stash
             self.model.verify_commit = self.verify_commit or commit_mode_for(N)
-        logits, taps = self.model.forward_with_taps(ids, lay, cache, self.taps, mx.array(rows, dtype=mx.int32))
+        fwd_rows = mx.array(rows, dtype=mx.int32)
+        if self.compiled is not None and rows and self.compiled.eligible_with_taps(lay):  # decode or all-verify
+            logits, taps = self.compiled.with_taps(ids, lay, cache, self.taps, fwd_rows)
+        else:
+            logits, taps = self.model.forward_with_taps(ids, lay, cache, self.taps, fwd_rows)
         tokens = None
         if R:
             samp = batch.sampling
