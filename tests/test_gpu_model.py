@@ -1,10 +1,22 @@
-"""The whole model on the GPU kernels against the same model on the reference ops (issue: kernels).
+"""The whole model on the GPU kernels against the reference path (issue: kernels).
 
-Qwen3.5-9B layer geometry (8 layers: 6 GDN + 2 attention), random weights, 4-bit g64, bf16
-activations. On CPU these tests skip: the CPU back-end runs the references themselves.
+A full Qwen3.5 stack (8 layers: 6 GDN + 2 gated attention, the 9B model's head dims, GQA ratios and
+partial RoPE at hidden 1024 / vocab 32768), random weights, MLX 4-bit g64, bf16 activations, against the
+same quantized weights dequantized to fp32 and run through the reference ops on the CPU in fp32.
+
+Why this reference and size: MLX's CPU quantized matmul is both slow (~0.14 GFLOP/s in bf16 at 300 rows:
+the 9B-geometry version of this test never finished inside a device call) and inexact with bf16 inputs
+(the same model's CPU bf16 quantized path differed from the fp32 dequantized one by 0.23 x max |logit|).
+Dense fp32 on the dequantized weights is the exact math the quantized layers stand for. The bf16 budget:
+the same dense weights in bf16 vs fp32 on the CPU differ by 2.25e-2 x max |logit| over 48 tokens (argmax
+equal at 94% of rows), so the kernels may differ by up to 5e-2, and greedy tokens may flip only where the
+reference's top two logits are within 5e-2 x max |logit|. On CPU these tests skip: the CPU back-end runs
+the references themselves.
 """
 
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import pytest
@@ -19,16 +31,46 @@ pytestmark = [
     pytest.mark.skipif(gpu_backend() is None, reason="needs a GPU back-end (Metal or CUDA); CPU runs the reference"),
 ]
 
-NEAR_TIE = 2e-2  # bf16 activations: top-2 logits closer than this x logit scale may swap
+TOLERANCE = 5e-2  # max |kernels - fp32 reference| / max |reference logit|, see the docstring
+NEAR_TIE = 5e-2  # top-2 logits closer than this x logit scale may swap
+
+
+def mid_config():
+    from mtlqwen.model.config import parse_config  # noqa: PLC0415
+
+    return parse_config({
+        "model_type": "qwen3_5_text", "vocab_size": 32768, "hidden_size": 1024, "intermediate_size": 3072,
+        "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+        "linear_num_key_heads": 4, "linear_num_value_heads": 8, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "tie_word_embeddings": False,
+        "eos_token_id": 1, "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    })
 
 
 @pytest.fixture(scope="module")
 def model():
-    from mtlqwen.model.builtin import qwen35_9b_config, random_model  # noqa: PLC0415
+    from mtlqwen.model.builtin import random_model  # noqa: PLC0415
 
-    c = qwen35_9b_config()
-    c.num_hidden_layers, c.layer_types = 8, c.layer_types[:8]
-    return random_model(config=c, seed=1, quantize=QuantSpec(4, 64))
+    return random_model(config=mid_config(), seed=1, quantize=QuantSpec(4, 64))
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """The same weights, every quantized matrix dequantized, everything fp32 (run it on the CPU)."""
+    from mtlqwen.model.qwen35 import Qwen35Model  # noqa: PLC0415
+
+    c, src, w = model.config, model.weights, {}
+    for name, a in src.items():
+        mod = name.rsplit(".", 1)[0]
+        if name.endswith((".scales", ".biases")) and f"{mod}.weight" in src:
+            continue
+        if f"{mod}.scales" in src:
+            spec = c.quant_overrides.get(mod, c.quantization)
+            a = mx.dequantize(a, src[f"{mod}.scales"], src[f"{mod}.biases"], group_size=spec.group_size, bits=spec.bits)
+        w[name] = a.astype(mx.float32)
+    dense = copy.copy(c)
+    dense.quantization, dense.quant_overrides = None, {}
+    return Qwen35Model(dense, w)
 
 
 def greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
@@ -61,22 +103,23 @@ class on_cpu:
         mx.set_default_device(self.prev)
 
 
-def test_kernels_match_reference_logits(model):
-    prompt = np.random.default_rng().integers(0, 240000, 300).tolist()  # crosses chunk and block boundaries
+def test_kernels_match_reference_logits(model, reference):
+    prompt = np.random.default_rng().integers(0, 32768, 200).tolist()  # crosses chunk and block boundaries
     got = np.asarray(model.logits(prompt).astype(mx.float32))
     with on_cpu():
-        ref = np.asarray(model.logits(prompt).astype(mx.float32))
+        ref = np.asarray(reference.logits(prompt))
     assert np.isfinite(got).all()
     rel = np.abs(got - ref).max() / np.abs(ref).max()
-    print(f"kernels vs reference: max |diff| / max |logit| = {rel:.2e}")
-    assert rel <= 2e-2
+    agree = (got.argmax(-1) == ref.argmax(-1)).mean()
+    print(f"kernels vs fp32 reference: max |diff| / max |logit| = {rel:.2e}, argmax equal at {agree:.0%} of rows")
+    assert rel <= TOLERANCE
 
 
-def test_greedy_256_tokens_match_except_near_ties(model):
-    prompt = np.random.default_rng().integers(0, 240000, 77).tolist()
+def test_greedy_256_tokens_match_except_near_ties(model, reference):
+    prompt = np.random.default_rng().integers(0, 32768, 77).tolist()
     got, _ = greedy(model, prompt, 256)
     with on_cpu():
-        want, rows = greedy(model, prompt, 256)
+        want, rows = greedy(reference, prompt, 256)
     first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     print(f"greedy: first difference at token {first} of 256")
     if first is not None:  # allowed only where the reference itself nearly tied
