@@ -12,6 +12,7 @@ import mlx.core as mx
 from mtlqwen.kernels import backend
 from mtlqwen.kernels.conv1d import causal_conv1d, causal_conv1d_ref
 from mtlqwen.kernels.fused_small import add_rms_norm_ref
+from mtlqwen.kernels.head_norm_rope import head_norm_rope, head_norm_rope_ref
 from mtlqwen.kernels.norms import gated_rms_norm_ref, rms_norm, rms_norm_ref
 from mtlqwen.kernels.rope import RopeTables, apply_rope_ref
 from mtlqwen.kernels.seqs import SeqLayout
@@ -103,6 +104,29 @@ def test_rope_reference(seed, T, D):
     assert rel(out, want) < 1e-4  # fp32 angles of positions up to 1000
 
 
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**31), T=st.integers(1, 6), H=st.sampled_from([1, 3]), D=st.sampled_from([64, 128]),
+       extra=st.sampled_from([0, 1]))
+def test_head_norm_rope_reference(seed, T, H, D, extra):
+    """Per-head RMSNorm of each head's first D values (rows of D * (1 + extra): q inside q|gate), then
+    partial RoPE: against a float64 version, and the dispatcher (off or on CPU) equals the reference."""
+    rng = np.random.default_rng(seed)
+    tables = RopeTables(32, 1e6, initial=64)
+    x, w = rand(rng, T, H, D * (1 + extra)), 1 + rand(rng, D, scale=0.2)
+    pos = rng.integers(0, 500, T)
+    tables.ensure(int(pos.max()))
+    p = mx.array(pos.astype(np.int32))
+    out = head_norm_rope_ref(x, w, 1e-6, p, tables, D)
+    xf = f64(x)[..., :D]
+    n = xf / np.sqrt((xf**2).mean(-1, keepdims=True) + 1e-6) * f64(w)
+    phase = pos[:, None, None] * 1e6 ** (-np.arange(0, 32, 2) / 32)[None, None, :]
+    x1, x2 = n[..., :16], n[..., 16:32]
+    want = np.concatenate([x1 * np.cos(phase) - x2 * np.sin(phase), x2 * np.cos(phase) + x1 * np.sin(phase),
+                           n[..., 32:]], axis=-1)
+    assert out.shape == (T, H, D) and rel(out, want) < 1e-4
+    assert mx.array_equal(head_norm_rope(x, w, 1e-6, p, tables, D), out).item()
+
+
 # ---- GPU: kernels vs references -----------------------------------------------------------------------
 
 # device time is scarce: no shrinking (a failure reports the drawn example as is)
@@ -175,8 +199,29 @@ def test_rope_kernel(seed, T, H, D, dtype):
 
 @pytest.mark.gpu
 @needs_gpu
+@GPU_SETTINGS
+@given(seed=st.integers(0, 2**31), T=st.integers(1, 40), H=st.sampled_from([1, 3, 4, 16]), D=st.sampled_from([128, 256]),
+       stride=st.sampled_from([1, 2]), rd=st.sampled_from([32, 64]), dtype=DTYPES)
+def test_head_norm_rope_kernel(seed, T, H, D, stride, rd, dtype):
+    """Rows read with a stride (q inside the q|gate projection when stride=2), row counts that leave a
+    threadgroup part-full, bf16 / fp32; the output is poisoned first, so an unwritten element fails."""
+    from mtlqwen.kernels.head_norm_rope import head_norm_rope_kernel  # noqa: PLC0415
+
+    rng = np.random.default_rng(seed)
+    tables = RopeTables(rd, 1e7, initial=256)
+    x, w = rand(rng, T, H, D * stride, dtype=dtype), 1 + rand(rng, D, dtype=dtype, scale=0.2)
+    pos = mx.array(rng.integers(0, 256, T).astype(np.int32))
+    eps = float(rng.choice([1e-6, 1e-5]))
+    out = head_norm_rope_kernel(x, w, eps, pos, tables, D, init_value=NAN)
+    ref = on_cpu(head_norm_rope_ref, x, w, eps, pos, tables, D)
+    assert out.shape == ref.shape == (T, H, D)
+    assert rel(out, ref) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_dispatchers_use_the_kernels():
-    for op in ("causal_conv1d", "rms_norm", "gated_rms_norm", "rope", "add_rms_norm"):
+    for op in ("causal_conv1d", "rms_norm", "gated_rms_norm", "rope", "add_rms_norm", "head_norm_rope"):
         assert backend.kernel_for(op) is not None, op
     x, w, pool, layout = conv_case(1, [3, 1, 20], 416, 4, mx.bfloat16, mx.bfloat16)
     for got, want in zip(causal_conv1d(x, w, pool, layout), on_cpu(causal_conv1d_ref, x, w, pool, layout)):

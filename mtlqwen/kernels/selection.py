@@ -45,6 +45,10 @@ SELECT: dict[str, int] = {
     # B=8 (decode_profile.md). Its property test and the engine's GPU test passed on the H200 (2026-11-30,
     # benchmarks/kernels_gdn.md); 0 returns to the functional scatter.
     "gdn_state_inplace": 1,
+    # Attention's q/k RMSNorm + partial RoPE as one launch per tensor reading q in place from the q|gate
+    # projection (head_norm_rope.py): 3 launches and a copy fewer per attention layer. Written after the
+    # last device run; OFF until tests/test_kernels_small.py::test_head_norm_rope_kernel has passed there.
+    "head_norm_rope": 0,
 }
 
 

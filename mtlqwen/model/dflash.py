@@ -14,7 +14,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..kernels import LinearParams, RopeTables, SeqLayout, apply_rope, linear, rms_norm, write_kv
+from ..kernels import LinearParams, RopeTables, SeqLayout, linear, rms_norm, write_kv
+from ..kernels.head_norm_rope import head_norm_rope
 from ..kernels.drafter_attention import drafter_attention
 from .cache import ModelCache
 from .config import ConfigError, Qwen35Config, read_config_json
@@ -250,7 +251,7 @@ class Drafter:
         ctx = rms_norm(linear(tap_feat, self.fc), self.hidden_norm, self.eps)  # [T, H]
         pos = layout.array("positions")
         for i, (k, v) in enumerate(self._context_kv(ctx)):
-            k = apply_rope(rms_norm(k, self.layers[i].k_norm, self.eps), pos, self.rope)
+            k = head_norm_rope(k, self.layers[i].k_norm, self.eps, pos, self.rope, k.shape[-1])
             cache.k_pools[i], cache.v_pools[i] = write_kv(cache.k_pools[i], cache.v_pools[i], k, v, layout)
 
     # -- drafting
@@ -279,9 +280,9 @@ class Drafter:
         T, nH, hd = S * B, c.num_attention_heads, c.head_dim
         for i, L in enumerate(self.layers):
             h = rms_norm(x, L.input_norm, self.eps)
-            q = apply_rope(rms_norm(linear(h, L.q_proj).reshape(T, nH, hd), L.q_norm, self.eps), pos, self.rope)
+            q = head_norm_rope(linear(h, L.q_proj).reshape(T, nH, hd), L.q_norm, self.eps, pos, self.rope, hd)
             k, v = L.project_kv(h)
-            k = apply_rope(rms_norm(k, L.k_norm, self.eps), pos, self.rope)
+            k = head_norm_rope(k, L.k_norm, self.eps, pos, self.rope, k.shape[-1])
             a = drafter_attention(q, k, v, cache.k_pools[i], cache.v_pools[i], bl, self.scale, L.causal, L.window)
             x = x + linear(a.reshape(T, nH * hd), L.o_proj)
             h = rms_norm(x, L.post_norm, self.eps)

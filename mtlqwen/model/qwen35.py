@@ -16,7 +16,6 @@ from ..kernels import (
     LinearParams,
     RopeTables,
     SeqLayout,
-    apply_rope,
     causal_conv1d,
     gated_delta,
     gated_rms_norm,
@@ -27,6 +26,7 @@ from ..kernels import (
     write_kv_inplace,
 )
 from ..kernels.fused_small import add_rms_norm
+from ..kernels.head_norm_rope import head_norm_rope
 from ..kernels.paged_attention import paged_attention_gated
 from ..kernels.gated_delta import gated_delta_candidates, gated_delta_packed, split_qkv
 from ..kernels.linear_fused import linear_multi, swiglu_linear
@@ -168,11 +168,11 @@ class AttentionMixer:
         nH, nKV, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         qg, k, v = linear_multi(x, [self.q_proj, self.k_proj, self.v_proj])
         qg = qg.reshape(T, nH, 2 * hd)  # per head: query then gate
-        q, gate = qg[..., :hd], qg[..., hd:].reshape(T, nH * hd)
+        gate = qg[..., hd:].reshape(T, nH * hd)
         k, v = k.reshape(T, nKV, hd), v.reshape(T, nKV, hd)
         pos = layout.array("positions")
-        q = apply_rope(rms_norm(q, self.q_norm, c.rms_norm_eps), pos, self.rope)
-        k = apply_rope(rms_norm(k, self.k_norm, c.rms_norm_eps), pos, self.rope)
+        q = head_norm_rope(qg, self.q_norm, c.rms_norm_eps, pos, self.rope, hd)  # reads q where it lies in qg
+        k = head_norm_rope(k, self.k_norm, c.rms_norm_eps, pos, self.rope, hd)
         kp, vp = cache.k_pools[self.idx], cache.v_pools[self.idx]
         written = write_kv_inplace(kp, vp, k, v, layout, q.shape, q.dtype)  # GPU: no pool copy
         if written is None:
