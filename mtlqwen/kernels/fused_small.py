@@ -30,7 +30,8 @@ const bool live = rw < N;
 const size_t base = (size_t)(live ? rw : 0) * D;
 """
 
-_ROW_SUM = """
+# shared with head_norm_rope.py: reduce the row's sum of squares `ss` (TPRN threads a row) to `inv`
+ROW_INV_RMS = """
 ss = SIMD_SUM(ss);
 if (TPRN > 32) {
   if (LANE == 0) part[SIMD_ID] = ss;
@@ -42,7 +43,7 @@ const float inv = RSQRT(ss / (float)D + eps[0]);
 """
 
 # the row's sum of squares over this thread's columns (RMS and gated norms)
-_SUM_SQ = """
+SUM_SQ = """
 float ss = 0.0f;
 for (int i = lt; i < D; i += TPRN) {
   const float xv = TO_FLOAT(x[base + i]);
@@ -50,14 +51,14 @@ for (int i = lt; i < D; i += TPRN) {
 }
 """
 
-_RMS = _ROW_HEAD + _SUM_SQ + _ROW_SUM + """
+_RMS = _ROW_HEAD + SUM_SQ + ROW_INV_RMS + """
 if (live) {
   for (int i = lt; i < D; i += TPRN) y[base + i] = FROM_FLOAT(XT, TO_FLOAT(x[base + i]) * inv * TO_FLOAT(w[i]));
 }
 """
 
 # HF order (§2.9): normalise, cast to the activation dtype, times w, times silu(z), cast
-_GATED = _ROW_HEAD + _SUM_SQ + _ROW_SUM + """
+_GATED = _ROW_HEAD + SUM_SQ + ROW_INV_RMS + """
 if (live) {
   for (int i = lt; i < D; i += TPRN) {
     const float yv = TO_FLOAT(FROM_FLOAT(XT, TO_FLOAT(x[base + i]) * inv)) * TO_FLOAT(w[i]);
@@ -76,7 +77,7 @@ for (int i = lt; i < D; i += TPRN) {
   const float xv = TO_FLOAT(hv);
   ss += xv * xv;
 }
-""" + _ROW_SUM + """
+""" + ROW_INV_RMS + """
 if (live) {
   for (int i = lt; i < D; i += TPRN) y[base + i] = FROM_FLOAT(XT, TO_FLOAT(hsum[base + i]) * inv * TO_FLOAT(w[i]));
 }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .backend import gpu_backend, kernel_for, register_kernel
+from .fused_small import ROW_INV_RMS, SUM_SQ
 from .norms import rms_norm, rms_norm_ref
 from .portable import KernelExample, portable_kernel
 from .rope import RopeTables, apply_rope, apply_rope_ref
@@ -31,19 +32,7 @@ const int N = x_shape[0] * H;
 const int rw = TGID_X * RPG + lr;
 const bool live = rw < N;
 const size_t base = (size_t)(live ? rw : 0) * RS;
-float ss = 0.0f;
-for (int i = lt; i < D; i += TPRN) {
-  const float xv = TO_FLOAT(x[base + i]);
-  ss += xv * xv;
-}
-ss = SIMD_SUM(ss);
-if (TPRN > 32) {
-  if (LANE == 0) part[SIMD_ID] = ss;
-  BARRIER;
-  ss = 0.0f;
-  for (int j = 0; j < TPRN / 32; ++j) ss += part[lr * (TPRN / 32) + j];
-}
-const float inv = RSQRT(ss / (float)D + eps[0]);
+""" + SUM_SQ + ROW_INV_RMS + """
 for (int i = lt; i < D; i += TPRN) {
   nrm[lr * D + i] = TO_FLOAT(FROM_FLOAT(XT, TO_FLOAT(x[base + i]) * inv * TO_FLOAT(w[i])));
 }
