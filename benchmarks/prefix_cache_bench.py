@@ -37,7 +37,8 @@ def tokens(rng, n: int, vocab: int) -> list[int]:
 
 def run(engine: Engine, prompts: list[list[int]], gen_len: int) -> tuple[dict, list[list[int]]]:
     outs, wall, first = timed_generate(engine, prompts, gen_len)
-    return {**ttft_ms(first), "wall_s": wall, "hit_tokens": sum(o.cached_tokens for o in outs)}, [o.token_ids for o in outs]
+    res = {**ttft_ms(first), "wall_s": wall, "hit_tokens": sum(o.cached_tokens for o in outs)}
+    return res, [o.token_ids for o in outs]
 
 
 def main(argv=None):

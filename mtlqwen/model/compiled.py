@@ -1,4 +1,4 @@
-"""The decode (and verification) forward through `mx.compile`: traced once per shape class, replayed every step.
+"""Decode and verification forwards through `mx.compile`: traced once per shape class, replayed every step.
 
 Why: on the H200 host, building the batch-1 Qwen3.5-9B graph in Python takes ~6 ms, twice the device
 time of the step (benchmarks/decode_profile.md); a compiled step replays the recorded graph from C++.
@@ -105,8 +105,8 @@ class CompiledDecode:
         qsl = list(qsl)
 
         def step(ids, arrays, rows, pools):
-            lay = SeqLayout(qsl, [0] * B, [[0] * width] * B, [0] * B, block_tokens, verify=[True] * B if verify else None,
-                            max_len=max_len, traced=True)
+            lay = SeqLayout(qsl, [0] * B, [[0] * width] * B, [0] * B, block_tokens,
+                            verify=[True] * B if verify else None, max_len=max_len, traced=True)
             lay._arrays.update(zip(_INPUTS + ("block_tables",), arrays))
             n_attn = len(model.config.full_attention_layers)
             n_gdn = len(model.config.linear_attention_layers)
