@@ -12,7 +12,7 @@ accepts ~nothing, which hardly matters here: a step's cost barely depends on how
 
     speed-up(tau) = tau * T_plain / T_spec          (tau = tokens per speculative step, bonus included)
 
-The exception is the commit mode (--commit, the model's `verify_commit`): "candidates" keeps the GDN state
+The exception is the commit mode (--commit, Engine(verify_commit=...)): "candidates" keeps the GDN state
 after every verified token, "replay" reruns anchor + accepted drafts at commit, so its cost grows with the
 acceptance. --accept K makes every verification accept min(K, n_draft) drafts whatever the target says
 (the outputs are then the drafts: timing does not care), so both modes commit realistic lengths.
@@ -151,7 +151,7 @@ def engine_step_ms(model, drafter, S: int, n: int, args, commit: str | None = No
     return ms
 
 
-def part_ms(model, drafter, S: int, n: int, args) -> dict:
+def part_ms(model, drafter, S: int, n: int, args, mode: str) -> dict:
     """Model-only times for one batch of S sequences at args.prompt_len context."""
     bt, L = 128, args.prompt_len
     nb = BlockPool.blocks_for(L + n + 1, bt)
@@ -179,7 +179,7 @@ def part_ms(model, drafter, S: int, n: int, args) -> dict:
     acc = n // 2 if args.accept is None else min(args.accept, n)
 
     def verify():  # commits acc drafts: a replay's cost is in its commit (the state moves; timing does not care)
-        logits, t = model.forward_with_taps(vids, ver, cache, drafter.tap_layers)
+        logits, t = model.forward_with_taps(vids, ver, cache, drafter.tap_layers, verify_commit=mode)
         model.commit_candidates(cache, [acc] * S)
         mx.eval(mx.argmax(logits, axis=-1), t, *cache.arrays())
 
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seqs", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--n-draft", type=int, nargs="+", default=[4, 8, 15])
     ap.add_argument("--commit", nargs="+", choices=list(VERIFY_COMMITS), default=list(VERIFY_COMMITS),
-                    help="how verified GDN states are committed (Qwen35Model.verify_commit); each is measured")
+                    help="how verified GDN states are committed (Engine(verify_commit=...)); each is measured")
     ap.add_argument("--compile", nargs="+", choices=["off", "on"], default=["off"],
                     help="speculative steps uncompiled and/or through mx.compile (Engine(compile_decode=True)); "
                          "each is measured")
@@ -217,13 +217,12 @@ def main(argv=None) -> int:
         plain = engine_step_ms(model, None, S, 0, args)
         for n in args.n_draft:
             for mode, comp in [(m, c) for c in args.compile for m in args.commit]:
-                model.verify_commit = mode  # read by the parts' verifying forwards; the engine is told below
                 with forced_acceptance(args.accept):
                     spec = engine_step_ms(model, drafter, S, n, args, mode, True if comp == "on" else None)
                 row = {"seqs": S, "n_draft": n, "commit": mode, "compiled": comp, "plain_step_ms": plain, "spec_step_ms": spec,
                        "ratio": spec / plain, "speedup": {t: (t * plain / spec if t <= n + 1 else None) for t in TAUS}}
                 if not args.no_parts and comp == args.compile[0]:  # model-only parts: the same either way
-                    row["parts_ms"] = part_ms(model, drafter, S, n, args)
+                    row["parts_ms"] = part_ms(model, drafter, S, n, args, mode)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print("\n| seqs | n_draft | commit | compiled | plain step ms | spec step ms | spec / plain | "

@@ -33,14 +33,9 @@ def drafter(draft_dir, model):
 
 
 @pytest.fixture(params=VERIFY_COMMITS)
-def verify_commit(request, model):
-    """Runs the test once per commit mode of verified GDN states; the model is shared, so restore it."""
-    before = model.verify_commit
-    model.verify_commit = request.param
-    try:
-        yield request.param
-    finally:
-        model.verify_commit = before
+def verify_commit(request):
+    """Runs the test once per commit mode of verified GDN states."""
+    return request.param
 
 
 class Oracle:
@@ -86,7 +81,7 @@ def test_commit_candidates_equals_plain_run_exactly(model, verify_commit, k):
 
     c = prefilled()
     lay = SeqLayout([0, 30, 35], [0, 21], [[0, 1], [3, 4]], [2, 1], bt, verify=[False, True])
-    logits = model.forward(mx.array(other + ver, dtype=mx.int32), lay, c)
+    logits = model.forward(mx.array(other + ver, dtype=mx.int32), lay, c, verify_commit=verify_commit)
     assert c.candidates["mode"] == verify_commit
     model.commit_candidates(c, [k])
     ref = prefilled()
@@ -365,35 +360,34 @@ def test_knobs_opt_out_stats_and_memory(model, drafter, draft_dir):
 
 
 def test_verify_commit_knob(model, drafter):
-    """Unknown modes are refused by the model and the engine; a given mode is used by every verification of
-    that engine; without one the engine picks per step from its drafts (replay from REPLAY_MIN_DRAFTS)."""
-    before = model.verify_commit
-    assert before == "candidates"  # the model's default
+    """Unknown modes are refused by the engine and by a verifying forward; a given mode is used by every
+    verification of that engine; without one the engine picks per step from its drafts (replay from
+    REPLAY_MIN_DRAFTS)."""
     assert [commit_mode_for(n) for n in (1, REPLAY_MIN_DRAFTS - 1, REPLAY_MIN_DRAFTS, 15)] == \
         ["candidates", "candidates", "replay", "replay"]
-    try:
-        for bad in ("Replay", "", None, 1):
-            with pytest.raises(ValueError, match="verify_commit"):
-                model.verify_commit = bad
+    with pytest.raises(ValueError, match="verify_commit must be one of"):
+        Engine(model, num_blocks=8, draft=drafter, verify_commit="rerun")
+    with pytest.raises(ValueError, match="verify_commit needs a drafter"):
+        Engine(model, num_blocks=8, verify_commit="replay")
+    c = model.make_cache(4, 2, 16)
+    lay = SeqLayout([0, 3], [0], [[0]], [0], 16, verify=[True])
+    for bad in ("Replay", "", None):
         with pytest.raises(ValueError, match="verify_commit must be one of"):
-            Engine(model, num_blocks=8, draft=drafter, verify_commit="rerun")
-        assert model.verify_commit == before
-        prompt = random_token_ids(9, 512, seed=3)
-        for given, n_draft in (("replay", 2), ("candidates", 12), (None, 2), (None, REPLAY_MIN_DRAFTS + 1)):
-            eng = Engine(model, slots=1, step_tokens=32, block_tokens=16, num_blocks=8, draft=drafter,
-                         n_draft=n_draft, prefix_interval=0, verify_commit=given)
-            eng.submit(prompt, greedy(n_draft + 6, ignore_eos=True))  # drafts shrink near max_tokens
-            seen = []  # (mode of the stash in flight, that verification's drafts)
-            while eng.has_work():
-                eng.step()
-                if eng._inflight is not None and eng._inflight.spec is not None:
-                    seen.append((eng.cache.candidates["mode"], max(eng._inflight.spec.n)))
-            want = [(given or commit_mode_for(n), n) for _, n in seen]
-            assert seen and seen == want, (given, n_draft, seen)
-            if given is None and n_draft > REPLAY_MIN_DRAFTS:  # long runs replay, the short last ones do not
-                assert {m for m, _ in seen} == {"replay", "candidates"}, seen
-    finally:
-        model.verify_commit = before
+            model.forward(mx.array([1, 2, 3], dtype=mx.int32), lay, c, verify_commit=bad)
+    prompt = random_token_ids(9, 512, seed=3)
+    for given, n_draft in (("replay", 2), ("candidates", 12), (None, 2), (None, REPLAY_MIN_DRAFTS + 1)):
+        eng = Engine(model, slots=1, step_tokens=32, block_tokens=16, num_blocks=8, draft=drafter,
+                     n_draft=n_draft, prefix_interval=0, verify_commit=given)
+        eng.submit(prompt, greedy(n_draft + 6, ignore_eos=True))  # drafts shrink near max_tokens
+        seen = []  # (mode of the stash in flight, that verification's drafts)
+        while eng.has_work():
+            eng.step()
+            if eng._inflight is not None and eng._inflight.spec is not None:
+                seen.append((eng.cache.candidates["mode"], max(eng._inflight.spec.n)))
+        want = [(given or commit_mode_for(n), n) for _, n in seen]
+        assert seen and seen == want, (given, n_draft, seen)
+        if given is None and n_draft > REPLAY_MIN_DRAFTS:  # long runs replay, the short last ones do not
+            assert {m for m, _ in seen} == {"replay", "candidates"}, seen
 
 
 def test_server_passes_draft_to_the_engine(draft_dir, ckpt):

@@ -15,7 +15,7 @@ from .norms import rms_norm_ref
 from .portable import KernelExample, portable_kernel
 from .rope import RopeTables
 
-_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 # Row layout: RPG rows per threadgroup, TPRN threads per row (32: one SIMD group; > 32: several,
 # combined through threadgroup memory).
@@ -128,13 +128,14 @@ ROPE = portable_kernel(
               for dt, H in ((mx.bfloat16, 16), (mx.float32, 3))],
 )
 
-_EPS: dict[float, mx.array] = {}
+_EPS_ARRAYS: dict[float, mx.array] = {}
 
 
-def _eps(eps: float) -> mx.array:
-    if eps not in _EPS:
-        _EPS[eps] = mx.array([eps], dtype=mx.float32)
-    return _EPS[eps]
+def eps_array(eps: float) -> mx.array:
+    """eps as a one-element fp32 array, one per value (a kernel input that is never rebuilt)."""
+    if eps not in _EPS_ARRAYS:
+        _EPS_ARRAYS[eps] = mx.array([eps], dtype=mx.float32)
+    return _EPS_ARRAYS[eps]
 
 
 def _rows(kern, xs: list, w, eps: float, n_out: int, init_value=None):
@@ -142,13 +143,13 @@ def _rows(kern, xs: list, w, eps: float, n_out: int, init_value=None):
     backend = gpu_backend()
     x = xs[0]
     D = x.shape[-1]
-    if backend is None or x.size == 0 or x.dtype not in _FLOATS or any(t.shape != x.shape for t in xs):
+    if backend is None or x.size == 0 or x.dtype not in FLOATS or any(t.shape != x.shape for t in xs):
         return None
     N = x.size // D
     tpr, rpg = (256, 1) if D >= 1024 else (32, 4)
     out = kern(
         backend,
-        inputs=[t.reshape(N, D) for t in xs] + [w, _eps(eps)],
+        inputs=[t.reshape(N, D) for t in xs] + [w, eps_array(eps)],
         output_shapes=[(N, D)] * n_out,
         output_dtypes=[x.dtype] * n_out,
         grid=(-(-N // rpg) * tpr * rpg, 1, 1),
@@ -193,7 +194,7 @@ def add_rms_norm(h: mx.array, delta: mx.array, w: mx.array, eps: float) -> tuple
 def rope_kernel(x, positions, tables: RopeTables, init_value=None):
     """x [T, H, D], positions [T] -> the first rotary_dim dims of each head rotated (NeoX halves)."""
     backend = gpu_backend()
-    if backend is None or x.ndim != 3 or x.size == 0 or x.dtype not in _FLOATS:
+    if backend is None or x.ndim != 3 or x.size == 0 or x.dtype not in FLOATS:
         return None
     T, H, D = x.shape
     rd = tables.rotary_dim

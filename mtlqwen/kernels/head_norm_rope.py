@@ -11,13 +11,11 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .backend import gpu_backend, kernel_for, register_kernel
-from .fused_small import ROW_INV_RMS, SUM_SQ
+from .fused_small import FLOATS, ROW_INV_RMS, SUM_SQ, eps_array
 from .norms import rms_norm, rms_norm_ref
 from .portable import KernelExample, portable_kernel
 from .rope import RopeTables, apply_rope, apply_rope_ref
 from .selection import SELECT
-
-_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 # One head-row of D values per TPRN threads, RPG rows per threadgroup. The normalised row is rounded to
 # the activation dtype (as the separate norm's output is) and parked in threadgroup memory, because RoPE
@@ -66,15 +64,6 @@ HEAD_NORM_ROPE = portable_kernel(
     ],
 )
 
-_EPS: dict[float, mx.array] = {}
-
-
-def _eps(eps: float) -> mx.array:
-    if eps not in _EPS:
-        _EPS[eps] = mx.array([eps], dtype=mx.float32)
-    return _EPS[eps]
-
-
 def _heads(x: mx.array, head_dim: int) -> mx.array:
     return x if x.shape[-1] == head_dim else x[..., :head_dim]  # a slice is a graph node even when whole
 
@@ -88,7 +77,7 @@ def head_norm_rope_ref(x: mx.array, w: mx.array, eps: float, positions: mx.array
 @register_kernel("head_norm_rope")
 def head_norm_rope_kernel(x, w, eps, positions, tables: RopeTables, head_dim: int, init_value=None):
     backend = gpu_backend()
-    if backend is None or x.ndim != 3 or x.size == 0 or x.dtype not in _FLOATS:
+    if backend is None or x.ndim != 3 or x.size == 0 or x.dtype not in FLOATS:
         return None
     T, H, RS = x.shape
     rd = tables.rotary_dim
@@ -97,7 +86,7 @@ def head_norm_rope_kernel(x, w, eps, positions, tables: RopeTables, head_dim: in
     rpg = 4
     return HEAD_NORM_ROPE(
         backend,
-        inputs=[x, w, _eps(eps), positions.astype(mx.int32), tables.cos, tables.sin],
+        inputs=[x, w, eps_array(eps), positions.astype(mx.int32), tables.cos, tables.sin],
         output_shapes=[(T, H, head_dim)],
         output_dtypes=[x.dtype],
         grid=(-(-(T * H) // rpg) * 32 * rpg, 1, 1),

@@ -56,10 +56,10 @@ def _apply_env_overrides(table: dict[str, int], spec: str) -> None:
     """`MTLQWEN_SELECT="gdn_state_inplace=1,qmv_mma_min_rows=5"`: try a row on the device without an edit;
     an unknown name is an error, so a typo never silently measures the default."""
     for item in filter(None, (t.strip() for t in spec.split(","))):
-        name, sep, value = item.partition("=")
-        if not sep or name.strip() not in table:
+        name, sep, value = (t.strip() for t in item.partition("="))
+        if not sep or name not in table or not value.lstrip("-").isdigit():
             raise ValueError(f"MTLQWEN_SELECT: {item!r} is not NAME=INT with NAME one of {sorted(table)}")
-        table[name.strip()] = int(value)
+        table[name] = int(value)
 
 
 _apply_env_overrides(SELECT, os.environ.get("MTLQWEN_SELECT", ""))

@@ -21,7 +21,7 @@ class SeqLayout:
     _arrays: dict = field(default_factory=dict, repr=False)
     # [B] or None: True for a speculative verification (anchor + drafts). The model then keeps the GDN
     # state after each of its tokens (or its inputs, to replay), to commit the state after the last
-    # accepted draft (Qwen35Model.verify_commit).
+    # accepted draft (Qwen35Model's verify_commit).
     verify: list[bool] | None = None
     # Set by the compiled decode step (model/compiled.py): an upper bound on kv_valid[i] + q_len(i) that
     # attention plans its split with, so one trace serves every length up to it.

@@ -56,12 +56,13 @@ class CompiledDecode:
         """Logits as `Qwen35Model.forward`; `cache`'s pools are rebound to the step's outputs."""
         return self._run(input_ids, layout, cache, logits_rows, None)[0]
 
-    def with_taps(self, input_ids, layout: SeqLayout, cache, taps: tuple[int, ...], logits_rows: mx.array | None):
+    def with_taps(self, input_ids, layout: SeqLayout, cache, taps: tuple[int, ...], logits_rows: mx.array | None,
+                  verify_commit: str = "candidates"):
         """(logits, taps) as `Qwen35Model.forward_with_taps`; a verification's stash is left in
         `cache.candidates` with the real layout, as the uncompiled forward leaves it."""
-        return self._run(input_ids, layout, cache, logits_rows, tuple(taps))
+        return self._run(input_ids, layout, cache, logits_rows, tuple(taps), verify_commit)
 
-    def _run(self, input_ids, layout: SeqLayout, cache, logits_rows, taps):
+    def _run(self, input_ids, layout: SeqLayout, cache, logits_rows, taps, verify_commit: str = "candidates"):
         B = layout.num_seqs
         width = _pow2_at_least(max(len(t) for t in layout.block_tables), 1)
         max_len = _pow2_at_least(layout.longest(), self.MIN_LEN)
@@ -73,11 +74,12 @@ class CompiledDecode:
         # the graph's structure: tokens per sequence, table width, length bucket, what is returned, and the
         # commit mode (it decides what a verification stashes)
         shape = (tuple(layout.query_start_loc), width, max_len, self.model.rope.size, layout.block_tokens,
-                 len(rows) and logits_rows.shape[0], taps, verify and self.model.verify_commit)
+                 len(rows) and logits_rows.shape[0], taps, verify and verify_commit)
         fn = self._fns.get(shape)
         if fn is None:
             fn = self._fns[shape] = mx.compile(self._step_fn(B, layout.query_start_loc, width, max_len,
-                                                             layout.block_tokens, bool(rows), taps, verify))
+                                                             layout.block_tokens, bool(rows), taps,
+                                                             verify and verify_commit))
             self.traces += 1
             if len(self._fns) > self.max_traces:
                 self._fns.popitem(last=False)
@@ -90,23 +92,24 @@ class CompiledDecode:
         cache.k_pools[:], cache.v_pools[:] = pools[:n_attn], pools[n_attn : 2 * n_attn]
         cache.conv_states[:], cache.rec_states[:] = pools[2 * n_attn : 2 * n_attn + n_gdn], pools[2 * n_attn + n_gdn :]
         if verify:  # per GDN layer: rec (1 array, or 5 when replaying), old conv rows, raw rows
-            mode = self.model.verify_commit
-            per = 7 if mode == "replay" else 3
-            cache.candidates = {"mode": mode, "layout": layout}
+            per = 7 if verify_commit == "replay" else 3
+            cache.candidates = {"mode": verify_commit, "layout": layout}
             for idx in range(n_gdn):
                 part = stash[idx * per : (idx + 1) * per]
-                rec = tuple(part[:5]) if mode == "replay" else part[0]
+                rec = tuple(part[:5]) if verify_commit == "replay" else part[0]
                 cache.candidates[idx] = (rec, part[-2], part[-1])
         return out[0], (out[1] if taps is not None else None)
 
     def _step_fn(self, B: int, qsl: list[int], width: int, max_len: int, block_tokens: int, has_rows: bool,
-                 taps: tuple[int, ...] | None, verify: bool):
+                 taps: tuple[int, ...] | None, verify: str | bool):
+        """verify: False, or the commit mode of an all-verify batch."""
         model = self.model
         qsl = list(qsl)
 
         def step(ids, arrays, rows, pools):
             lay = SeqLayout(qsl, [0] * B, [[0] * width] * B, [0] * B, block_tokens,
                             verify=[True] * B if verify else None, max_len=max_len, traced=True)
+            mode = verify or "candidates"
             lay._arrays.update(zip(_INPUTS + ("block_tables",), arrays))
             n_attn = len(model.config.full_attention_layers)
             n_gdn = len(model.config.linear_attention_layers)
@@ -119,7 +122,7 @@ class CompiledDecode:
             if taps is None:
                 head = [model.forward(ids, lay, view, r)]
             else:
-                head = list(model.forward_with_taps(ids, lay, view, taps, r))
+                head = list(model.forward_with_taps(ids, lay, view, taps, r, mode))
             stash = []
             for idx in range(n_gdn if verify else 0):
                 rec, old_conv, raw = view.candidates[idx]

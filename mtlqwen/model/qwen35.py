@@ -33,8 +33,8 @@ from ..kernels.linear_fused import linear_multi, swiglu_linear
 from .cache import ModelCache
 from .config import Qwen35Config
 
-# How verified sequences get their GDN state (Qwen35Model.verify_commit): "candidates" keeps the state after
-# every verified token and picks one; "replay" keeps the inputs and reruns the accepted tokens at commit.
+# How verified sequences get their GDN state (a verifying forward's verify_commit): "candidates" keeps the
+# state after every verified token and picks one; "replay" keeps the inputs and reruns the accepted tokens.
 VERIFY_COMMITS = ("candidates", "replay")
 
 
@@ -241,12 +241,10 @@ class Qwen35Model:
     """The decoder. `weights` uses mtlqwen's internal names (`model.layers.N....`, `lm_head`), with the
     mlx-lm conventions: (1+w) folded into zero-centred norms, conv weight [C, K].
 
-    verify_commit (one of VERIFY_COMMITS): how a verifying forward leaves the GDN states for
-    `commit_candidates`. "candidates" (default) writes the state after every verified token, (n_draft + 1)
-    states of traffic per layer and sequence; "replay" keeps only the verify rows' inputs and reruns anchor
-    + accepted drafts from the pre-step state at commit (a second, shorter delta-rule pass)."""
-
-    _verify_commit = "candidates"
+    verify_commit (one of VERIFY_COMMITS, an argument of a forward with verifying sequences): how it leaves
+    the GDN states for `commit_candidates`. "candidates" writes the state after every verified token,
+    (n_draft + 1) states of traffic per layer and sequence; "replay" keeps only the verify rows' inputs and
+    reruns anchor + accepted drafts from the pre-step state at commit (a second, shorter delta-rule pass)."""
 
     def __init__(self, config: Qwen35Config, weights: dict[str, mx.array]):
         self.config, self.weights = config, weights
@@ -268,16 +266,6 @@ class Qwen35Model:
             self.layers.append(DecoderLayer(weights, i, c, mixer))
 
     @property
-    def verify_commit(self) -> str:
-        return self._verify_commit
-
-    @verify_commit.setter
-    def verify_commit(self, mode: str) -> None:
-        if mode not in VERIFY_COMMITS:
-            raise ValueError(f"verify_commit must be one of {VERIFY_COMMITS}, got {mode!r}")
-        self._verify_commit = mode
-
-    @property
     def dtype(self) -> mx.Dtype:
         e = self.embed
         return e.scales.dtype if e.quantized else e.weight.dtype
@@ -285,12 +273,13 @@ class Qwen35Model:
     def make_cache(self, num_blocks: int, num_slots: int, block_tokens: int = 128) -> ModelCache:
         return ModelCache(self.config, num_blocks, num_slots, block_tokens, self.dtype)
 
-    def _run(self, input_ids, layout, cache, taps: tuple[int, ...] = ()):
+    def _run(self, input_ids, layout, cache, taps: tuple[int, ...] = (), verify_commit: str = "candidates"):
         """Final-normed hidden states [T, H] and the residual stream after each layer in `taps`."""
         self.rope.ensure(max(kv + layout.q_len(i) for i, kv in enumerate(layout.kv_valid)))
         if layout.verify is not None and any(layout.verify):
-            # a fresh stash in this forward's mode: the commit follows it even if the knob changes meanwhile
-            cache.candidates = {"mode": self._verify_commit}
+            if verify_commit not in VERIFY_COMMITS:
+                raise ValueError(f"verify_commit must be one of {VERIFY_COMMITS}, got {verify_commit!r}")
+            cache.candidates = {"mode": verify_commit}  # a fresh stash; the commit follows its mode
         h = self.embed.rows(input_ids)
         x = rms_norm(h, self.layers[0].input_norm, self.config.rms_norm_eps)
         captured = []
@@ -307,22 +296,23 @@ class Qwen35Model:
         return self._run(input_ids, layout, cache)[0]
 
     def forward(
-        self, input_ids: mx.array, layout: SeqLayout, cache: ModelCache, logits_rows: mx.array | None = None
+        self, input_ids: mx.array, layout: SeqLayout, cache: ModelCache, logits_rows: mx.array | None = None,
+        verify_commit: str = "candidates",
     ) -> mx.array:
         """Logits [len(logits_rows) or T, vocab] for the packed batch (rows: the packed positions to score)."""
-        h = self.hidden(input_ids, layout, cache)
+        h = self._run(input_ids, layout, cache, (), verify_commit)[0]
         if logits_rows is not None:
             h = h[logits_rows]
         return linear(h, self.lm_head)
 
     def forward_with_taps(
         self, input_ids: mx.array, layout: SeqLayout, cache: ModelCache, taps: tuple[int, ...],
-        logits_rows: mx.array | None = None,
+        logits_rows: mx.array | None = None, verify_commit: str = "candidates",
     ) -> tuple[mx.array, mx.array]:
         """Logits as `forward`, plus the outputs of the tap layers (DFlash's `target_layer_ids`,
         i.e. HF hidden_states[L + 1]) concatenated in tap order: [T, len(taps) * H]."""
         order = sorted(set(taps))
-        h, captured = self._run(input_ids, layout, cache, tuple(order))
+        h, captured = self._run(input_ids, layout, cache, tuple(order), verify_commit)
         by_layer = dict(zip(order, captured))
         if logits_rows is not None:
             h = h[logits_rows]

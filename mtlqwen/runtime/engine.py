@@ -78,7 +78,7 @@ class Engine:
     draft: a DFlash drafter (Drafter, directory or repo id) for speculative decoding; n_draft: drafts per
     step (default the drafter's block_size - 1, capped so every slot can verify within step_tokens);
     a request opts out with SamplingParams(speculative=False) (speculative.py). verify_commit: how verified GDN
-    states are committed, "candidates" or "replay" (Qwen35Model.verify_commit); default: chosen per step by
+    states are committed, "candidates" or "replay" (see Qwen35Model); default: chosen per step by
     the number of drafts, from the H200 measurement (speculative.REPLAY_MIN_DRAFTS).
 
     compile_decode: run steps in which every sequence decodes one token through `mx.compile`
@@ -109,6 +109,8 @@ class Engine:
     ):
         if verify_commit is not None and verify_commit not in VERIFY_COMMITS:
             raise ValueError(f"verify_commit must be one of {VERIFY_COMMITS}, got {verify_commit!r}")
+        if verify_commit is not None and draft is None:
+            raise ValueError("verify_commit needs a drafter (draft=...)")
         if isinstance(model_or_path, (str, Path)):
             from ..model import load, resolve_model_path  # noqa: PLC0415
 

@@ -7,7 +7,7 @@ The engine calls four hooks when a drafter is loaded:
                      ids, one target pass (taps captured) for the whole batch, sampling of the plain rows,
                      verification of the rest, drafter context for the tokens committed by this pass.
   commit(state)      after the one read-back: accepted drafts + the next token per verifying sequence; GDN
-                     states (picked candidates or a replay: Qwen35Model.verify_commit) and drafter context
+                     states (picked candidates or a replay: REPLAY_MIN_DRAFTS) and drafter context
                      of the anchor + accepted drafts are committed and kv_valid covers them. KV of rejected
                      drafts is left where it is, past kv_valid.
   must_sync(flight)  a step that verified, or sampled a speculating sequence, is committed before the next
@@ -76,7 +76,7 @@ class _Verification:
 
 
 # From this many drafts in a step, verified GDN states are committed by replay rather than by keeping every
-# candidate state (Qwen35Model.verify_commit). H200, 9B shape, 4-bit (benchmarks/spec.md, 2026-11-30): at
+# candidate state (Qwen35Model's verify_commit). H200, 9B shape, 4-bit (benchmarks/spec.md, 2026-11-30): at
 # n_draft 4 candidates won (26.3 vs 28.8 ms at 1 sequence, 64.7 vs 66.3 at 8), at 8 they tied (within 1%),
 # at 15 replay won (36.2 vs 38.2 ms, 71.4 vs 74.3): the candidates' state writes grow with the drafts.
 REPLAY_MIN_DRAFTS = 9
@@ -161,13 +161,13 @@ class Speculator:
             ids[mx.array(at, dtype=mx.int32)] = drafts.reshape(-1)[mx.array(src, dtype=mx.int32)]
             # N + 1 rows per sequence (shorter runs repeat their last row; verify() masks them)
             rows += [min(qsl[i] + t, qsl[i + 1] - 1) for i in ver for t in range(N + 1)]
-        if ver:  # the forward stashes in this mode and the commit follows the stash
-            self.model.verify_commit = self.verify_commit or commit_mode_for(N)
+        # the forward stashes in this mode and the commit follows the stash
+        mode = (self.verify_commit or commit_mode_for(N)) if ver else "candidates"
         fwd_rows = mx.array(rows, dtype=mx.int32)
         if self.compiled is not None and rows and self.compiled.eligible_with_taps(lay):  # decode or all-verify
-            logits, taps = self.compiled.with_taps(ids, lay, cache, self.taps, fwd_rows)
+            logits, taps = self.compiled.with_taps(ids, lay, cache, self.taps, fwd_rows, mode)
         else:
-            logits, taps = self.model.forward_with_taps(ids, lay, cache, self.taps, fwd_rows)
+            logits, taps = self.model.forward_with_taps(ids, lay, cache, self.taps, fwd_rows, mode)
         tokens = None
         if R:
             samp = batch.sampling
