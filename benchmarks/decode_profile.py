@@ -210,6 +210,7 @@ def main():
             f = mx.compile(step_fn(model, cache, B, args.past))
             # copies, not new handles: kernels that write K/V and GDN states in place would update a handle too
             ref_pools = [a + 0 for a in cache.arrays()]
+            mx.eval(ref_pools)  # before the forward below advances the pools in place
             ref_logits = model.forward(ids, layout_for(B, args.past), cache)
             mx.eval(ref_logits)
             set_pools(cache, ref_pools)
@@ -218,6 +219,8 @@ def main():
             set_pools(cache, out[1:])
             # the compiled step's argmax vs the plain one, from the same state
             r["compiled_tokens_match"] = bool(mx.all(out[0] == mx.argmax(ref_logits, axis=-1)).item())
+            top2 = mx.sort(ref_logits.astype(mx.float32), axis=-1)[:, -2:]
+            r["reference_min_top2_gap"] = float(mx.min(top2[:, 1] - top2[:, 0]).item())  # a tie explains a flip
             del ref_pools, ref_logits
 
             def comp(x):

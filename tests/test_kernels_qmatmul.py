@@ -72,6 +72,23 @@ def test_dispatchers_run_references_on_cpu():
         assert rel_err(linear_fused.swiglu_linear(x, gate, up), np.array(linear_fused.swiglu_linear_ref(x, gate, up))) < 1e-6
 
 
+def test_linear_add_rms_norm_reference_and_cpu_dispatch():
+    """The fused op is a projection, the residual add and the next RMSNorm; on the CPU it runs exactly that."""
+    from mtlqwen.kernels.fused_small import add_rms_norm_ref  # noqa: PLC0415
+    with mx.stream(mx.cpu):
+        rng = np.random.default_rng(1)
+        x = mx.array(rng.standard_normal((3, 128)).astype(np.float32))
+        p = make_params(rng, 40, 128, 4, 64, mx.float32)
+        h = mx.array(rng.standard_normal((3, 40)).astype(np.float32))
+        w = mx.array(rng.standard_normal(40).astype(np.float32))
+        want_h, want_y = (np.array(t) for t in add_rms_norm_ref(h, linear_ref(x, p), w, 1e-6))
+        for got in (linear_fused.linear_add_rms_norm_ref(x, p, h, w, 1e-6),
+                    linear_fused.linear_add_rms_norm(x, p, h, w, 1e-6)):
+            assert np.array_equal(np.array(got[0]), want_h) and np.array_equal(np.array(got[1]), want_y)
+        hs = want_h.astype(np.float64)
+        assert np.allclose(want_y, hs / np.sqrt((hs * hs).mean(-1, keepdims=True) + 1e-6) * np.array(w), rtol=1e-4)
+
+
 def test_selection_table_covers_every_qmv_variant():
     for mt in (1, 2, 4, 8):
         for bits in (4, 8):
@@ -150,6 +167,49 @@ def test_linear_large_m_paths(m, bits, gs, dtype, seed):
     p = make_params(rng, 96, 4 * gs, bits, gs, dt)
     x = mx.array(rng.standard_normal((m, 4 * gs)).astype(np.float32)).astype(dt)
     assert rel_err(linear(x, p), ref32(x, p)) < TOL[dt]
+
+
+def _add_norm32(h, delta, w, eps):
+    """fp32 reference of the residual epilogue, with the dtype roundings the kernel and add_rms_norm keep."""
+    dt = h.dtype
+    with mx.stream(mx.cpu):
+        hs = (h.astype(mx.float32) + mx.array(delta).astype(dt).astype(mx.float32)).astype(dt).astype(mx.float32)
+        y = hs * mx.rsqrt(mx.mean(hs * hs, axis=-1, keepdims=True) + eps) * w.astype(mx.float32)
+        return np.array(hs), np.array(y)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@settings(max_examples=n_examples(30), **GPU_SETTINGS)
+@given(**shape, layers=st.integers(1, 3))
+def test_qmv_residual_norm_matches_reference(m, kg, n, bits, gs, dtype, seed, layers):
+    """qmv + residual add + RMSNorm epilogue (qmv_residual.py): `layers` dependent launches on one counter
+    per projection in one graph, each against the fp32 reference from the previous launch's outputs; the
+    counters are back at zero after the graph ran (the last threadgroup resets them)."""
+    qm = _poisoned()
+    from mtlqwen.kernels import qmv_residual  # noqa: PLC0415  (GPU module)
+    dt = DTYPES[dtype]
+    rng = np.random.default_rng(seed)
+    k = kg * gs
+    N = 2 * n + 1  # odd: the last threadgroup has a row tail
+    ps = [make_params(rng, N, k, bits, gs, dt) for _ in range(layers)]
+    w = mx.array(1.0 + 0.1 * rng.standard_normal(N).astype(np.float32)).astype(dt)
+    h = mx.array(rng.standard_normal((m, N)).astype(np.float32)).astype(dt)
+    xs = [mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dt) for _ in range(layers)]
+    outs, hh = [], h
+    for x, p in zip(xs, ps):  # the normed output is not fed on (its K differs); the residual is
+        hh, y = qmv_residual.qmv_add_rms(x, p, hh, w, 1e-6)
+        outs += [hh, y]
+    mx.eval(outs)
+    hh = h
+    for i, (x, p) in enumerate(zip(xs, ps)):
+        want_h, want_y = _add_norm32(hh, ref32(x, p), w, 1e-6)
+        assert outs[2 * i].shape == (m, N) and outs[2 * i].dtype == dt
+        assert rel_err(outs[2 * i], want_h) < TOL[dt]
+        assert rel_err(outs[2 * i + 1], want_y) < TOL[dt]
+        hh = outs[2 * i]  # the next launch's residual is what this one wrote
+    for p in ps:
+        assert int(qmv_residual._counter(p)[0].item()) == 0
 
 
 @pytest.mark.gpu

@@ -7,3 +7,4 @@ from . import gdn_kernels  # noqa: F401
 from . import head_norm_rope  # noqa: F401
 from . import kv_write_kernels  # noqa: F401
 from . import qmatmul, paged_attn_kernels  # noqa
+from . import qmv_residual  # noqa: F401

@@ -130,7 +130,9 @@ namespace fast {
 PL_MATH_ALL
 }
 
-enum memory_order { memory_order_relaxed };
+enum memory_order { memory_order_relaxed, memory_order_seq_cst };
+enum thread_scope { thread_scope_thread, thread_scope_simdgroup, thread_scope_threadgroup, thread_scope_device };
+void atomic_thread_fence(mem_flags, memory_order, thread_scope);
 template <typename T>
 struct atomic {
   T v;

@@ -46,9 +46,14 @@ SELECT: dict[str, int] = {
     # benchmarks/kernels_gdn.md); 0 returns to the functional scatter.
     "gdn_state_inplace": 1,
     # Attention's q/k RMSNorm + partial RoPE as one launch per tensor reading q in place from the q|gate
-    # projection (head_norm_rope.py): 3 launches and a copy fewer per attention layer. Written after the
-    # last device run; OFF until tests/test_kernels_small.py::test_head_norm_rope_kernel has passed there.
-    "head_norm_rope": 0,
+    # projection (head_norm_rope.py): 3 launches and a copy fewer per attention layer (B=1 step: 494 -> 438
+    # primitives). tests/test_kernels_small.py::test_head_norm_rope_kernel passed on the H200 (2026-11-30,
+    # session 11, benchmarks/kernels_gdn.md), and the whole-model and engine GPU tests passed with it on.
+    "head_norm_rope": 1,
+    # out_proj / o_proj / down_proj at decode sizes carry the residual add + next RMSNorm in their epilogue
+    # (qmv_residual.py): 64 add_rms_norm launches fewer per 9B step. OFF until
+    # tests/test_kernels_qmatmul.py::test_qmv_residual_norm_matches_reference passes on the H200.
+    "qmv_residual_norm": 0,
 }
 
 

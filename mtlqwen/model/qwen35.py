@@ -29,7 +29,7 @@ from ..kernels.fused_small import add_rms_norm
 from ..kernels.head_norm_rope import head_norm_rope
 from ..kernels.paged_attention import paged_attention_gated
 from ..kernels.gated_delta import gated_delta_candidates, gated_delta_packed, split_qkv
-from ..kernels.linear_fused import linear_multi, swiglu_linear
+from ..kernels.linear_fused import linear_add_rms_norm, linear_multi, swiglu_linear
 from .cache import ModelCache
 from .config import Qwen35Config
 
@@ -84,7 +84,8 @@ class _VerifySplit:
 
 
 class GDNMixer:
-    """Gated DeltaNet mixer (§2): projections, conv + SiLU, gated delta rule, gated RMSNorm, out_proj."""
+    """Gated DeltaNet mixer (§2): projections, conv + SiLU, gated delta rule, gated RMSNorm; returns out_proj's
+    input [T, value_dim] (the decoder layer runs out_proj fused with the residual add and the next norm)."""
 
     def __init__(self, w, prefix: str, c: Qwen35Config, state_index: int):
         self.c, self.idx = c, state_index
@@ -105,8 +106,7 @@ class GDNMixer:
         # mixed [T, conv_dim]: q | k | v channels; z [T, value_dim]; b, a [T, Hv]
         if layout.verify is not None and any(layout.verify):
             o = self._mix_verifying(mixed, a, b, layout, cache)
-            o = gated_rms_norm(o, z.reshape(T, Hv, dv), self.norm_w, c.rms_norm_eps).reshape(T, c.value_dim)
-            return linear(o, self.out_proj)
+            return gated_rms_norm(o, z.reshape(T, Hv, dv), self.norm_w, c.rms_norm_eps).reshape(T, c.value_dim)
         y, conv_new = causal_conv1d(mixed, self.conv_w, cache.conv_states[self.idx], layout)
         o, rec_new = gated_delta_packed(y, a, b, self.A_log, self.dt_bias, cache.rec_states[self.idx], layout,
                                         (Hk, dk, Hv, dv), write_state=True)
@@ -116,7 +116,7 @@ class GDNMixer:
             cache.rec_states[self.idx][rows] = rec_new
         # per-head norm on [T * Hv, dv] views: 2-D inputs need no reshape inside the norm op
         o = gated_rms_norm(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), self.norm_w, c.rms_norm_eps)
-        return linear(o.reshape(T, c.value_dim), self.out_proj)
+        return o.reshape(T, c.value_dim)
 
     def _mix_verifying(self, mixed, a, b, layout: SeqLayout, cache: ModelCache) -> mx.array:
         """The conv + delta rule of a batch holding verifications -> o [T, Hv, dv]. Plain sequences commit
@@ -153,14 +153,15 @@ class GDNMixer:
 
 
 class AttentionMixer:
-    """Gated full attention (§3): per-head q|gate, (1+w) q/k norms, partial RoPE, paged GQA, sigmoid gate."""
+    """Gated full attention (§3): per-head q|gate, (1+w) q/k norms, partial RoPE, paged GQA, sigmoid gate;
+    returns o_proj's input [T, nH * hd] (`out_proj` names o_proj for the decoder layer)."""
 
     def __init__(self, w, prefix: str, c: Qwen35Config, kv_index: int, rope: RopeTables):
         self.c, self.idx, self.rope = c, kv_index, rope
         self.q_proj = _lin(w, f"{prefix}.q_proj", c)
         self.k_proj = _lin(w, f"{prefix}.k_proj", c)
         self.v_proj = _lin(w, f"{prefix}.v_proj", c)
-        self.o_proj = _lin(w, f"{prefix}.o_proj", c)
+        self.o_proj = self.out_proj = _lin(w, f"{prefix}.o_proj", c)
         self.q_norm, self.k_norm = w[f"{prefix}.q_norm.weight"], w[f"{prefix}.k_norm.weight"]
 
     def __call__(self, x: mx.array, layout: SeqLayout, cache: ModelCache) -> mx.array:
@@ -179,7 +180,7 @@ class AttentionMixer:
             kp, vp = write_kv(kp, vp, k, v, layout)
             cache.k_pools[self.idx], cache.v_pools[self.idx] = kp, vp
         o = paged_attention_gated(q, kp, vp, layout, 1.0 / math.sqrt(hd), gate, after=written)
-        return linear(o.reshape(T, nH * hd), self.o_proj)
+        return o.reshape(T, nH * hd)
 
 
 class DenseMLP:
@@ -188,8 +189,12 @@ class DenseMLP:
         self.up_proj = _lin(w, f"{prefix}.up_proj", c)
         self.down_proj = _lin(w, f"{prefix}.down_proj", c)
 
+    def hidden(self, x: mx.array) -> mx.array:
+        """down_proj's input: silu(x Wg^T) * (x Wu^T) [T, inter]."""
+        return swiglu_linear(x, self.gate_proj, self.up_proj)
+
     def __call__(self, x: mx.array) -> mx.array:
-        return linear(swiglu_linear(x, self.gate_proj, self.up_proj), self.down_proj)
+        return linear(self.hidden(x), self.down_proj)
 
 
 class MoEBlock:
@@ -219,8 +224,9 @@ class MoEBlock:
 
 
 class DecoderLayer:
-    """Pre-norm block. The residual adds are fused with the following norm (this layer's post-attention
-    norm, then the next layer's input norm), so a layer takes and returns (h, normed h)."""
+    """Pre-norm block. The residual adds are fused with the projection before them and the norm after
+    them (out_proj + add + post-attention norm; down_proj + add + the next layer's input norm), so a layer
+    takes and returns (h, normed h)."""
 
     def __init__(self, w, i: int, c: Qwen35Config, mixer):
         p = f"model.layers.{i}"
@@ -233,7 +239,9 @@ class DecoderLayer:
 
     def __call__(self, h, x, layout: SeqLayout, cache: ModelCache, next_norm: mx.array):
         """h: residual stream [T, H]; x: input_layernorm(h). Returns (new h, next_norm(new h))."""
-        h, x = add_rms_norm(h, self.mixer(x, layout, cache), self.post_norm, self.eps)
+        h, x = linear_add_rms_norm(self.mixer(x, layout, cache), self.mixer.out_proj, h, self.post_norm, self.eps)
+        if isinstance(self.mlp, DenseMLP):
+            return linear_add_rms_norm(self.mlp.hidden(x), self.mlp.down_proj, h, next_norm, self.eps)
         return add_rms_norm(h, self.mlp(x), next_norm, self.eps)
 
 

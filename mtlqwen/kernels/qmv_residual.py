@@ -1,0 +1,148 @@
+"""A block's last projection with the residual add and the next RMSNorm in its epilogue (decode sizes).
+
+    delta = x @ W^T            (rounded to the activation dtype, as `linear` returns it)
+    h'    = h + delta          (rounded: the new residual stream)
+    y     = rms_norm(h') * w   (the next sub-block's input)
+
+Why: the decoder calls `add_rms_norm` twice per layer right after a projection; as its own kernel that is
+64 launches per Qwen3.5-9B step, each ~9 us of MLX host time (benchmarks/decode_profile.md), and batch-1
+decode is host-bound. The norm needs every output column of the projection, so the qmv threadgroups
+count themselves out on a per-call-site counter: the last one to finish reads all deltas and does the
+add + norm for the M rows (4096 columns each; a few us for one threadgroup instead of a launch).
+
+The counter is a uint32 array (first element) per projection, zero between launches: the last threadgroup
+resets it. So one launch per projection may be in flight at a time -- true for the model's layers, which
+run in order (a layer's output feeds the next) -- and the same projection must not appear in two
+independent branches of one evaluated graph.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from . import qmatmul
+from .backend import gpu_backend, register_kernel
+from .fused_small import FLOATS, eps_array
+from .linear import LinearParams
+from .portable import KernelExample, portable_kernel
+from .selection import SELECT, qmv_config
+
+_HEADER = qmatmul._HEADER + r"""
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#define QR_FENCE() __threadfence()
+#define QR_ARRIVE(p) atomicAdd((unsigned int*)(p), 1u)
+#define QR_RESET(p) atomicExch((unsigned int*)(p), 0u)
+#define QR_LOAD(x) __ldcg(&(x))  // past L1: other SMs wrote it during this launch
+#else
+#define QR_FENCE() atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device)
+#define QR_ARRIVE(p) atomic_fetch_add_explicit((device atomic_uint*)(p), 1u, memory_order_relaxed)
+#define QR_RESET(p) atomic_store_explicit((device atomic_uint*)(p), 0u, memory_order_relaxed)
+#define QR_LOAD(x) (x)
+#endif
+"""
+
+# After the qmv body: dlt [M, N] holds this threadgroup's columns. Writers fence, then one thread counts
+# the threadgroup in; the NBLK-th arrival owns the epilogue (h + dlt -> hsum, rms_norm(hsum) * nw -> y).
+_EPILOGUE = r"""
+  SHARED float qr_part[4];
+  SHARED int qr_last;
+  QR_FENCE();
+  BARRIER;
+  if (TID_X == 0) qr_last = (int)(QR_ARRIVE(cnt) == (uint32_t)(NBLK - 1));
+  BARRIER;
+  if (qr_last) {
+    QR_FENCE();
+    const int tid = TID_X;
+    for (int m = 0; m < M; ++m) {
+      const size_t base = (size_t)m * N;
+      float ss = 0.0f;
+      for (int i = tid; i < N; i += 128) {
+        const T hv = FROM_FLOAT(T, TO_FLOAT(h[base + i]) + TO_FLOAT(QR_LOAD(dlt[base + i])));
+        hsum[base + i] = hv;   // read back below by this same thread
+        const float f = TO_FLOAT(hv);
+        ss += f * f;
+      }
+      ss = SIMD_SUM(ss);
+      if (LANE == 0) qr_part[SIMD_ID] = ss;
+      BARRIER;
+      const float inv = RSQRT((qr_part[0] + qr_part[1] + qr_part[2] + qr_part[3]) / (float)N + eps[0]);
+      for (int i = tid; i < N; i += 128) y[base + i] = FROM_FLOAT(T, TO_FLOAT(hsum[base + i]) * inv * TO_FLOAT(nw[i]));
+      BARRIER;  // qr_part is reused by the next row
+    }
+    if (tid == 0) QR_RESET(cnt);
+  }
+"""
+
+_BODY = (qmatmul._BODY.replace("PROJ_SELECT", qmatmul._proj_select(1, 0))
+         .replace("ROW_SELECT", qmatmul._row_select(1, 0))
+         .replace("WRITE_OUT", "if (n < N) dlt[(size_t)m * N + n] = FROM_FLOAT(T, acc[m][r]);")
+         + _EPILOGUE)
+
+
+def _example(dt, bits: int) -> KernelExample:
+    """A Qwen3.5-9B down_proj (12288 -> 4096, g64) for the Metal compile check."""
+    K, N = 12288, 4096
+    ins = [(dt, (2, K)), (mx.uint32, (N, K * bits // 32)), (dt, (N, K // 64)), (dt, (N, K // 64)),
+           (dt, (2, N)), (dt, (N,)), (mx.float32, (1,)), (mx.uint32, (8,))]
+    tmpl = [("T", dt), ("XK", qmatmul._XKIND[dt]), ("BITS", bits), ("GS", 64), ("MT", 2), ("R", 4), ("U", 2),
+            ("P", 1), ("EPI", 0), ("NBLK", N // 16)]
+    return KernelExample(inputs=ins, outputs=[dt] * 3, template=tmpl)
+
+
+QMV_ADD_RMS = portable_kernel(
+    name="mtl_qmv_add_rms", input_names=["x", "w0", "s0", "b0", "h", "nw", "eps", "cnt"],
+    output_names=["dlt", "hsum", "y"], body=_BODY, header=_HEADER,
+    examples=[_example(dt, bits) for dt in (mx.bfloat16, mx.float32) for bits in (4, 8)],
+)
+
+_COUNTERS: dict[int, mx.array] = {}
+
+
+def _counter(p: LinearParams) -> mx.array:
+    """The call site's arrival counter, keyed by the weight's identity. A key reused after a model is freed
+    finds a counter at zero (every finished launch resets it), so reuse is harmless."""
+    key = id(p.weight)
+    if key not in _COUNTERS:
+        # 8 elements (only the first is used): Metal passes arrays under 8 elements in constant memory
+        _COUNTERS[key] = mx.zeros((8,), dtype=mx.uint32)
+        mx.eval(_COUNTERS[key])
+    return _COUNTERS[key]
+
+
+def covers(x: mx.array, p: LinearParams, h: mx.array) -> bool:
+    """The FMA qmv's shapes (the tensor-core variant has no epilogue: from its row threshold on, the
+    caller runs the projection and `add_rms_norm` apart), a residual of the output's shape and dtype."""
+    M = x.shape[0] if x.ndim == 2 else 0
+    mma_from = SELECT["qmv_mma_min_rows"]
+    return (SELECT["qmv_residual_norm"] == 1 and gpu_backend() is not None and x.ndim == 2
+            and 1 <= M <= SELECT["qmv_max_rows"] and not (0 < mma_from <= M and gpu_backend() == "cuda")
+            and h.shape == (M, p.out_features) and h.dtype == x.dtype and x.dtype in FLOATS
+            and qmatmul.qmv_supported(x, [p]))
+
+
+@register_kernel("linear_add_rms_norm")
+def linear_add_rms_norm_kernel(x: mx.array, p: LinearParams, h: mx.array, w: mx.array, eps: float):
+    """-> (h + x W^T, rms_norm(h + x W^T) * w), both [M, N], or None where `covers` says no."""
+    return qmv_add_rms(x, p, h, w, eps) if covers(x, p, h) else None
+
+
+def qmv_add_rms(x: mx.array, p: LinearParams, h: mx.array, w: mx.array, eps: float) -> tuple[mx.array, mx.array]:
+    """The launch itself: x [M <= 8, K], h [M, N] of x's dtype (tests call it past `covers`' policy)."""
+    M, K = x.shape
+    N, dt = p.out_features, x.dtype
+    mt = qmatmul._mt(M)
+    R, U = qmv_config(mt, K, p.bits, N=N)
+    nblk = -(-N // (4 * R))
+    sc, bi = (a if a.dtype == dt else a.astype(dt) for a in (p.scales, p.biases))
+    _, hsum, y = QMV_ADD_RMS(
+        gpu_backend(),
+        inputs=[x, p.weight, sc, bi, h, w, eps_array(eps), _counter(p)],
+        output_shapes=[(M, N)] * 3,
+        output_dtypes=[dt] * 3,
+        grid=(nblk * 128, 1, 1),
+        threadgroup=(128, 1, 1),
+        template=[("T", dt), ("XK", qmatmul._XKIND[dt]), ("BITS", p.bits), ("GS", p.group_size), ("MT", mt),
+                  ("R", R), ("U", U), ("P", 1), ("EPI", 0), ("NBLK", nblk)],
+        init_value=qmatmul.POISON,
+    )
+    return hsum, y
