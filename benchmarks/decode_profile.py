@@ -28,6 +28,7 @@ import mlx.core as mx
 
 from mtlqwen.kernels import SeqLayout
 from mtlqwen.kernels.fused_small import add_rms_norm
+from mtlqwen.kernels.selection import SELECT
 from mtlqwen.model.builtin import demo_config, qwen35_9b_config, random_model
 from mtlqwen.model.config import QuantSpec
 
@@ -94,6 +95,16 @@ def per_primitive_us() -> dict:
     return out
 
 
+def with_select(name: str, value: int, f):
+    """f() with one selection row changed (kernel choices read SELECT when an op is built)."""
+    old = SELECT[name]
+    SELECT[name] = value
+    try:
+        return f()
+    finally:
+        SELECT[name] = old
+
+
 def ops_at(model, B: int, past: int) -> dict:
     """Per-launch time (µs) of the step's op kinds at B rows, from chains of 40 launches on the layers' own
     weights (so weights come from HBM), one eval per chain, median of 5."""
@@ -136,6 +147,9 @@ def ops_at(model, B: int, past: int) -> dict:
         "mlp gate+up (swiglu_linear)": chain(lambda i: swiglu_linear(x, mlp(i).gate_proj, mlp(i).up_proj)),
         "mlp down": chain(lambda i: linear(xin(mlp(i).down_proj), mlp(i).down_proj)),
         "paged attention": chain(lambda i: paged_attention(q, cache.k_pools[i % len(att)], cache.v_pools[i % len(att)], lay, 0.08)),
+        **{f"paged attention, splits >= {n} keys": with_select("attn_min_split_keys", n, lambda: chain(
+            lambda i: paged_attention(q, cache.k_pools[i % len(att)], cache.v_pools[i % len(att)], lay, 0.08)))
+           for n in (32, 64, 128)},
         "lm_head": chain(lambda i: linear(x, model.lm_head), n=8),
     }
     return r

@@ -115,20 +115,23 @@ def bench_stacked(rng, quick: bool, rows: list) -> None:
 
 
 def bench_sweep(rng, rows: list) -> None:
-    """(R, U) blocking of the qmv kernel per shape class (feeds selection.QMV_BLOCKING)."""
-    for name, n, k in [("z/o 4096x4096", 4096, 4096), ("gate/up 12288x4096", 12288, 4096),
-                       ("down 4096x12288", 4096, 12288)]:
+    """(R, U) blocking and the prefetch variant (PF) of the qmv kernel per shape class (feeds
+    selection.QMV_BLOCKING and SELECT["qmv_prefetch"])."""
+    m1 = [(4, 4, 0), (4, 4, 1), (4, 2, 0), (4, 2, 1), (2, 4, 1), (4, 1, 1), (8, 2, 1), (2, 2, 1)]
+    m24 = [(4, 2, 0), (4, 2, 1), (4, 1, 0), (4, 1, 1), (2, 2, 1)]
+    for name, n, k in [("z/o 4096x4096", 4096, 4096), ("qkv 8192x4096", 8192, 4096),
+                       ("gate/up 12288x4096", 12288, 4096), ("down 4096x12288", 4096, 12288),
+                       ("lm_head 248320x4096", 248320, 4096)]:
         p0 = quantized(rng, n, k)
         nw = max(1, min(48, math.ceil(WORKING_SET / nbytes(p0))))
         ps = [p0] + [quantized(rng, n, k) for _ in range(nw - 1)]
-        for m, cfgs in ((1, [(1, 4), (2, 4), (4, 2), (4, 4), (2, 8)]), (8, [(2, 1), (4, 1), (8, 1), (2, 2)])):
+        for m, cfgs in ((1, m1), (2, m24), (4, m24)):
             x = mx.random.normal((m, k)).astype(mx.bfloat16)
             for cfg in cfgs:
                 t = timed(lambda: ([qm.qmv(x, [ps[i % nw]], cfg=cfg)[0] for i in range(max(nw, 8))], max(nw, 8)), 5)
-                rows.append(dict(kind="sweep", shape=name, M=m, cand=f"R{cfg[0]}U{cfg[1]}", us=t * 1e6,
-                                 gbs=nbytes(p0) / t / 1e9))
-                print(f"sweep {name:20s} M={m} R={cfg[0]} U={cfg[1]} {t * 1e6:8.1f} us {nbytes(p0) / t / 1e9:6.0f} GB/s",
-                      flush=True)
+                label = f"R{cfg[0]}U{cfg[1]}PF{cfg[2]}"
+                rows.append(dict(kind="sweep", shape=name, M=m, cand=label, us=t * 1e6, gbs=nbytes(p0) / t / 1e9))
+                print(f"sweep {name:20s} M={m} {label} {t * 1e6:8.1f} us {nbytes(p0) / t / 1e9:6.0f} GB/s", flush=True)
         del ps
 
 

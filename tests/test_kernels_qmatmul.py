@@ -115,15 +115,16 @@ shape = dict(
 @pytest.mark.gpu
 @needs_gpu
 @settings(max_examples=n_examples(40), **GPU_SETTINGS)
-@given(**shape)
-def test_qmv_matches_reference(m, kg, n, bits, gs, dtype, seed):
+@given(**shape, pf=st.sampled_from([0, 1]))
+def test_qmv_matches_reference(m, kg, n, bits, gs, dtype, seed, pf):
     qm = _poisoned()
     dt = DTYPES[dtype]
     rng = np.random.default_rng(seed)
     k = kg * gs
     p = make_params(rng, 2 * n + 1, k, bits, gs, dt)  # odd N: a row tail in the last threadgroup
     x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dt)
-    y = qm.qmv(x, [p], mma=False)[0]  # the FMA kernel, also at M=8 where the dispatcher prefers MLX
+    # the FMA kernel, also at M=8 where the dispatcher prefers MLX; with and without the weight prefetch
+    y = qm.qmv(x, [p], mma=False, cfg=(*selection.qmv_config(qm._mt(m), k, bits, N=2 * n + 1), pf))[0]
     assert y.shape == (m, 2 * n + 1) and y.dtype == dt
     assert rel_err(y, ref32(x, p)) < TOL[dt]
     if dt == mx.float32:  # MLX's own CPU qmm accumulates 16-bit inputs loosely (~3e-2 seen): fp32 only
@@ -181,8 +182,8 @@ def _add_norm32(h, delta, w, eps):
 @pytest.mark.gpu
 @needs_gpu
 @settings(max_examples=n_examples(30), **GPU_SETTINGS)
-@given(**shape, layers=st.integers(1, 3))
-def test_qmv_residual_norm_matches_reference(m, kg, n, bits, gs, dtype, seed, layers):
+@given(**shape, layers=st.integers(1, 3), pf=st.sampled_from([0, 1]))
+def test_qmv_residual_norm_matches_reference(m, kg, n, bits, gs, dtype, seed, layers, pf):
     """qmv + residual add + RMSNorm epilogue (qmv_residual.py): `layers` dependent launches on one counter
     per projection in one graph, each against the fp32 reference from the previous launch's outputs; the
     counters are back at zero after the graph ran (the last threadgroup resets them)."""
@@ -198,7 +199,7 @@ def test_qmv_residual_norm_matches_reference(m, kg, n, bits, gs, dtype, seed, la
     xs = [mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dt) for _ in range(layers)]
     outs, hh = [], h
     for x, p in zip(xs, ps):  # the normed output is not fed on (its K differs); the residual is
-        hh, y = qmv_residual.qmv_add_rms(x, p, hh, w, 1e-6)
+        hh, y = qmv_residual.qmv_add_rms(x, p, hh, w, 1e-6, pf=pf)
         outs += [hh, y]
     mx.eval(outs)
     hh = h

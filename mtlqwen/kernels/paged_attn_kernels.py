@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from .backend import gpu_backend, register_kernel
 from .portable import KernelExample, portable_kernel
+from .selection import SELECT
 from .seqs import SeqLayout
 
 POISON: float | None = None  # tests set NaN: every output element must then be written by the kernel
@@ -291,7 +292,6 @@ for _g in (False, True):
     _merge_kernel(_g)
 
 TARGET_GROUPS = 528  # ~4 threadgroups per H200 SM keep enough K/V loads in flight
-MIN_SPLIT_KEYS = 256  # below this a split's fixed cost (q load, merge traffic) outweighs its parallelism
 
 
 def plan(layout: SeqLayout, nKV: int, rep: int, splits: int | None = None) -> tuple[int, int, int, int]:
@@ -301,7 +301,7 @@ def plan(layout: SeqLayout, nKV: int, rep: int, splits: int | None = None) -> tu
     nqt = (qmax + tpt - 1) // tpt
     lmax = layout.longest()
     work = layout.num_seqs * nKV * nqt
-    ns = max(1, min(math.ceil(lmax / MIN_SPLIT_KEYS), math.ceil(TARGET_GROUPS / work)))
+    ns = max(1, min(math.ceil(lmax / SELECT["attn_min_split_keys"]), math.ceil(TARGET_GROUPS / work)))
     if splits is not None:  # tests and benchmarks force the split path
         ns = min(splits, lmax)
     ns = min(ns, MAX_SPLITS)

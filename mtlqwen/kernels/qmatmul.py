@@ -77,21 +77,27 @@ _BODY = r"""
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
 
+  // PF 1: the next U chunks' weights are loaded before this iteration's math (software pipelining), so
+  // a SIMD group keeps loads in flight while it computes; PF 0 loads then computes.
+  uint4 wv[U][R];
+  float sc[U][R];
+  float bo[U][R];
+  if (PF) {
+    QM_LOAD(lane)
+  }
   for (int c0 = lane; c0 < NC; c0 += 32 * U) {
-    uint4 wv[U][R];
-    float sc[U][R];
-    float bo[U][R];
+    if (!PF) {
+      QM_LOAD(c0)
+    }
+    uint4 cw[U][R];
+    float cs[U][R];
+    float cb[U][R];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = min(c0 + 32 * u, NC - 1);   // clamped: out-of-range chunks are loaded but skipped
+    for (int u = 0; u < U; ++u)
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        ROW_SELECT
-        wv[u][r] = ((CONST_PTR uint4*)(W + (size_t)row * KW))[c];
-        const float s = TO_FLOAT(S[(size_t)row * NG + c / CPG]);
-        sc[u][r] = s;
-        bo[u][r] = TO_FLOAT(B[(size_t)row * NG + c / CPG]) - OFF * s;
-      }
+      for (int r = 0; r < R; ++r) { cw[u][r] = wv[u][r]; cs[u][r] = sc[u][r]; cb[u][r] = bo[u][r]; }
+    if (PF && c0 + 32 * U < NC) {
+      QM_LOAD(c0 + 32 * U)
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -108,7 +114,7 @@ _BODY = r"""
           float wf[R][EPW];
 #pragma unroll
           for (int r = 0; r < R; ++r) {
-            const uint32_t w = qm_word(wv[u][r], j);
+            const uint32_t w = qm_word(cw[u][r], j);
 #pragma unroll
             for (int e = 0; e < EPW; ++e) {
               const int sh = e * BITS;   // move q from bits [sh, sh+BITS) to [23-BITS, 23)
@@ -138,7 +144,7 @@ _BODY = r"""
 #pragma unroll
         for (int m = 0; m < MT; ++m)
 #pragma unroll
-          for (int r = 0; r < R; ++r) acc[m][r] += sc[u][r] * dot[m][r] + bo[u][r] * xs[m];
+          for (int r = 0; r < R; ++r) acc[m][r] += cs[u][r] * dot[m][r] + cb[u][r] * xs[m];
       }
     }
   }
@@ -322,13 +328,37 @@ def _write_out(P: int, epi: int) -> str:
             "Y[(size_t)m * N + n] = FROM_FLOAT(T, acc[m][r]); }")
 
 
+# Loads of U chunks from chunk index C0 (lane's first chunk) for the R rows, into wv / sc / bo.
+_LOAD = r"""{
+      const int qm_c0 = C0;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = min(qm_c0 + 32 * u, NC - 1);   // clamped: out-of-range chunks are loaded but skipped
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          ROW_SELECT
+          wv[u][r] = ((CONST_PTR uint4*)(W + (size_t)row * KW))[c];
+          const float s = TO_FLOAT(S[(size_t)row * NG + c / CPG]);
+          sc[u][r] = s;
+          bo[u][r] = TO_FLOAT(B[(size_t)row * NG + c / CPG]) - OFF * s;
+        }
+      }
+    }"""
+
+
+def _with_loads(body: str) -> str:
+    """Expand QM_LOAD(expr) into the chunk loads (before ROW_SELECT is substituted)."""
+    import re  # noqa: PLC0415
+    return re.sub(r"QM_LOAD\(([^\n]*?)\)\n", lambda m: _LOAD.replace("C0", m.group(1)) + "\n", body)
+
+
 _KERNELS: dict = {}
 
 
 def _kernel(P: int, epi: int):
     key = (P, epi)
     if key not in _KERNELS:
-        body = (_BODY.replace("PROJ_SELECT", _proj_select(P, epi))
+        body = (_with_loads(_BODY).replace("PROJ_SELECT", _proj_select(P, epi))
                 .replace("ROW_SELECT", _row_select(P, epi))
                 .replace("WRITE_OUT", _write_out(P, epi)))
         ins = ["x"] + [f"{a}{i}" for i in range(P) for a in ("w", "s", "b")]
@@ -357,7 +387,7 @@ def _example(P: int, epi: int, dt, bits: int) -> KernelExample:
     """A Qwen3.5-9B-like call (K=4096, g64) for the Metal compile check."""
     wq = [(mx.uint32, (4096, 4096 * bits // 32)), (dt, (4096, 64)), (dt, (4096, 64))]
     tmpl = [("T", dt), ("XK", _XKIND[dt]), ("BITS", bits), ("GS", 64), ("MT", 4), ("R", 4), ("U", 1),
-            ("P", P), ("EPI", epi)]
+            ("P", P), ("EPI", epi), ("PF", bits == 4)]
     return KernelExample(inputs=[(dt, (4, 4096))] + wq * P, outputs=[dt] * (1 if epi else P), template=tmpl)
 
 
@@ -381,7 +411,8 @@ def qmv_supported(x: mx.array, ps: list[LinearParams]) -> bool:
 def qmv(x: mx.array, ps: list[LinearParams], epi: int = 0, cfg: tuple[int, int] | None = None,
         mma: bool | None = None) -> list[mx.array]:
     """x [M, K], M <= 8 -> [y_p [M, N_p]] (epi 0) or [silu(x W_0^T) * (x W_1^T)] (epi 1).
-    `cfg` = (R, U) overrides the FMA kernel's blocking; `mma` forces / forbids the tensor-core variant."""
+    `cfg` = (R, U[, PF]) overrides the FMA kernel's blocking (and prefetch); `mma` forces / forbids the
+    tensor-core variant."""
     M, K = x.shape
     p0 = ps[0]
     if mma is None:
@@ -389,7 +420,8 @@ def qmv(x: mx.array, ps: list[LinearParams], epi: int = 0, cfg: tuple[int, int] 
     if mma and gpu_backend() == "cuda" and p0.bits == 4 and x.dtype in (mx.bfloat16, mx.float16):
         return _qmv_mma(x, ps, epi)
     mt = _mt(M)
-    R, U = cfg if cfg is not None else qmv_config(mt, K, p0.bits, swiglu=epi == 1, N=p0.out_features)
+    R, U = cfg[:2] if cfg is not None else qmv_config(mt, K, p0.bits, swiglu=epi == 1, N=p0.out_features)
+    pf = cfg[2] if cfg is not None and len(cfg) > 2 else SELECT["qmv_prefetch"]
     if epi == 1:
         R *= 2  # gate and up rows share the activation loads
     rp = R // 2 if epi == 1 else R
@@ -409,7 +441,7 @@ def qmv(x: mx.array, ps: list[LinearParams], epi: int = 0, cfg: tuple[int, int] 
         grid=(nblocks * 128, 1, 1),
         threadgroup=(128, 1, 1),
         template=[("T", dt), ("XK", _XKIND[dt]), ("BITS", p0.bits), ("GS", p0.group_size), ("MT", mt),
-                  ("R", R), ("U", U), ("P", len(ps)), ("EPI", epi)],
+                  ("R", R), ("U", U), ("P", len(ps)), ("EPI", epi), ("PF", int(pf))],
         init_value=POISON,
     )
 

@@ -73,7 +73,7 @@ _EPILOGUE = r"""
   }
 """
 
-_BODY = (qmatmul._BODY.replace("PROJ_SELECT", qmatmul._proj_select(1, 0))
+_BODY = (qmatmul._with_loads(qmatmul._BODY).replace("PROJ_SELECT", qmatmul._proj_select(1, 0))
          .replace("ROW_SELECT", qmatmul._row_select(1, 0))
          .replace("WRITE_OUT", "if (n < N) dlt[(size_t)m * N + n] = FROM_FLOAT(T, acc[m][r]);")
          + _EPILOGUE)
@@ -85,7 +85,7 @@ def _example(dt, bits: int) -> KernelExample:
     ins = [(dt, (2, K)), (mx.uint32, (N, K * bits // 32)), (dt, (N, K // 64)), (dt, (N, K // 64)),
            (dt, (2, N)), (dt, (N,)), (mx.float32, (1,)), (mx.uint32, (8,))]
     tmpl = [("T", dt), ("XK", qmatmul._XKIND[dt]), ("BITS", bits), ("GS", 64), ("MT", 2), ("R", 4), ("U", 2),
-            ("P", 1), ("EPI", 0), ("NBLK", N // 16)]
+            ("P", 1), ("EPI", 0), ("PF", 1), ("NBLK", N // 16)]
     return KernelExample(inputs=ins, outputs=[dt] * 3, template=tmpl)
 
 
@@ -126,8 +126,11 @@ def linear_add_rms_norm_kernel(x: mx.array, p: LinearParams, h: mx.array, w: mx.
     return qmv_add_rms(x, p, h, w, eps) if covers(x, p, h) else None
 
 
-def qmv_add_rms(x: mx.array, p: LinearParams, h: mx.array, w: mx.array, eps: float) -> tuple[mx.array, mx.array]:
-    """The launch itself: x [M <= 8, K], h [M, N] of x's dtype (tests call it past `covers`' policy)."""
+def qmv_add_rms(x: mx.array, p: LinearParams, h: mx.array, w: mx.array, eps: float,
+                pf: int | None = None) -> tuple[mx.array, mx.array]:
+    """The launch itself: x [M <= 8, K], h [M, N] of x's dtype (tests call it past `covers`' policy);
+    pf: the weight-prefetch variant (default: the selection table's)."""
+    pf = SELECT["qmv_prefetch"] if pf is None else pf
     M, K = x.shape
     N, dt = p.out_features, x.dtype
     mt = qmatmul._mt(M)
@@ -142,7 +145,7 @@ def qmv_add_rms(x: mx.array, p: LinearParams, h: mx.array, w: mx.array, eps: flo
         grid=(nblk * 128, 1, 1),
         threadgroup=(128, 1, 1),
         template=[("T", dt), ("XK", qmatmul._XKIND[dt]), ("BITS", p.bits), ("GS", p.group_size), ("MT", mt),
-                  ("R", R), ("U", U), ("P", 1), ("EPI", 0), ("NBLK", nblk)],
+                  ("R", R), ("U", U), ("P", 1), ("EPI", 0), ("PF", int(pf)), ("NBLK", nblk)],
         init_value=qmatmul.POISON,
     )
     return hsum, y

@@ -54,6 +54,15 @@ SELECT: dict[str, int] = {
     # (qmv_residual.py): 64 add_rms_norm launches fewer per 9B step. OFF until
     # tests/test_kernels_qmatmul.py::test_qmv_residual_norm_matches_reference passes on the H200.
     "qmv_residual_norm": 0,
+    # The FMA qmv loads the next chunks' weights before the current chunks' math (template PF). Written to
+    # keep loads in flight at M=1, where the kernel stalled at ~1.9-2.0 TB/s steady state (lm_head 291 us
+    # for 572 MB, decode_profile.md run 6). 0 until benchmarks/kernels_qmatmul_attn.py measures it.
+    "qmv_prefetch": 0,
+    # Decode attention splits the context into ranges of at least this many keys (paged_attn_kernels.plan):
+    # below it a split's fixed cost (q load, merge traffic) was taken to outweigh its parallelism. At B=1 with
+    # 512 cached keys that leaves 2 splits x 4 KV heads = 8 threadgroups, and an attention call took 21 us
+    # (decode_profile.md run 6); decode_profile.py times 64 / 128 / 256 side by side.
+    "attn_min_split_keys": 256,
 }
 
 
