@@ -104,6 +104,9 @@ def test_gated_reference_is_attention_times_sigmoid():
     gate = mx.array(rng.standard_normal((3, 4 * 8)).astype(np.float32))
     want = dense_attention(q, kp, vp, layout, 0.3) / (1 + np.exp(-np.array(gate).reshape(3, 4, 8)))
     assert rel_err(paged_attention_gated_ref(q, kp, vp, layout, 0.3, gate), want) < 1e-5
+    # the q|gate projection [T, nH, 2*hd] as the gate: each head's second half gates
+    qg = mx.concatenate([mx.zeros((3, 4, 8)), gate.reshape(3, 4, 8)], axis=-1)
+    assert rel_err(paged_attention_gated_ref(q, kp, vp, layout, 0.3, qg), want) < 1e-5
 
 
 @pytest.mark.gpu
@@ -111,12 +114,16 @@ def test_gated_reference_is_attention_times_sigmoid():
 @settings(max_examples=n_examples(40), **GPU_SETTINGS)
 @given(data=st.data(), bt=st.sampled_from([16, 128]), nkv=st.integers(1, 2), rep=st.sampled_from([1, 2, 4]),
        hd=st.sampled_from([64, 128, 256]), nseq=st.integers(1, 4), dtype=st.sampled_from(["bfloat16", "float32"]),
-       splits=st.sampled_from([None, 1, 3, 8]), gated=st.booleans(), seed=st.integers(0, 2**31 - 1))
+       splits=st.sampled_from([None, 1, 3, 8]), gated=st.sampled_from([0, 1, 2]), seed=st.integers(0, 2**31 - 1))
 def test_kernel_matches_reference(data, bt, nkv, rep, hd, nseq, dtype, splits, gated, seed):
+    """gated: 0 no gate, 1 a compact gate [T, nH*hd], 2 the q|gate projection [T, nH, 2*hd] read in place."""
     from mtlqwen.kernels import paged_attn_kernels as pa  # noqa: PLC0415
     rng, dt, (q, kp, vp, layout) = drawn_batch(data, bt, nkv, rep, hd, nseq, dtype, seed)
     scale = hd**-0.5
     gate = mx.array(rng.standard_normal((q.shape[0], q.shape[1] * hd)).astype(np.float32)).astype(dt) if gated else None
+    if gated == 2:
+        gate = mx.concatenate([mx.array(rng.standard_normal(q.shape).astype(np.float32)).astype(dt),
+                               gate.reshape(q.shape)], axis=-1)
     out = pa.paged_attention_gpu(q, kp, vp, layout, scale, gate=gate, splits=splits)
     assert out is not None and out.shape == q.shape and out.dtype == dt
     with mx.stream(mx.cpu):  # the GPU's fp32 matmuls may use TF32 (~3e-4): keep the reference exact

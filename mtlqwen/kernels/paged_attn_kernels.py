@@ -259,13 +259,14 @@ def _kernel(split: int, gate: bool):
         ins += ["dep"]  # unread: orders this kernel after the in-place KV write (kv_write_kernels.py)
         outs = ["po", "pm", "pl"] if split else ["out"]
         body = _BODY.replace("WRITE_OUT", _WRITE_SPLIT if split else _WRITE_FINAL).replace(
-            "GATE_CODE", "o = o / (1.0f + EXP(-TO_FLOAT(gate[row * HD + dc + i])));" if gate else "")
+            "GATE_CODE", "o = o / (1.0f + EXP(-TO_FLOAT(gate[row * GST + GOF + dc + i])));" if gate else "")
         ex = [KernelExample(
             inputs=[(dt, (4, 16, 256)), (dt, (64, 128, 4, 256)), (dt, (64, 128, 4, 256)), (mx.int32, (2, 8)),
                     (mx.int32, (2,)), (mx.int32, (3,)), (mx.int32, (3,)), (mx.float32, (1,))]
             + ([(dt, (4, 4096))] if gate and not split else []) + [(mx.int32, (1,))],
             outputs=[mx.float32] * 3 if split else [dt],
-            template=[("TQ", dt), ("TV", dt), ("KK", _KIND[dt]), ("HD", 256), ("REP", 4), ("TPT", 2), ("BT", 128)],
+            template=[("TQ", dt), ("TV", dt), ("KK", _KIND[dt]), ("HD", 256), ("REP", 4), ("TPT", 2), ("BT", 128),
+                      ("GST", 512), ("GOF", 256)],
         ) for dt in (mx.bfloat16, mx.float32)]
         _K[key] = portable_kernel(name=f"mtl_paged_attn_s{split}_g{int(gate)}", input_names=ins,
                                   output_names=outs, body=body, header=_HEADER, examples=ex)
@@ -279,10 +280,10 @@ def _merge_kernel(gate: bool):
         ex = [KernelExample(inputs=[(mx.bfloat16, (4, 16, 256)), (mx.float32, (8, 4, 16, 256)),
                                     (mx.float32, (8, 4, 16)), (mx.float32, (8, 4, 16)), (mx.int32, (3,))]
                             + ([(mx.bfloat16, (4, 4096))] if gate else []),
-                            outputs=[mx.bfloat16], template=[("TQ", mx.bfloat16), ("HD", 256)])]
+                            outputs=[mx.bfloat16], template=[("TQ", mx.bfloat16), ("HD", 256), ("GST", 256), ("GOF", 0)])]
         _K[key] = portable_kernel(name=f"mtl_paged_attn_merge_g{int(gate)}", input_names=ins, examples=ex,
                                   output_names=["out"], header=_HEADER, body=_MERGE.replace("MAX_SPLITS", str(MAX_SPLITS)).replace(
-            "GATE_MERGE", "o = o / (1.0f + EXP(-TO_FLOAT(gate[row * HD + d])));" if gate else ""))
+            "GATE_MERGE", "o = o / (1.0f + EXP(-TO_FLOAT(gate[row * GST + GOF + d])));" if gate else ""))
     return _K[key]
 
 
@@ -336,8 +337,9 @@ _NO_DEP: list = []
 
 
 def paged_attention_gpu(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate=None, splits=None, after=None):
-    """q [T, nH, hd] -> [T, nH, hd]; gate [T, nH*hd] (optional) multiplies by sigmoid(gate); `after`: the
-    token of an in-place KV write this attention must follow."""
+    """q [T, nH, hd] -> [T, nH, hd]; gate (optional) multiplies by sigmoid(gate): [T, nH*hd], or [T, nH, 2*hd]
+    = the q|gate projection, read in place (gate = each head's second half; a slice would be copied);
+    `after`: the token of an in-place KV write this attention must follow."""
     T, nH, hd = q.shape
     nKV = k_pool.shape[2]
     if not covers(q.shape, q.dtype, k_pool, v_pool, layout):
@@ -351,11 +353,14 @@ def paged_attention_gpu(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate
     prm, sc = _consts(ns, cs, nqt, scale)
     arrays = [q, k_pool, v_pool, layout.array("block_tables"), layout.array("kv_valid"),
               layout.array("query_start_loc"), prm, sc]
+    # gate row stride and offset in elements: compact [T*nH, hd] rows, or the gate half of q|gate rows
+    packed = gate is not None and gate.ndim == 3 and gate.shape[-1] == 2 * hd
+    gst, gof = (2 * hd, hd) if packed else (hd, 0)
     tmpl = [("TQ", q.dtype), ("TV", v_pool.dtype), ("KK", _KIND[k_pool.dtype]), ("HD", hd), ("REP", rep),
-            ("TPT", tpt), ("BT", layout.block_tokens)]
+            ("TPT", tpt), ("BT", layout.block_tokens), ("GST", gst), ("GOF", gof)]
     groups = layout.num_seqs * nKV * nqt * ns
     be = gpu_backend()
-    if gate is not None:
+    if gate is not None and not packed:
         gate = gate.reshape(T, nH * hd)
     if ns == 1:
         return _kernel(0, gate is not None)(
@@ -369,7 +374,7 @@ def paged_attention_gpu(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate
     return _merge_kernel(gate is not None)(
         be, inputs=[q, po, pm, pl, prm] + ([gate] if gate is not None else []), output_shapes=[(T, nH, hd)],
         output_dtypes=[q.dtype], grid=(T * nH * 128, 1, 1), threadgroup=(128, 1, 1),
-        template=[("TQ", q.dtype), ("HD", hd)], init_value=POISON)[0]
+        template=[("TQ", q.dtype), ("HD", hd), ("GST", gst), ("GOF", gof)], init_value=POISON)[0]
 
 
 @register_kernel("paged_attention")

@@ -168,8 +168,7 @@ class AttentionMixer:
         c, T = self.c, x.shape[0]
         nH, nKV, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         qg, k, v = linear_multi(x, [self.q_proj, self.k_proj, self.v_proj])
-        qg = qg.reshape(T, nH, 2 * hd)  # per head: query then gate
-        gate = qg[..., hd:].reshape(T, nH * hd)
+        qg = qg.reshape(T, nH, 2 * hd)  # per head: query then gate (attention reads the gate half in place)
         k, v = k.reshape(T, nKV, hd), v.reshape(T, nKV, hd)
         pos = layout.array("positions")
         q = head_norm_rope(qg, self.q_norm, c.rms_norm_eps, pos, self.rope, hd)  # reads q where it lies in qg
@@ -179,7 +178,7 @@ class AttentionMixer:
         if written is None:
             kp, vp = write_kv(kp, vp, k, v, layout)
             cache.k_pools[self.idx], cache.v_pools[self.idx] = kp, vp
-        o = paged_attention_gated(q, kp, vp, layout, 1.0 / math.sqrt(hd), gate, after=written)
+        o = paged_attention_gated(q, kp, vp, layout, 1.0 / math.sqrt(hd), qg, after=written)
         return o.reshape(T, nH * hd)
 
 
