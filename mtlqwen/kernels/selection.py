@@ -49,6 +49,11 @@ SELECT: dict[str, int] = {
     # projection (head_norm_rope.py): 3 launches and a copy fewer per attention layer. Written after the
     # last device run; OFF until tests/test_kernels_small.py::test_head_norm_rope_kernel has passed there.
     "head_norm_rope": 0,
+    # The conv kernel writes each sequence's new conv state (its last K-1 raw rows) into the conv pool in
+    # place instead of returning it for a scatter (conv_kernels.py): one built-in launch fewer per GDN
+    # layer. Written without a device; OFF until tests/test_kernels_small.py::test_conv_inplace_kernel has
+    # passed on the H200.
+    "conv_state_inplace": 0,
 }
 
 
