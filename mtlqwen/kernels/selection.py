@@ -54,6 +54,10 @@ SELECT: dict[str, int] = {
     # layer. Written without a device; OFF until tests/test_kernels_small.py::test_conv_inplace_kernel has
     # passed on the H200.
     "conv_state_inplace": 0,
+    # The GDN recurrence with the gated RMSNorm of its output in the same launch (gdn_normed_kernels.py):
+    # one custom-kernel launch fewer per GDN layer at decode. Written without a device; OFF until
+    # tests/test_kernels_gdn.py::test_gdn_fused_norm_kernel has passed on the H200.
+    "gdn_fused_norm": 0,
 }
 
 
