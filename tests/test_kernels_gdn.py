@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, assume, given, settings
+from hypothesis import HealthCheck, Phase, assume, example, given, settings
 from hypothesis import strategies as st
 
 import mlx.core as mx
@@ -19,9 +19,14 @@ from mtlqwen.kernels.gated_delta import (
     gated_delta_candidates,
     gated_delta_candidates_ref,
     gated_delta_packed,
+    gated_delta_packed_normed,
+    gated_delta_packed_normed_ref,
     gated_delta_ref,
 )
+from mtlqwen.kernels.selection import SELECT
 from mtlqwen.kernels.seqs import SeqLayout
+
+from gpu_checks import n_examples
 
 NEEDS_GPU = "needs a GPU back-end (Metal or CUDA); CPU runs the reference"
 needs_gpu = pytest.mark.skipif(backend.gpu_backend() is None, reason=NEEDS_GPU)
@@ -241,6 +246,83 @@ def test_gdn_kernel_reads_packed_qkv(seed, lens, geom, dtype, chunk, inplace):
     assert np.array_equal(after[others], before[others])
 
 
+def norm_inputs(seed: int, T: int, Hv: int, dv: int, dtype, wdt=mx.float32):
+    """The gated norm's z [T, Hv*dv] (the in_proj_z output), weight [dv] and eps for a case."""
+    rng = np.random.default_rng(seed + 1)
+    z = mx.array(rng.standard_normal((T, Hv * dv)).astype(np.float32)).astype(dtype)
+    w = mx.array((1 + 0.2 * rng.standard_normal(dv)).astype(np.float32)).astype(wdt)
+    return z, w, float(rng.choice([1e-6, 1e-5]))
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31), lens=st.lists(st.integers(1, 9), min_size=1, max_size=3),
+       geom=st.sampled_from(GEOMS[:4]), fused=st.booleans(), inplace=st.booleans())
+def test_packed_normed_reference(seed, lens, geom, fused, inplace):
+    """The fused op's reference against float64 (delta rule, then o rounded as the op returns it, then the
+    gated RMSNorm), and the op itself on the CPU, with its switches on or off: exactly the reference."""
+    args, layout = make_case(seed, lens, *geom)
+    y, heads = packed_case(args)
+    _, _, Hv, dv = heads
+    T = y.shape[0]
+    z, w, eps = norm_inputs(seed, T, Hv, dv, mx.float32)
+    rest = {n: args[n] for n in ("a", "b", "A_log", "dt_bias", "state_pool")}
+    with mx.stream(mx.cpu):
+        ref = gated_delta_packed_normed_ref(y, z, w, eps, **rest, layout=layout, heads=heads)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setitem(SELECT, "gdn_fused_norm", int(fused))
+            mp.setitem(SELECT, "gdn_state_inplace", int(inplace))
+            got = gated_delta_packed_normed(y, z, w, eps, **rest, layout=layout, heads=heads, write_state=True)
+    assert got[1] is not None  # the CPU never writes the pool itself
+    assert all(mx.array_equal(g, r).item() for g, r in zip(got, ref))
+    no, nstates, _ = naive_gdn(args, layout)
+    o = np.array(mx.array(no.astype(np.float32))).astype(np.float64).reshape(T * Hv, dv)  # fp32, like the op
+    zf = np.array(z, dtype=np.float64).reshape(T * Hv, dv)
+    want = o / np.sqrt((o**2).mean(-1, keepdims=True) + eps) * np.array(w, dtype=np.float64) * zf / (1 + np.exp(-zf))
+    assert ref[0].shape == (T, Hv * dv)
+    assert rel(ref[0], want.reshape(T, Hv * dv)) < 1e-4 and rel(ref[1], nstates) < 1e-4
+
+
+@pytest.mark.gpu
+@needs_gpu
+@settings(max_examples=n_examples(18), **GPU_SETTINGS)  # device_checks.sh runs a third of them
+@given(seed=st.integers(0, 2**31), lens=st.lists(st.one_of(st.integers(1, 4), st.integers(5, 64)), min_size=1,
+                                                  max_size=4),
+       geom=st.sampled_from(GEOMS), dtype=st.sampled_from([mx.float32, mx.bfloat16]),
+       wdt=st.sampled_from([mx.float32, mx.bfloat16]), inplace=st.booleans())
+@example(seed=3, lens=[1, 1, 1], geom=(1, 2, 128, 128), dtype=mx.bfloat16, wdt=mx.float32, inplace=True)  # decode
+def test_gdn_fused_norm_kernel(seed, lens, geom, dtype, wdt, inplace):
+    """The gate for SELECT["gdn_fused_norm"]: the recurrence with the gated RMSNorm fused in (one
+    threadgroup per sequence and value head), reading q, k, v where they lie in the conv output. The
+    normed output (poisoned first) == the reference; its states are returned, or with inplace written into
+    the sequences' pool rows with every other row untouched."""
+    from mtlqwen.kernels.gdn_normed_kernels import run_gdn_normed  # noqa: PLC0415
+
+    args, layout = make_case(seed, lens, *geom, dtype=dtype)
+    y, heads = packed_case(args)
+    _, _, Hv, dv = heads
+    T = y.shape[0]
+    z, w, eps = norm_inputs(seed, T, Hv, dv, dtype, wdt)
+    before = np.array(args["state_pool"])
+    rest = {n: args[n] for n in ("a", "b", "A_log", "dt_bias")}
+    ref = on_cpu(gated_delta_packed_normed_ref, y, z, w, eps, **rest, state_pool=mx.array(before), layout=layout,
+                 heads=heads)
+    out = run_gdn_normed(y, z, w, eps, **rest, state_pool=args["state_pool"], layout=layout, heads=heads,
+                         inplace=inplace, init_value=float("nan"))
+    assert out is not None
+    mx.eval(out)
+    assert out[0].shape == (T, Hv * dv) and out[0].dtype == dtype
+    assert rel(out[0], ref[0]) < TOL[dtype]
+    stol = 1e-4 if dtype == mx.float32 else 1e-3
+    if not inplace:
+        assert out[1].dtype == mx.float32 and rel(out[1], ref[1]) < stol
+        return
+    after = np.array(args["state_pool"])
+    rows = layout.state_rows
+    assert rel(mx.array(after[rows]), ref[1]) < stol
+    others = [i for i in range(after.shape[0]) if i not in rows]
+    assert np.array_equal(after[others], before[others])
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
@@ -280,6 +362,7 @@ def test_dispatchers_use_the_kernels():
     assert backend.kernel_for("gated_delta") is not None
     assert backend.kernel_for("gated_delta_candidates") is not None
     assert backend.kernel_for("gated_delta_packed") is not None
+    assert backend.kernel_for("gated_delta_packed_normed") is not None
     for lens in ([1, 1, 1], [3, 40]):
         args, layout = make_case(3, lens, 2, 3, 32, 48)
         _check(gated_delta(**args, layout=layout), on_cpu(gated_delta_ref, **args, layout=layout), mx.float32,

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 import mlx.core as mx
 from mtlqwen.kernels import backend
-from mtlqwen.kernels.conv1d import causal_conv1d, causal_conv1d_ref
+from mtlqwen.kernels.conv1d import causal_conv1d, causal_conv1d_inplace, causal_conv1d_ref
 from mtlqwen.kernels.fused_small import add_rms_norm_ref
 from mtlqwen.kernels.head_norm_rope import head_norm_rope, head_norm_rope_ref
 from mtlqwen.kernels.norms import gated_rms_norm_ref, rms_norm, rms_norm_ref
 from mtlqwen.kernels.rope import RopeTables, apply_rope_ref
+from mtlqwen.kernels.selection import SELECT
 from mtlqwen.kernels.seqs import SeqLayout
+
+from gpu_checks import n_examples
 
 NEEDS_GPU = "needs a GPU back-end (Metal or CUDA); CPU runs the reference"
 needs_gpu = pytest.mark.skipif(backend.gpu_backend() is None, reason=NEEDS_GPU)
@@ -70,6 +73,22 @@ def test_conv_reference(seed, lens, K):
     y, st_ = causal_conv1d_ref(x, w, pool, layout)
     ny, nst = naive_conv(x, w, pool, layout)
     assert rel(y, ny) < 1e-5 and rel(st_, nst) == 0.0
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**31), lens=st.lists(st.integers(1, 9), min_size=1, max_size=4), K=st.sampled_from([2, 4]),
+       on=st.booleans())
+def test_conv_inplace_op_runs_the_reference_on_cpu(seed, lens, K, on):
+    """The in-place conv op, switched on or off, is the reference on the CPU: it returns the new states
+    (for the caller's scatter) and leaves the pool alone."""
+    x, w, pool, layout = conv_case(seed, lens, 24, K, mx.float32, mx.bfloat16)
+    before = f64(pool)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(SELECT, "conv_state_inplace", int(on))
+        y, states = causal_conv1d_inplace(x, w, pool, layout)
+    ry, rst = causal_conv1d_ref(x, w, pool, layout)
+    assert states is not None and mx.array_equal(y, ry).item() and mx.array_equal(states, rst).item()
+    assert np.array_equal(f64(pool), before)
 
 
 @settings(max_examples=15, deadline=None)
@@ -161,6 +180,32 @@ def test_conv_kernel(seed, lens, C, xdt, pdt):
 
 @pytest.mark.gpu
 @needs_gpu
+@settings(GPU_SETTINGS, max_examples=n_examples(18))  # device_checks.sh runs it with a third of them
+@given(seed=st.integers(0, 2**31), lens=st.lists(st.one_of(st.integers(1, 4), st.integers(5, 70)), min_size=1,
+                                                  max_size=5),
+       C=st.sampled_from([24, 416, 300]), K=st.sampled_from([2, 3, 4]), xdt=DTYPES, pdt=DTYPES)
+@example(seed=5, lens=[1, 2, 1, 3], C=8192, K=4, xdt=mx.bfloat16, pdt=mx.bfloat16)  # 9B decode-ish, odd T
+def test_conv_inplace_kernel(seed, lens, C, K, xdt, pdt):
+    """The gate for SELECT["conv_state_inplace"]: the conv kernel that writes the new states into the pool
+    rows itself. y (poisoned first) == the reference; the sequences' pool rows hold the reference's new
+    states bit for bit (they are copies); every other pool row is unchanged."""
+    from mtlqwen.kernels.conv_kernels import run_conv  # noqa: PLC0415
+
+    x, w, pool, layout = conv_case(seed, lens, C, K, xdt, pdt)
+    before = f64(pool)
+    ry, rst = on_cpu(causal_conv1d_ref, x, w, mx.array(before).astype(pdt), layout)
+    y, done = run_conv(x, w, pool, layout, init_value=NAN, inplace=True)
+    mx.eval(y, done)
+    after = f64(pool)
+    assert y.dtype == xdt and y.shape == ry.shape and done.item() == 1
+    assert rel(y, ry) < TOL[xdt]
+    assert np.array_equal(after[layout.state_rows], f64(rst))
+    others = [i for i in range(after.shape[0]) if i not in layout.state_rows]
+    assert np.array_equal(after[others], before[others])
+
+
+@pytest.mark.gpu
+@needs_gpu
 @GPU_SETTINGS
 @given(seed=st.integers(0, 2**31), shape=st.sampled_from([(1, 4096), (7, 4096), (5, 1024), (9, 48), (3, 5, 256),
                                                           (2, 3, 128), (33, 1000)]),
@@ -221,7 +266,8 @@ def test_head_norm_rope_kernel(seed, T, H, D, stride, rd, dtype):
 @pytest.mark.gpu
 @needs_gpu
 def test_dispatchers_use_the_kernels():
-    for op in ("causal_conv1d", "rms_norm", "gated_rms_norm", "rope", "add_rms_norm", "head_norm_rope"):
+    for op in ("causal_conv1d", "causal_conv1d_inplace", "rms_norm", "gated_rms_norm", "rope", "add_rms_norm",
+               "head_norm_rope"):
         assert backend.kernel_for(op) is not None, op
     x, w, pool, layout = conv_case(1, [3, 1, 20], 416, 4, mx.bfloat16, mx.bfloat16)
     for got, want in zip(causal_conv1d(x, w, pool, layout), on_cpu(causal_conv1d_ref, x, w, pool, layout)):

@@ -126,6 +126,22 @@ def test_prefill_then_decode_matches_one_shot(dense_model):
     assert rel_err(got, ref) <= 1e-3
 
 
+def test_gdn_kernel_switches_leave_cpu_results_unchanged(dense_model, monkeypatch):
+    """GDNMixer's plain path with the in-place conv state, the fused GDN norm and in-place GDN states
+    switched on or off: on the CPU the ops fall back to the same references, so a packed prefill + decode
+    schedule gives the same logits bit for bit."""
+    from mtlqwen.kernels.selection import SELECT  # noqa: PLC0415
+
+    seqs = [H.random_token_ids(L, 512, seed=L) for L in (37, 5, 70)]
+    runs = []
+    for on in (0, 1):
+        for flag in ("conv_state_inplace", "gdn_fused_norm", "gdn_state_inplace"):
+            monkeypatch.setitem(SELECT, flag, on)
+        runs.append(_run_schedule(dense_model, seqs, [[20, 1], [2, 1], [33, 1]], 16))
+    for off, on in zip(*runs):
+        assert np.array_equal(off, on)
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_chunked_and_packed_match_one_shot(dense_model, data):

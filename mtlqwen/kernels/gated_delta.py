@@ -9,6 +9,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .backend import kernel_for
+from .norms import gated_rms_norm, gated_rms_norm_ref
+from .selection import SELECT
 from .seqs import SeqLayout
 
 CHUNK = 64  # the reference's chunk; the prefill kernel uses 32 (same function, other blocking)
@@ -174,3 +176,31 @@ def gated_delta_packed(y, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, h
     kern = kernel_for("gated_delta_packed")
     out = kern(y, a, b, A_log, dt_bias, state_pool, layout, heads, write_state) if kern is not None else None
     return out if out is not None else gated_delta_ref(*split_qkv(y, heads), a, b, A_log, dt_bias, state_pool, layout)
+
+
+def gated_delta_packed_normed_ref(y, z, norm_w, eps: float, a, b, A_log, dt_bias, state_pool, layout: SeqLayout,
+                                  heads: tuple[int, int, int, int]):
+    """The GDN output with its gated RMSNorm: `gated_delta_ref` on y's q | k | v channels, then
+    `gated_rms_norm_ref` per value head. z: T * Hv * dv values (any shape), norm_w [dv].
+    -> (o_normed [T, Hv*dv] in y's dtype, new states [B, Hv, dv, dk] fp32)."""
+    T, (_, _, Hv, dv) = y.shape[0], heads
+    o, states = gated_delta_ref(*split_qkv(y, heads), a, b, A_log, dt_bias, state_pool, layout)
+    return gated_rms_norm_ref(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), norm_w, eps).reshape(T, Hv * dv), states
+
+
+def gated_delta_packed_normed(y, z, norm_w, eps: float, a, b, A_log, dt_bias, state_pool, layout: SeqLayout,
+                              heads: tuple[int, int, int, int], write_state: bool = False):
+    """`gated_delta_packed` followed by the gated RMSNorm: one kernel (gdn_normed_kernels.py) where
+    SELECT["gdn_fused_norm"] allows it and it covers the batch (recurrent segments, head shapes within its
+    register budget), else the two ops one after the other (each a kernel of its own on the GPU, the
+    references on the CPU). Returns (o_normed [T, Hv*dv] in y's dtype, new states) or, when the kernel
+    wrote the states into state_pool's rows itself (write_state, GPU), (o_normed, None)."""
+    kern = kernel_for("gated_delta_packed_normed") if SELECT["gdn_fused_norm"] else None
+    out = (kern(y, z, norm_w, eps, a, b, A_log, dt_bias, state_pool, layout, heads, write_state)
+           if kern is not None else None)
+    if out is not None:
+        return out
+    T, (_, _, Hv, dv) = y.shape[0], heads
+    o, states = gated_delta_packed(y, a, b, A_log, dt_bias, state_pool, layout, heads, write_state)
+    # per-head norm on [T * Hv, dv] views: 2-D inputs need no reshape inside the norm op
+    return gated_rms_norm(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), norm_w, eps).reshape(T, Hv * dv), states

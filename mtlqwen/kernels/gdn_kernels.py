@@ -89,8 +89,14 @@ if (live) {{
 }}"""
 
 
+# token t's decay and beta (also used by gdn_normed_kernels.py)
+GATES = """  // gates in fp32 (§2.4): softplus as max(x,0) + log1p(exp(-|x|)), like logaddexp(x, 0)
+  const float xa = TO_FLOAT(a[t * HV + hv]) + dtb;
+  const float decay = EXP(neg_a * (FMAX(xa, 0.0f) + LOG1P(EXP(-FABS(xa)))));
+  const float beta = 1.0f / (1.0f + EXP(-TO_FLOAT(b[t * HV + hv])));
+"""
 _RECURRENT = (
-    _PROLOGUE
+    (_PROLOGUE
     + """
 for (int t = t0; t < t1; ++t) {
   // L2-normalise k and q over dk (eps on the sum, §2.5); every row group does it for itself
@@ -109,11 +115,7 @@ for (int t = t0; t < t1; ++t) {
   RED_QSS
   const float kinv = RSQRT(kss + 1e-6f);
   const float qinv = RSQRT(qss + 1e-6f) * q_scale;
-  // gates in fp32 (§2.4): softplus as max(x,0) + log1p(exp(-|x|)), like logaddexp(x, 0)
-  const float xa = TO_FLOAT(a[t * HV + hv]) + dtb;
-  const float decay = EXP(neg_a * (FMAX(xa, 0.0f) + LOG1P(EXP(-FABS(xa)))));
-  const float beta = 1.0f / (1.0f + EXP(-TO_FLOAT(b[t * HV + hv])));
-  float pred = 0.0f;
+""" + GATES + """  float pred = 0.0f;
   for (int e = 0; e < NE; ++e) {
     kn[e] *= kinv;
     s[e] *= decay;
@@ -132,7 +134,7 @@ for (int t = t0; t < t1; ++t) {
   CAND_STORE
 }
 FINAL_STORE
-""".replace("RED_KSS", _reduce("kss"))
+""").replace("RED_KSS", _reduce("kss"))
     .replace("RED_QSS", _reduce("qss"))
     .replace("RED_PRED", _reduce("pred"))
     .replace("RED_OUT", _reduce("out"))

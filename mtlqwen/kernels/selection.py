@@ -63,6 +63,15 @@ SELECT: dict[str, int] = {
     # 512 cached keys that leaves 2 splits x 4 KV heads = 8 threadgroups, and an attention call took 21 us
     # (decode_profile.md run 6); decode_profile.py times 64 / 128 / 256 side by side.
     "attn_min_split_keys": 256,
+    # The conv kernel writes each sequence's new conv state (its last K-1 raw rows) into the conv pool in
+    # place instead of returning it for a scatter (conv_kernels.py): one built-in launch fewer per GDN
+    # layer. Written without a device; OFF until tests/test_kernels_small.py::test_conv_inplace_kernel has
+    # passed on the H200.
+    "conv_state_inplace": 0,
+    # The GDN recurrence with the gated RMSNorm of its output in the same launch (gdn_normed_kernels.py):
+    # one custom-kernel launch fewer per GDN layer at decode. Written without a device; OFF until
+    # tests/test_kernels_gdn.py::test_gdn_fused_norm_kernel has passed on the H200.
+    "gdn_fused_norm": 0,
 }
 
 

@@ -28,7 +28,8 @@ from ..kernels import (
 from ..kernels.fused_small import add_rms_norm
 from ..kernels.head_norm_rope import head_norm_rope
 from ..kernels.paged_attention import paged_attention_gated
-from ..kernels.gated_delta import gated_delta_candidates, gated_delta_packed, split_qkv
+from ..kernels.conv1d import causal_conv1d_inplace
+from ..kernels.gated_delta import gated_delta_candidates, gated_delta_packed_normed, split_qkv
 from ..kernels.linear_fused import linear_add_rms_norm, linear_multi, swiglu_linear
 from .cache import ModelCache
 from .config import Qwen35Config
@@ -107,16 +108,30 @@ class GDNMixer:
         if layout.verify is not None and any(layout.verify):
             o = self._mix_verifying(mixed, a, b, layout, cache)
             return gated_rms_norm(o, z.reshape(T, Hv, dv), self.norm_w, c.rms_norm_eps).reshape(T, c.value_dim)
-        y, conv_new = causal_conv1d(mixed, self.conv_w, cache.conv_states[self.idx], layout)
-        o, rec_new = gated_delta_packed(y, a, b, self.A_log, self.dt_bias, cache.rec_states[self.idx], layout,
-                                        (Hk, dk, Hv, dv), write_state=True)
+        conv_pool, rec_pool = cache.conv_states[self.idx], cache.rec_states[self.idx]
+        y, conv_new = causal_conv1d_inplace(mixed, self.conv_w, conv_pool, layout)  # the delta rule reads y
+        # the delta rule and the gated RMSNorm (one launch where gdn_fused_norm allows): o [T, value_dim]
+        o, rec_new = gated_delta_packed_normed(y, z, self.norm_w, c.rms_norm_eps, a, b, self.A_log, self.dt_bias,
+                                               rec_pool, layout, (Hk, dk, Hv, dv), write_state=True)
+        # A pool a kernel wrote in place (None above) is the same MLX array with new contents, and MLX orders
+        # kernels only through data. So the cache gets a handle that depends on an output of the writing
+        # launch (y, o: the kernel has run when they exist; `mx.depends` shares the pool's buffer, no copy):
+        # every later reader -- this step's prefix-cache captures, commit_candidates, the next step's
+        # kernels, the engine's evaluation of cache.arrays() -- then follows the write, and evaluating the
+        # cache runs the write even in a step whose hidden states nobody reads (mid-prompt chunks).
         rows = layout.array("state_rows")
-        cache.conv_states[self.idx][rows] = conv_new
-        if rec_new is not None:  # else the kernel wrote the states into the pool itself
-            cache.rec_states[self.idx][rows] = rec_new
-        # per-head norm on [T * Hv, dv] views: 2-D inputs need no reshape inside the norm op
-        o = gated_rms_norm(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), self.norm_w, c.rms_norm_eps)
-        return o.reshape(T, c.value_dim)
+        if conv_new is None and rec_new is None:  # one Depends node for both (a graph node costs host time)
+            cache.conv_states[self.idx], cache.rec_states[self.idx] = mx.depends([conv_pool, rec_pool], [y, o])
+        else:
+            if conv_new is None:
+                cache.conv_states[self.idx] = mx.depends(conv_pool, y)
+            else:
+                conv_pool[rows] = conv_new
+            if rec_new is None:
+                cache.rec_states[self.idx] = mx.depends(rec_pool, o)
+            else:
+                rec_pool[rows] = rec_new
+        return o
 
     def _mix_verifying(self, mixed, a, b, layout: SeqLayout, cache: ModelCache) -> mx.array:
         """The conv + delta rule of a batch holding verifications -> o [T, Hv, dv]. Plain sequences commit
@@ -178,6 +193,9 @@ class AttentionMixer:
         if written is None:
             kp, vp = write_kv(kp, vp, k, v, layout)
             cache.k_pools[self.idx], cache.v_pools[self.idx] = kp, vp
+        else:  # the cache's handles follow the write (as GDNMixer's): evaluating the cache runs it, even
+            # in a mid-prompt step whose hidden states nobody reads
+            cache.k_pools[self.idx], cache.v_pools[self.idx] = mx.depends([kp, vp], written)
         o = paged_attention_gated(q, kp, vp, layout, 1.0 / math.sqrt(hd), qg, after=written)
         return o.reshape(T, nH * hd)
 

@@ -1,0 +1,202 @@
+"""The GDN recurrence with the gated RMSNorm of its output fused in (decode and short segments only).
+
+Why: at batch 1 a decode step is host-bound, and each custom-kernel launch costs ~10 us of host time
+(benchmarks/decode_profile.md). The GDN layer's plain path ran the recurrence, then `gated_rms_norm` over
+each value head's dv outputs; here one launch does both:
+    o_normed[t, hv, :] = rms_norm(o[t, hv, :]) * norm_w * silu(z[t, hv, :])
+with the roundings of the two ops it replaces (norms.gated_rms_norm_ref): o rounded to the activation
+dtype, normalised in fp32, rounded, times w, times silu(z), rounded.
+
+Design: the norm needs all dv outputs of a head, but `gdn_recurrent` spreads a head over dv / BV
+threadgroups (BV = 128 / TPR rows each). Two ways to bring a head together:
+  - one threadgroup per (sequence, value head), BV >= DV rows, and a threadgroup reduction of the
+    squares per token (two barriers a token);
+  - keep the blocks, park the unnormalised o, count finished blocks with an atomic and let the last
+    block of a head normalise it: needs atomics and device-memory fences across threadgroups (not in
+    the portability layer, and weakly specified on Metal), a zeroed counter output (MLX's init_value
+    is one value for every output, so the NaN-poisoning tests could not use it), and a second pass.
+We take the first. What limits it is registers, not the 1024-thread cap: without __launch_bounds__ (MLX
+writes the CUDA signature) a block must fit the SM's 65536 registers at whatever count the compiler chose,
+and `gdn_recurrent` at dk = 128 takes 95 registers at TPR = 8 and 122 at TPR = 4 (ptxas -v, sm_90, CUDA
+13.0), so BV = DV = 128 at TPR = 8 (1024 threads) could not launch. Hence at most MAX_THREADS = 512
+threads (up to 128 registers each) and at most MAX_NE = 32 state elements a thread, and each token's raw
+k and q staged once in threadgroup memory (every row of the head reads the same key head) instead of
+NE-element copies per thread: 84-91 registers at dk = dv = 128, TPR = 4 (a first version reading k and q
+from device memory took exactly 128). The prediction is (S k) / |k| and the output (S q) / |q|: the
+reference's products in another order, so fp32 rounding differs in the last bits. Shapes it does not
+cover return None, and the op then runs the two kernels one after the other.
+
+Only the token-by-token recurrence: a segment longer than gdn_kernels.CHUNK_MIN_T goes to the chunk
+kernel and the separate norm (prefill is not host-bound).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .backend import gpu_backend, register_kernel
+from .fused_small import eps_array
+from .gdn_kernels import _FLOATS, _IN, _INPLACE_STORE, _PROLOGUE, CHUNK_MIN_T, GATES, _reduce, _store_state
+from .portable import KernelExample, portable_kernel
+from .selection import SELECT
+from .seqs import SeqLayout
+
+MAX_THREADS = 512  # threads a threadgroup: 128 registers each on NVIDIA (see the module docstring)
+MAX_NE = 32  # state elements a thread (dk / TPR): TPR = 2 at dk = 128 took 255 registers in gdn_recurrent
+
+# Threadgroup = BV * TPR threads (a multiple of 32) over the head's DV rows (rows >= DV: not live).
+# s: this thread's slice of its state row (prologue); part: one partial sum of squares per SIMD group.
+_BODY = (
+    (_PROLOGUE
+    + """
+constexpr int NSG = (BV * TPR) / 32;
+SHARED float part[32];    // one partial sum of squares per SIMD group
+SHARED float kq[2 * DK];  // this token's raw k | q of the key head: every row of the group reads them
+const float eps_v = eps[0];
+const float nw = live ? TO_FLOAT(norm_w[row]) : 0.0f;
+for (int t = t0; t < t1; ++t) {
+  const size_t kb = (size_t)t * QS + hk * DK;
+  for (int c = tid; c < 2 * DK; c += BV * TPR) kq[c] = TO_FLOAT(c < DK ? k[kb + KO + c] : q[kb + c - DK]);
+  BARRIER;  // also: every thread is past the previous token's reads of kq and part
+""" + GATES + """  // one pass over k: decay the state, |k|^2, and S k (divided by |k| below)
+  float kss = 0.0f, pred = 0.0f;
+  for (int e = 0; e < NE; ++e) {
+    const float kv = kq[((e / 4) * TPR + p) * 4 + e % 4];
+    kss += kv * kv;
+    s[e] *= decay;
+    pred += s[e] * kv;
+  }
+  RED_KSS
+  RED_PRED
+  const float kinv = RSQRT(kss + 1e-6f);
+  const float vv = live ? TO_FLOAT(v[(size_t)t * VS + VO + hv * DV + row]) : 0.0f;
+  const float dkn = beta * (vv - pred * kinv) * kinv;  // delta / |k|: S += delta * k / |k|
+  float out = 0.0f, qss = 0.0f;
+  for (int e = 0; e < NE; ++e) {
+    const int c = ((e / 4) * TPR + p) * 4 + e % 4;
+    s[e] += dkn * kq[c];
+    const float qv = kq[DK + c];
+    out += s[e] * qv;
+    qss += qv * qv;
+  }
+  RED_OUT
+  RED_QSS
+  // o as the unfused op returns it (activation dtype), then its head's mean square over DV rows
+  const float ov = TO_FLOAT(FROM_FLOAT(InT, out * RSQRT(qss + 1e-6f) * q_scale));
+  float ss = SIMD_SUM((live && p == 0) ? ov * ov : 0.0f);
+  if (LANE == 0) part[SIMD_ID] = ss;
+  BARRIER;
+  ss = 0.0f;
+  for (int j = 0; j < NSG; ++j) ss += part[j];  // rewritten only after the next token's first barrier
+  if (live && p == 0) {
+    // norms.gated_rms_norm_ref's order: normalise, round, times w, times silu(z), round
+    const size_t oi = ((size_t)t * HV + hv) * DV + row;
+    const float yv = TO_FLOAT(FROM_FLOAT(InT, ov * RSQRT(ss / (float)DV + eps_v))) * nw;
+    const float zv = TO_FLOAT(z[oi]);
+    o[oi] = FROM_FLOAT(InT, yv * (zv / (1.0f + EXP(-zv))));
+  }
+}
+FINAL_STORE
+""")
+    .replace("RED_KSS", _reduce("kss"))
+    .replace("RED_PRED", _reduce("pred"))
+    .replace("RED_OUT", _reduce("out"))
+    .replace("RED_QSS", _reduce("qss"))
+)
+
+_IN_NORMED = _IN + ["z", "norm_w", "eps"]
+
+
+def fused_tpr(dk: int, dv: int) -> int:
+    """Lanes per state row: the most (<= 8) that keeps whole float4 chunks a lane, the head within
+    MAX_THREADS threads and at most MAX_NE state elements a thread; 0 when none does."""
+    for t in (8, 4, 2, 1):
+        if dk % (4 * t) == 0 and dv * t <= MAX_THREADS and dk // t <= MAX_NE:
+            return t
+    return 0
+
+
+def _geometry(dk: int, dv: int) -> tuple[int, int]:
+    """(TPR, BV): BV rows cover DV, padded so the threadgroup is whole SIMD groups."""
+    tpr = fused_tpr(dk, dv)
+    nt = -(-dv * tpr // 32) * 32 if tpr else 0
+    return tpr, (nt // tpr if tpr else 0)
+
+
+def _examples(inplace: bool) -> list[KernelExample]:
+    """Qwen3.5-9B's GDN in bf16 with an fp32 norm weight, and a small fp32 shape with r = 3, dk != dv,
+    a padded last SIMD group (dv * TPR = 48 * 8) and constant-space gate vectors."""
+    out = []
+    for dt, wdt, T, B, Hk, Hv, dk, dv in ((mx.bfloat16, mx.float32, 8, 2, 16, 32, 128, 128),
+                                          (mx.float32, mx.float32, 7, 2, 2, 6, 32, 48)):
+        tpr, bv = _geometry(dk, dv)
+        C = 2 * Hk * dk + Hv * dv
+        shapes = [(T, C), (T, C), (T, C), (T, Hv), (T, Hv), (Hv,), (Hv,), (3, Hv, dv, dk), (B + 1,), (B,),
+                  (T, Hv * dv), (dv,), (1,)]
+        dts = [dt] * 5 + [mx.float32, dt, mx.float32, mx.int32, mx.int32, dt, wdt, mx.float32]
+        tmpl = [("InT", dt), ("HK", Hk), ("HV", Hv), ("DK", dk), ("DV", dv), ("TPR", tpr), ("BV", bv),
+                ("QS", C), ("KO", Hk * dk), ("VS", C), ("VO", 2 * Hk * dk)]
+        out.append(KernelExample(list(zip(dts, shapes)), [dt, mx.int32 if inplace else mx.float32], tmpl))
+    return out
+
+
+NORMED = portable_kernel(
+    name="gdn_recurrent_normed",
+    input_names=_IN_NORMED,
+    output_names=["o", "state_out"],
+    body=_BODY.replace("FINAL_STORE", _store_state("state_out", "seq")),
+    examples=_examples(False),
+)
+NORMED_INPLACE = portable_kernel(
+    name="gdn_recurrent_normed_inplace",
+    input_names=_IN_NORMED,
+    output_names=["o", "done"],
+    body=_BODY.replace("FINAL_STORE", _INPLACE_STORE),
+    examples=_examples(True),
+)
+
+
+def run_gdn_normed(y, z, norm_w, eps: float, a, b, A_log, dt_bias, state_pool, layout: SeqLayout,
+                   heads: tuple[int, int, int, int], inplace: bool = False, init_value=None):
+    """y [T, 2*Hk*dk + Hv*dv] (the conv output, q | k | v channels, read where they lie), z [T, Hv*dv]
+    (any shape of that size), norm_w [dv] -> (o_normed [T, Hv*dv] in y's dtype, new states [B, Hv, dv, dk]
+    fp32), or with inplace (o_normed, done [1]) after writing the states into state_pool's rows. None
+    when not covered: a segment longer than CHUNK_MIN_T, a head shape past the register budget, dtypes."""
+    backend = gpu_backend()
+    Hk, dk, Hv, dv = heads
+    T, B = y.shape[0], layout.num_seqs
+    tpr, bv = _geometry(dk, dv)
+    if (backend is None or T == 0 or B == 0 or not tpr or Hv % Hk or state_pool.dtype != mx.float32
+            or y.ndim != 2 or y.shape[1] != 2 * Hk * dk + Hv * dv or y.dtype not in _FLOATS
+            or z.size != T * Hv * dv or z.dtype not in _FLOATS or norm_w.shape != (dv,)):
+        return None
+    if max(layout.q_len(i) for i in range(B)) > CHUNK_MIN_T:
+        return None
+    a, b, A_log, dt_bias, norm_w = (x if x.dtype in _FLOATS else x.astype(mx.float32)
+                                    for x in (a, b, A_log, dt_bias, norm_w))
+    C = y.shape[1]
+    tmpl = [("InT", y.dtype), ("HK", Hk), ("HV", Hv), ("DK", dk), ("DV", dv), ("TPR", tpr), ("BV", bv),
+            ("QS", C), ("KO", Hk * dk), ("VS", C), ("VO", 2 * Hk * dk)]
+    kern = NORMED_INPLACE if inplace else NORMED
+    return kern(
+        backend,
+        inputs=[y, y, y, a, b, A_log, dt_bias, state_pool, layout.array("query_start_loc"),
+                layout.array("state_rows"), z if z.shape == (T, Hv * dv) else z.reshape(T, Hv * dv), norm_w,
+                eps_array(eps)],
+        output_shapes=[(T, Hv * dv), (1,) if inplace else (B, Hv, dv, dk)],
+        output_dtypes=[y.dtype, mx.int32 if inplace else mx.float32],
+        grid=(bv * tpr, Hv, B),
+        threadgroup=(bv * tpr, 1, 1),
+        template=tmpl,
+        init_value=init_value,
+    )
+
+
+@register_kernel("gated_delta_packed_normed")
+def gated_delta_packed_normed_kernel(y, z, norm_w, eps, a, b, A_log, dt_bias, state_pool, layout: SeqLayout,
+                                     heads, write_state=False):
+    """-> (o_normed, new states) or, with write_state and SELECT["gdn_state_inplace"], (o_normed, None):
+    the states were written into the pool in place."""
+    inplace = bool(write_state and SELECT["gdn_state_inplace"])
+    out = run_gdn_normed(y, z, norm_w, eps, a, b, A_log, dt_bias, state_pool, layout, heads, inplace=inplace)
+    return None if out is None else (out[0], None if inplace else out[1])
