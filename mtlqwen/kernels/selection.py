@@ -51,27 +51,28 @@ SELECT: dict[str, int] = {
     # session 11, benchmarks/kernels_gdn.md), and the whole-model and engine GPU tests passed with it on.
     "head_norm_rope": 1,
     # out_proj / o_proj / down_proj at decode sizes carry the residual add + next RMSNorm in their epilogue
-    # (qmv_residual.py): 64 add_rms_norm launches fewer per 9B step. OFF until
-    # tests/test_kernels_qmatmul.py::test_qmv_residual_norm_matches_reference passes on the H200.
-    "qmv_residual_norm": 0,
+    # (qmv_residual.py): 64 add_rms_norm launches fewer per 9B step. Its GPU test passed on the H200
+    # (2026-11-30, session 11, benchmarks/kernels_qmatmul_attn.md).
+    "qmv_residual_norm": 1,
     # The FMA qmv loads the next chunks' weights before the current chunks' math (template PF). Written to
     # keep loads in flight at M=1, where the kernel stalled at ~1.9-2.0 TB/s steady state (lm_head 291 us
-    # for 572 MB, decode_profile.md run 6). 0 until benchmarks/kernels_qmatmul_attn.py measures it.
+    # for 572 MB, decode_profile.md run 6). Its test passed on the H200, but summed over a 9B step's
+    # shapes at the table's blocking it lost (4.39 vs 4.37 ms, benchmarks/kernels_qmatmul_attn.md): off.
     "qmv_prefetch": 0,
     # Decode attention splits the context into ranges of at least this many keys (paged_attn_kernels.plan):
     # below it a split's fixed cost (q load, merge traffic) was taken to outweigh its parallelism. At B=1 with
     # 512 cached keys that leaves 2 splits x 4 KV heads = 8 threadgroups, and an attention call took 21 us
-    # (decode_profile.md run 6); decode_profile.py times 64 / 128 / 256 side by side.
+    # (decode_profile.md run 6). Shorter splits were slower there (B=1, 512 keys: 30.4 / 26.0 / 23.1 / 25.4
+    # us at 32 / 64 / 128 / 256 keys, chains of 40 calls -- within run-to-run noise of 256), so 256 stays.
     "attn_min_split_keys": 256,
     # The conv kernel writes each sequence's new conv state (its last K-1 raw rows) into the conv pool in
     # place instead of returning it for a scatter (conv_kernels.py): one built-in launch fewer per GDN
-    # layer. Written without a device; OFF until tests/test_kernels_small.py::test_conv_inplace_kernel has
-    # passed on the H200.
-    "conv_state_inplace": 0,
+    # layer. tests/test_kernels_small.py::test_conv_inplace_kernel passed on the H200 (2026-11-30, session 11).
+    "conv_state_inplace": 1,
     # The GDN recurrence with the gated RMSNorm of its output in the same launch (gdn_normed_kernels.py):
-    # one custom-kernel launch fewer per GDN layer at decode. Written without a device; OFF until
-    # tests/test_kernels_gdn.py::test_gdn_fused_norm_kernel has passed on the H200.
-    "gdn_fused_norm": 0,
+    # one custom-kernel launch fewer per GDN layer at decode. tests/test_kernels_gdn.py::test_gdn_fused_norm_kernel
+    # passed on the H200 (2026-11-30, session 11).
+    "gdn_fused_norm": 1,
 }
 
 
