@@ -8,8 +8,8 @@ its own numbers. Each part is the script's own `main(argv)`; its JSON goes to --
     source .device/env.sh && python benchmarks/suite.py --out $OUT --parts check:60 e2e:240 runtime:90
 
 Parts (NAME:SECONDS):
-  check    the engine's greedy tokens with the compiled step and in-place GDN states against the
-           uncompiled step with the functional state scatter (the path tested on the device before), and
+  check    the engine's greedy tokens with the compiled step, in-place state writes and fused decode
+           launches against the uncompiled step without them (functional scatters, separate norms), and
            both against the one-shot forward: where they differ, the reference's top-2 gap says whether
            it was a near-tie
   e2e      benchmarks/e2e_bench.py (mtlqwen vs mlx-lm)
@@ -47,7 +47,8 @@ def _alarm(signum, frame):
 
 
 def check(model, argv: list[str], out: str) -> None:
-    """Compiled + in-place decode vs uncompiled + functional scatter vs the one-shot forward."""
+    """Compiled decode with the in-place writes and fused launches vs uncompiled without them vs the one-shot
+    forward."""
     from mtlqwen.kernels.selection import SELECT  # noqa: PLC0415
     from mtlqwen.runtime import Engine, SamplingParams  # noqa: PLC0415
 
@@ -55,10 +56,12 @@ def check(model, argv: list[str], out: str) -> None:
     rng = np.random.default_rng()
     lens = [int(a) for a in argv] or [300, 129, 7, 1]  # 5+ prompts: decode rows reach the tensor-core qmv
     prompts = [rng.integers(0, vocab, n).tolist() for n in lens]
-    saved = SELECT["gdn_state_inplace"]
+    # the decode-path variants the baseline switches off: in-place state writes and the fused launches
+    fused = ("gdn_state_inplace", "conv_state_inplace", "gdn_fused_norm", "qmv_residual_norm")
+    saved = {k: SELECT[k] for k in fused}
 
-    def run(compiled: bool, inplace: int) -> list[list[int]]:
-        SELECT["gdn_state_inplace"] = inplace
+    def run(compiled: bool, on: int) -> list[list[int]]:
+        SELECT.update({k: on for k in fused})
         try:
             eng = Engine(model, slots=len(prompts), step_tokens=128, num_blocks=4 * len(prompts), prefix_interval=0, compile_decode=compiled)
             outs = eng.generate(prompts, SamplingParams(max_tokens=gen, ignore_eos=True))
@@ -66,7 +69,7 @@ def check(model, argv: list[str], out: str) -> None:
             assert st["free_blocks"] == st["total_blocks"] and st["running"] == 0, st
             return [o.token_ids for o in outs]
         finally:
-            SELECT["gdn_state_inplace"] = saved
+            SELECT.update(saved)
 
     base = run(False, 0)
     new = run(True, 1)
@@ -82,7 +85,7 @@ def check(model, argv: list[str], out: str) -> None:
         report.append({"prompt_len": len(p), "first_difference": first, "ref_top2_gap_there": top2,
                        "uncompiled_vs_one_shot_differ": int(sum(g > 0 for g in gaps)),
                        "worst_gap": float(max(gaps))})
-        print(f"[check] prompt {len(p):4d}: compiled+in-place vs uncompiled first differs at "
+        print(f"[check] prompt {len(p):4d}: compiled+fused vs uncompiled+unfused first differs at "
               f"{first} (ref top-2 gap there {top2}); uncompiled vs one-shot: "
               f"{report[-1]['uncompiled_vs_one_shot_differ']} of {gen} differ, worst gap {max(gaps):.2e}", flush=True)
     if out:

@@ -55,18 +55,34 @@ _EPILOGUE = r"""
     const int tid = TID_X;
     for (int m = 0; m < M; ++m) {
       const size_t base = (size_t)m * N;
+      // every load of the row first (EPT per thread, all in flight), then the math and the stores: a loop
+      // that stored between its loads ran them one latency at a time (possible aliasing), ~30 us a launch
+      float hv[EPT];
+      float wv[EPT];
+#pragma unroll
+      for (int j = 0; j < EPT; ++j) {
+        const int i = tid + 128 * j;
+        hv[j] = i < N ? TO_FLOAT(h[base + i]) + TO_FLOAT(QR_LOAD(dlt[base + i])) : 0.0f;
+        wv[j] = i < N ? TO_FLOAT(nw[i]) : 0.0f;
+      }
       float ss = 0.0f;
-      for (int i = tid; i < N; i += 128) {
-        const T hv = FROM_FLOAT(T, TO_FLOAT(h[base + i]) + TO_FLOAT(QR_LOAD(dlt[base + i])));
-        hsum[base + i] = hv;   // read back below by this same thread
-        const float f = TO_FLOAT(hv);
-        ss += f * f;
+#pragma unroll
+      for (int j = 0; j < EPT; ++j) {
+        hv[j] = TO_FLOAT(FROM_FLOAT(T, hv[j]));  // the new residual stream, rounded as stored
+        ss += hv[j] * hv[j];
       }
       ss = SIMD_SUM(ss);
       if (LANE == 0) qr_part[SIMD_ID] = ss;
       BARRIER;
       const float inv = RSQRT((qr_part[0] + qr_part[1] + qr_part[2] + qr_part[3]) / (float)N + eps[0]);
-      for (int i = tid; i < N; i += 128) y[base + i] = FROM_FLOAT(T, TO_FLOAT(hsum[base + i]) * inv * TO_FLOAT(nw[i]));
+#pragma unroll
+      for (int j = 0; j < EPT; ++j) {
+        const int i = tid + 128 * j;
+        if (i < N) {
+          hsum[base + i] = FROM_FLOAT(T, hv[j]);
+          y[base + i] = FROM_FLOAT(T, hv[j] * inv * wv[j]);
+        }
+      }
       BARRIER;  // qr_part is reused by the next row
     }
     if (tid == 0) QR_RESET(cnt);
@@ -85,7 +101,7 @@ def _example(dt, bits: int) -> KernelExample:
     ins = [(dt, (2, K)), (mx.uint32, (N, K * bits // 32)), (dt, (N, K // 64)), (dt, (N, K // 64)),
            (dt, (2, N)), (dt, (N,)), (mx.float32, (1,)), (mx.uint32, (8,))]
     tmpl = [("T", dt), ("XK", qmatmul._XKIND[dt]), ("BITS", bits), ("GS", 64), ("MT", 2), ("R", 4), ("U", 2),
-            ("P", 1), ("EPI", 0), ("PF", 1), ("NBLK", N // 16)]
+            ("P", 1), ("EPI", 0), ("PF", 1), ("NBLK", N // 16), ("EPT", N // 128)]
     return KernelExample(inputs=ins, outputs=[dt] * 3, template=tmpl)
 
 
@@ -95,6 +111,7 @@ QMV_ADD_RMS = portable_kernel(
     examples=[_example(dt, bits) for dt in (mx.bfloat16, mx.float32) for bits in (4, 8)],
 )
 
+MAX_EPT = 64  # residual elements per thread held in registers by the epilogue (hidden size <= 8192)
 _COUNTERS: dict[int, mx.array] = {}
 
 
@@ -117,6 +134,7 @@ def covers(x: mx.array, p: LinearParams, h: mx.array) -> bool:
     return (SELECT["qmv_residual_norm"] == 1 and gpu_backend() is not None and x.ndim == 2
             and 1 <= M <= SELECT["qmv_max_rows"] and not (0 < mma_from <= M and gpu_backend() == "cuda")
             and h.shape == (M, p.out_features) and h.dtype == x.dtype and x.dtype in FLOATS
+            and p.out_features <= 128 * MAX_EPT
             and qmatmul.qmv_supported(x, [p]))
 
 
@@ -145,7 +163,8 @@ def qmv_add_rms(x: mx.array, p: LinearParams, h: mx.array, w: mx.array, eps: flo
         grid=(nblk * 128, 1, 1),
         threadgroup=(128, 1, 1),
         template=[("T", dt), ("XK", qmatmul._XKIND[dt]), ("BITS", p.bits), ("GS", p.group_size), ("MT", mt),
-                  ("R", R), ("U", U), ("P", 1), ("EPI", 0), ("PF", int(pf)), ("NBLK", nblk)],
+                  ("R", R), ("U", U), ("P", 1), ("EPI", 0), ("PF", int(pf)), ("NBLK", nblk),
+                  ("EPT", -(-N // 128))],
         init_value=qmatmul.POISON,
     )
     return hsum, y
