@@ -17,10 +17,8 @@ from .seqs import SeqLayout
 
 TG = 256  # threads along the channels
 
-_BODY = """
-const int NSEQ = qsl_shape[0] - 1;
-const int c = GID_X % CHP;  // channel (CHP = CH padded to the threadgroup width)
-const int u = GID_X / CHP;  // output token, or a state row past T
+# shared by both kernels: token rows u < T find their sequence lo (binary search over query_start_loc)
+_SEQ_OF_ROW = """\
 const int T = qsl[NSEQ];
 constexpr int KS = K - 1;
 if (c < CH) {
@@ -30,7 +28,13 @@ if (c < CH) {
       const int mid = (lo + hi + 1) / 2;
       if (qsl[mid] <= u) lo = mid; else hi = mid - 1;
     }
-    const int st = qsl[lo];
+"""
+
+_BODY = """
+const int NSEQ = qsl_shape[0] - 1;
+const int c = GID_X % CHP;  // channel (CHP = CH padded to the threadgroup width)
+const int u = GID_X / CHP;  // output token, or a state row past T
+""" + _SEQ_OF_ROW + """    const int st = qsl[lo];
     const size_t prow = (size_t)rows[lo] * KS;
     float acc = 0.0f;
     for (int j = 0; j < K; ++j) {
@@ -67,16 +71,7 @@ _INPLACE_BODY = """
 const int NSEQ = qsl_shape[0] - 1;
 const int c = GID_X % CHP;
 const int u = GID_X / CHP;  // output token, or T + the sequence whose state this thread carries
-const int T = qsl[NSEQ];
-constexpr int KS = K - 1;
-if (c < CH) {
-  if (u < T) {
-    int lo = 0, hi = NSEQ - 1;  // the sequence of packed row u: last lo with qsl[lo] <= u
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (qsl[mid] <= u) lo = mid; else hi = mid - 1;
-    }
-    if (u - qsl[lo] >= KS) {  // the window lies in the new tokens: no pool read
+""" + _SEQ_OF_ROW + """    if (u - qsl[lo] >= KS) {  // the window lies in the new tokens: no pool read
       float acc = 0.0f;
       for (int j = 0; j < K; ++j) acc += TO_FLOAT(w[c * K + j]) * TO_FLOAT(x[(size_t)(u - KS + j) * CH + c]);
       y[(size_t)u * CH + c] = FROM_FLOAT(XT, acc / (1.0f + EXP(-acc)));
