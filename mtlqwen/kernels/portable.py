@@ -137,6 +137,8 @@ class PortableKernel:
     shared_memory: int = 0
     # concrete instantiations `check_metal` compiles the Metal rendering with (see KernelExample)
     examples: list = field(default_factory=list)
+    # instantiations of `cuda_body` for `check_cuda` when its template differs from the portable body's
+    cuda_examples: list = field(default_factory=list)
     _built: dict = field(default_factory=dict, repr=False)
 
     def unique_name(self, backend: str) -> str:

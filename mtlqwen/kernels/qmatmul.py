@@ -379,7 +379,8 @@ def _mma_kernel(P: int, epi: int):
                 .replace("MMA_PTRS", _mma_ptrs(P, epi)))
         _KERNELS[key] = portable_kernel(
             name=f"mtl_qmv_mma_p{P}_e{epi}", input_names=port.input_names, output_names=port.output_names,
-            body=port.body, cuda_body=cuda, header=_HEADER + _MMA_HEADER, examples=port.examples)
+            body=port.body, cuda_body=cuda, header=_HEADER + _MMA_HEADER, examples=port.examples,
+            cuda_examples=[_mma_example(P, epi, dt) for dt in (mx.bfloat16, mx.float16)])
     return _KERNELS[key]
 
 
@@ -389,6 +390,14 @@ def _example(P: int, epi: int, dt, bits: int) -> KernelExample:
     tmpl = [("T", dt), ("XK", _XKIND[dt]), ("BITS", bits), ("GS", 64), ("MT", 4), ("R", 4), ("U", 1),
             ("P", P), ("EPI", epi), ("PF", bits == 4)]
     return KernelExample(inputs=[(dt, (4, 4096))] + wq * P, outputs=[dt] * (1 if epi else P), template=tmpl)
+
+
+def _mma_example(P: int, epi: int, dt) -> KernelExample:
+    """The tensor-core body's template (as `_qmv_mma` launches it) for the CUDA compile check."""
+    ex = _example(P, epi, dt, 4)
+    return KernelExample(inputs=ex.inputs, outputs=ex.outputs,
+                         template=[("T", dt), ("XK", _XKIND[dt]), ("GS", 64), ("UG", 256 // 64), ("NW", 8),
+                                   ("P", P), ("EPI", epi)])
 
 
 def _mt(M: int) -> int:
