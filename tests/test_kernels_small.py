@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import mlx.core as mx
 from mtlqwen.kernels import backend
-from mtlqwen.kernels.conv1d import causal_conv1d, causal_conv1d_inplace, causal_conv1d_ref
+from mtlqwen.kernels.conv1d import causal_conv1d, causal_conv1d_ref
 from mtlqwen.kernels.fused_small import add_rms_norm_ref
 from mtlqwen.kernels.head_norm_rope import head_norm_rope, head_norm_rope_ref
 from mtlqwen.kernels.norms import gated_rms_norm_ref, rms_norm, rms_norm_ref
@@ -79,13 +79,13 @@ def test_conv_reference(seed, lens, K):
 @given(seed=st.integers(0, 2**31), lens=st.lists(st.integers(1, 9), min_size=1, max_size=4), K=st.sampled_from([2, 4]),
        on=st.booleans())
 def test_conv_inplace_op_runs_the_reference_on_cpu(seed, lens, K, on):
-    """The in-place conv op, switched on or off, is the reference on the CPU: it returns the new states
-    (for the caller's scatter) and leaves the pool alone."""
+    """The conv op asked to write its states, in-place switch on or off, is the reference on the CPU: it
+    returns the new states (for the caller's scatter) and leaves the pool alone."""
     x, w, pool, layout = conv_case(seed, lens, 24, K, mx.float32, mx.bfloat16)
     before = f64(pool)
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(SELECT, "conv_state_inplace", int(on))
-        y, states = causal_conv1d_inplace(x, w, pool, layout)
+        y, states = causal_conv1d(x, w, pool, layout, write_state=True)
     ry, rst = causal_conv1d_ref(x, w, pool, layout)
     assert states is not None and mx.array_equal(y, ry).item() and mx.array_equal(states, rst).item()
     assert np.array_equal(f64(pool), before)
@@ -266,12 +266,19 @@ def test_head_norm_rope_kernel(seed, T, H, D, stride, rd, dtype):
 @pytest.mark.gpu
 @needs_gpu
 def test_dispatchers_use_the_kernels():
-    for op in ("causal_conv1d", "causal_conv1d_inplace", "rms_norm", "gated_rms_norm", "rope", "add_rms_norm",
+    for op in ("causal_conv1d", "rms_norm", "gated_rms_norm", "rope", "add_rms_norm",
                "head_norm_rope"):
         assert backend.kernel_for(op) is not None, op
     x, w, pool, layout = conv_case(1, [3, 1, 20], 416, 4, mx.bfloat16, mx.bfloat16)
-    for got, want in zip(causal_conv1d(x, w, pool, layout), on_cpu(causal_conv1d_ref, x, w, pool, layout)):
-        assert rel(got, want) < TOL[mx.bfloat16]
+    want = on_cpu(causal_conv1d_ref, x, w, pool, layout)
+    for got, ref in zip(causal_conv1d(x, w, pool, layout), want):
+        assert rel(got, ref) < TOL[mx.bfloat16]
+    with pytest.MonkeyPatch.context() as mp:  # asked to write its states: the in-place kernel does
+        mp.setitem(SELECT, "conv_state_inplace", 1)
+        y, states = causal_conv1d(x, w, pool, layout, write_state=True)
+        mx.eval(y)
+    assert states is None and rel(y, want[0]) < TOL[mx.bfloat16]
+    assert np.array_equal(f64(pool)[layout.state_rows], f64(want[1]))
     rng = np.random.default_rng(2)
     x, w = rand(rng, 4, 4096, dtype=mx.bfloat16), rand(rng, 4096, dtype=mx.bfloat16)
     assert rel(rms_norm(x, w, 1e-6), on_cpu(rms_norm_ref, x, w, 1e-6)) < TOL[mx.bfloat16]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .backend import kernel_for
-from .selection import SELECT
 from .seqs import SeqLayout
 
 
@@ -29,21 +28,13 @@ def causal_conv1d_ref(
     return mx.concatenate(outs, axis=0), mx.stack(states)
 
 
-def causal_conv1d(x: mx.array, w: mx.array, conv_pool: mx.array, layout: SeqLayout) -> tuple[mx.array, mx.array]:
+def causal_conv1d(x: mx.array, w: mx.array, conv_pool: mx.array, layout: SeqLayout,
+                  write_state: bool = False) -> tuple[mx.array, mx.array | None]:
+    """-> (y, new states [B, K-1, C]) for the caller's scatter, or -- write_state, and the GPU kernel with
+    SELECT["conv_state_inplace"] took it (as `gated_delta_packed`'s write_state) -- (y, None): the states
+    are already in conv_pool's rows. The pool array is then unchanged as a graph node while its contents
+    changed, and MLX orders kernels only through data: the caller makes every later reader of the pool
+    depend on this launch (GDNMixer rebinds the pool to `mx.depends(pool, y)`)."""
     kern = kernel_for("causal_conv1d")
-    out = kern(x, w, conv_pool, layout) if kern is not None else None
+    out = kern(x, w, conv_pool, layout, write_state) if kern is not None else None
     return out if out is not None else causal_conv1d_ref(x, w, conv_pool, layout)
-
-
-def causal_conv1d_inplace(x: mx.array, w: mx.array, conv_pool: mx.array,
-                          layout: SeqLayout) -> tuple[mx.array, mx.array | None]:
-    """`causal_conv1d` that may write the new states into conv_pool's rows itself: (y, None) when it did
-    (SELECT["conv_state_inplace"], GPU), else (y, new states [B, K-1, C]) for the caller's scatter.
-    After (y, None) the pool array is unchanged as a graph node while its contents changed, and MLX
-    orders kernels only through data: the caller must make every later reader of the pool depend on
-    this launch (GDNMixer rebinds the pool to `mx.depends(pool, y)`)."""
-    kern = kernel_for("causal_conv1d_inplace") if SELECT["conv_state_inplace"] else None
-    out = kern(x, w, conv_pool, layout) if kern is not None else None
-    if out is not None:
-        return out[0], None
-    return causal_conv1d(x, w, conv_pool, layout)

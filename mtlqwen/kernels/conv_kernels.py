@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from .backend import gpu_backend, register_kernel
 from .portable import KernelExample, portable_kernel
+from .selection import SELECT
 from .seqs import SeqLayout
 
 TG = 256  # threads along the channels
@@ -157,11 +158,9 @@ def run_conv(x, w, conv_pool, layout: SeqLayout, init_value=None, inplace=False)
 
 
 @register_kernel("causal_conv1d")
-def causal_conv1d_kernel(x, w, conv_pool, layout: SeqLayout):
-    return run_conv(x, w, conv_pool, layout)
-
-
-@register_kernel("causal_conv1d_inplace")
-def causal_conv1d_inplace_kernel(x, w, conv_pool, layout: SeqLayout):
-    """-> (y, done): the new states are in conv_pool's rows (None: not covered)."""
-    return run_conv(x, w, conv_pool, layout, inplace=True)
+def causal_conv1d_kernel(x, w, conv_pool, layout: SeqLayout, write_state=False):
+    """-> (y, new states) or, with write_state and SELECT["conv_state_inplace"], (y, None): the new
+    states were written into conv_pool's rows (None: not covered)."""
+    inplace = bool(write_state and SELECT["conv_state_inplace"])
+    out = run_conv(x, w, conv_pool, layout, inplace=inplace)
+    return None if out is None else (out[0], None if inplace else out[1])

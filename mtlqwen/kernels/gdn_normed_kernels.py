@@ -12,9 +12,9 @@ threadgroups (BV = 128 / TPR rows each). Two ways to bring a head together:
   - one threadgroup per (sequence, value head), BV >= DV rows, and a threadgroup reduction of the
     squares per token (two barriers a token);
   - keep the blocks, park the unnormalised o, count finished blocks with an atomic and let the last
-    block of a head normalise it: needs atomics and device-memory fences across threadgroups (not in
-    the portability layer, and weakly specified on Metal), a zeroed counter output (MLX's init_value
-    is one value for every output, so the NaN-poisoning tests could not use it), and a second pass.
+    block of a head normalise it (as qmv_residual.py does with the portability layer's DEVICE_FENCE /
+    ATOMIC_ADD_U32): a counter that stays zero between launches, a parked copy of o, and a serial
+    epilogue in one threadgroup per head -- more traffic and latency than a head-sized threadgroup.
 We take the first. What limits it is registers, not the 1024-thread cap: without __launch_bounds__ (MLX
 writes the CUDA signature) a block must fit the SM's 65536 registers at whatever count the compiler chose,
 and `gdn_recurrent` at dk = 128 takes 95 registers at TPR = 8 and 122 at TPR = 4 (ptxas -v, sm_90, CUDA

@@ -63,6 +63,14 @@ TOKENS: dict[str, tuple[str, str]] = {
     "MAKE_FLOAT4": ("float4", "make_float4"),
     # address space of a pointer cast to threadgroup / shared memory (CUDA pointers are generic)
     "TG_PTR": ("threadgroup", ""),
+    # across threadgroups of one launch (qmv_residual.py's "last threadgroup finishes" epilogue): a device-
+    # scope fence, a uint32 counter in an input buffer (relaxed atomics), and a load past the non-coherent
+    # per-SM cache of data other threadgroups wrote during the launch
+    "DEVICE_FENCE": ("atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device)",
+                     "__threadfence()"),
+    "ATOMIC_ADD_U32": ("pl_atomic_add_u32", "pl_atomic_add_u32"),
+    "ATOMIC_STORE_U32": ("pl_atomic_store_u32", "pl_atomic_store_u32"),
+    "LOAD_L2": ("pl_load_l2", "__ldcg"),
 }
 
 # Helpers a CUDA body may call (they are what the SIMD tokens render to). Metal has them built in.
@@ -86,11 +94,22 @@ template <typename T> __device__ __forceinline__ T pl_from_float(float x);
 template <> __device__ __forceinline__ float pl_from_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ __half pl_from_float<__half>(float x) { return __float2half(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 pl_from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+__device__ __forceinline__ unsigned int pl_atomic_add_u32(const uint32_t* p, unsigned int v) {
+  return atomicAdd((unsigned int*)p, v);
+}
+__device__ __forceinline__ void pl_atomic_store_u32(const uint32_t* p, unsigned int v) { atomicExch((unsigned int*)p, v); }
 """
 
 METAL_HEADER = r"""
 #include <metal_stdlib>
 using namespace metal;
+inline uint pl_atomic_add_u32(const device uint32_t* p, uint v) {
+  return atomic_fetch_add_explicit((device atomic_uint*)p, v, memory_order_relaxed);
+}
+inline void pl_atomic_store_u32(const device uint32_t* p, uint v) {
+  atomic_store_explicit((device atomic_uint*)p, v, memory_order_relaxed);
+}
+template <typename T> inline T pl_load_l2(const device T* p) { return *p; }
 """
 
 _FROM_FLOAT = re.compile(r"FROM_FLOAT\(\s*(\w+)\s*,")

@@ -428,31 +428,38 @@ def qmv(x: mx.array, ps: list[LinearParams], epi: int = 0, cfg: tuple[int, int] 
         mma = cfg is None and 0 < SELECT["qmv_mma_min_rows"] <= M
     if mma and gpu_backend() == "cuda" and p0.bits == 4 and x.dtype in (mx.bfloat16, mx.float16):
         return _qmv_mma(x, ps, epi)
-    mt = _mt(M)
-    R, U = cfg[:2] if cfg is not None else qmv_config(mt, K, p0.bits, swiglu=epi == 1, N=p0.out_features)
-    pf = cfg[2] if cfg is not None and len(cfg) > 2 else SELECT["qmv_prefetch"]
+    R, U = cfg[:2] if cfg is not None else qmv_config(_mt(M), K, p0.bits, swiglu=epi == 1, N=p0.out_features)
+    pf = cfg[2] if cfg is not None and len(cfg) > 2 else None
     if epi == 1:
         R *= 2  # gate and up rows share the activation loads
     rp = R // 2 if epi == 1 else R
     nblocks = sum((p.out_features + 4 * rp - 1) // (4 * rp) for p in ([p0] if epi == 1 else ps))
-    dt = x.dtype  # qmv_supported: x has the scales' dtype, or is fp32 (scales are then cast)
-    inputs = [x]
-    for p in ps:
-        inputs += [p.weight, p.scales.astype(dt) if p.scales.dtype != dt else p.scales,
-                   p.biases.astype(dt) if p.biases.dtype != dt else p.biases]
     shapes = [(M, p0.out_features)] if epi == 1 else [(M, p.out_features) for p in ps]
-    kern = _kernel(len(ps), epi)
-    return kern(
+    return _kernel(len(ps), epi)(
         gpu_backend(),
-        inputs=inputs,
+        inputs=fma_inputs(x, ps),
         output_shapes=shapes,
-        output_dtypes=[dt] * len(shapes),
+        output_dtypes=[x.dtype] * len(shapes),
         grid=(nblocks * 128, 1, 1),
         threadgroup=(128, 1, 1),
-        template=[("T", dt), ("XK", _XKIND[dt]), ("BITS", p0.bits), ("GS", p0.group_size), ("MT", mt),
-                  ("R", R), ("U", U), ("P", len(ps)), ("EPI", epi), ("PF", int(pf))],
+        template=fma_template(x, p0, R, U, len(ps), epi, pf),
         init_value=POISON,
     )
+
+
+def fma_inputs(x: mx.array, ps: list[LinearParams]) -> list[mx.array]:
+    """x, then (weight, scales, biases) per projection, scales in x's dtype (qmv_supported: they share it,
+    or x is fp32 and they are cast)."""
+    dt = x.dtype
+    return [x] + [a if a.dtype == dt or a is p.weight else a.astype(dt)
+                  for p in ps for a in (p.weight, p.scales, p.biases)]
+
+
+def fma_template(x: mx.array, p0: LinearParams, R: int, U: int, P: int, epi: int, pf: int | None) -> list:
+    """The FMA body's template constants (also qmv_residual.py's); pf None: the selection table's."""
+    pf = SELECT["qmv_prefetch"] if pf is None else pf
+    return [("T", x.dtype), ("XK", _XKIND[x.dtype]), ("BITS", p0.bits), ("GS", p0.group_size), ("MT", _mt(x.shape[0])),
+            ("R", R), ("U", U), ("P", P), ("EPI", epi), ("PF", int(pf))]
 
 
 def _qmv_mma(x: mx.array, ps: list[LinearParams], epi: int) -> list[mx.array]:

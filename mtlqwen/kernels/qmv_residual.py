@@ -5,8 +5,8 @@
     y     = rms_norm(h') * w   (the next sub-block's input)
 
 Why: the decoder calls `add_rms_norm` twice per layer right after a projection; as its own kernel that is
-64 launches per Qwen3.5-9B step, each ~9 us of MLX host time (benchmarks/decode_profile.md), and batch-1
-decode is host-bound. The norm needs every output column of the projection, so the qmv threadgroups
+64 launches per Qwen3.5-9B step, each ~9 us of MLX host time (benchmarks/decode_profile.md), when batch-1
+decode was host-bound. The norm needs every output column of the projection, so the qmv threadgroups
 count themselves out on a per-call-site counter: the last one to finish reads all deltas and does the
 add + norm for the M rows (4096 columns each; a few us for one threadgroup instead of a launch).
 
@@ -27,31 +27,17 @@ from .linear import LinearParams
 from .portable import KernelExample, portable_kernel
 from .selection import SELECT, qmv_config
 
-_HEADER = qmatmul._HEADER + r"""
-#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
-#define QR_FENCE() __threadfence()
-#define QR_ARRIVE(p) atomicAdd((unsigned int*)(p), 1u)
-#define QR_RESET(p) atomicExch((unsigned int*)(p), 0u)
-#define QR_LOAD(x) __ldcg(&(x))  // past L1: other SMs wrote it during this launch
-#else
-#define QR_FENCE() atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device)
-#define QR_ARRIVE(p) atomic_fetch_add_explicit((device atomic_uint*)(p), 1u, memory_order_relaxed)
-#define QR_RESET(p) atomic_store_explicit((device atomic_uint*)(p), 0u, memory_order_relaxed)
-#define QR_LOAD(x) (x)
-#endif
-"""
-
 # After the qmv body: dlt [M, N] holds this threadgroup's columns. Writers fence, then one thread counts
 # the threadgroup in; the NBLK-th arrival owns the epilogue (h + dlt -> hsum, rms_norm(hsum) * nw -> y).
 _EPILOGUE = r"""
   SHARED float qr_part[4];
   SHARED int qr_last;
-  QR_FENCE();
+  DEVICE_FENCE;
   BARRIER;
-  if (TID_X == 0) qr_last = (int)(QR_ARRIVE(cnt) == (uint32_t)(NBLK - 1));
+  if (TID_X == 0) qr_last = (int)(ATOMIC_ADD_U32(cnt, 1u) == (uint32_t)(NBLK - 1));
   BARRIER;
   if (qr_last) {
-    QR_FENCE();
+    DEVICE_FENCE;
     const int tid = TID_X;
     for (int m = 0; m < M; ++m) {
       const size_t base = (size_t)m * N;
@@ -62,7 +48,7 @@ _EPILOGUE = r"""
 #pragma unroll
       for (int j = 0; j < EPT; ++j) {
         const int i = tid + 128 * j;
-        hv[j] = i < N ? TO_FLOAT(h[base + i]) + TO_FLOAT(QR_LOAD(dlt[base + i])) : 0.0f;
+        hv[j] = i < N ? TO_FLOAT(h[base + i]) + TO_FLOAT(LOAD_L2(dlt + base + i)) : 0.0f;
         wv[j] = i < N ? TO_FLOAT(nw[i]) : 0.0f;
       }
       float ss = 0.0f;
@@ -85,7 +71,7 @@ _EPILOGUE = r"""
       }
       BARRIER;  // qr_part is reused by the next row
     }
-    if (tid == 0) QR_RESET(cnt);
+    if (tid == 0) ATOMIC_STORE_U32(cnt, 0u);
   }
 """
 
@@ -107,7 +93,7 @@ def _example(dt, bits: int) -> KernelExample:
 
 QMV_ADD_RMS = portable_kernel(
     name="mtl_qmv_add_rms", input_names=["x", "w0", "s0", "b0", "h", "nw", "eps", "cnt"],
-    output_names=["dlt", "hsum", "y"], body=_BODY, header=_HEADER,
+    output_names=["dlt", "hsum", "y"], body=_BODY, header=qmatmul._HEADER,
     examples=[_example(dt, bits) for dt in (mx.bfloat16, mx.float32) for bits in (4, 8)],
 )
 
@@ -148,23 +134,18 @@ def qmv_add_rms(x: mx.array, p: LinearParams, h: mx.array, w: mx.array, eps: flo
                 pf: int | None = None) -> tuple[mx.array, mx.array]:
     """The launch itself: x [M <= 8, K], h [M, N] of x's dtype (tests call it past `covers`' policy);
     pf: the weight-prefetch variant (default: the selection table's)."""
-    pf = SELECT["qmv_prefetch"] if pf is None else pf
     M, K = x.shape
-    N, dt = p.out_features, x.dtype
-    mt = qmatmul._mt(M)
-    R, U = qmv_config(mt, K, p.bits, N=N)
+    N = p.out_features
+    R, U = qmv_config(qmatmul._mt(M), K, p.bits, N=N)
     nblk = -(-N // (4 * R))
-    sc, bi = (a if a.dtype == dt else a.astype(dt) for a in (p.scales, p.biases))
     _, hsum, y = QMV_ADD_RMS(
         gpu_backend(),
-        inputs=[x, p.weight, sc, bi, h, w, eps_array(eps), _counter(p)],
+        inputs=qmatmul.fma_inputs(x, [p]) + [h, w, eps_array(eps), _counter(p)],
         output_shapes=[(M, N)] * 3,
-        output_dtypes=[dt] * 3,
+        output_dtypes=[x.dtype] * 3,
         grid=(nblk * 128, 1, 1),
         threadgroup=(128, 1, 1),
-        template=[("T", dt), ("XK", qmatmul._XKIND[dt]), ("BITS", p.bits), ("GS", p.group_size), ("MT", mt),
-                  ("R", R), ("U", U), ("P", 1), ("EPI", 0), ("PF", int(pf)), ("NBLK", nblk),
-                  ("EPT", -(-N // 128))],
+        template=qmatmul.fma_template(x, p, R, U, 1, 0, pf) + [("NBLK", nblk), ("EPT", -(-N // 128))],
         init_value=qmatmul.POISON,
     )
     return hsum, y

@@ -28,7 +28,6 @@ from ..kernels import (
 from ..kernels.fused_small import add_rms_norm
 from ..kernels.head_norm_rope import head_norm_rope
 from ..kernels.paged_attention import paged_attention_gated
-from ..kernels.conv1d import causal_conv1d_inplace
 from ..kernels.gated_delta import gated_delta_candidates, gated_delta_packed_normed, split_qkv
 from ..kernels.linear_fused import linear_add_rms_norm, linear_multi, swiglu_linear
 from .cache import ModelCache
@@ -109,7 +108,7 @@ class GDNMixer:
             o = self._mix_verifying(mixed, a, b, layout, cache)
             return gated_rms_norm(o, z.reshape(T, Hv, dv), self.norm_w, c.rms_norm_eps).reshape(T, c.value_dim)
         conv_pool, rec_pool = cache.conv_states[self.idx], cache.rec_states[self.idx]
-        y, conv_new = causal_conv1d_inplace(mixed, self.conv_w, conv_pool, layout)  # the delta rule reads y
+        y, conv_new = causal_conv1d(mixed, self.conv_w, conv_pool, layout, write_state=True)  # the delta rule reads y
         # the delta rule and the gated RMSNorm (one launch where gdn_fused_norm allows): o [T, value_dim]
         o, rec_new = gated_delta_packed_normed(y, z, self.norm_w, c.rms_norm_eps, a, b, self.A_log, self.dt_bias,
                                                rec_pool, layout, (Hk, dk, Hv, dv), write_state=True)
@@ -169,14 +168,14 @@ class GDNMixer:
 
 class AttentionMixer:
     """Gated full attention (§3): per-head q|gate, (1+w) q/k norms, partial RoPE, paged GQA, sigmoid gate;
-    returns o_proj's input [T, nH * hd] (`out_proj` names o_proj for the decoder layer)."""
+    returns o_proj's input [T, nH * hd] (`out_proj` is the checkpoint's o_proj)."""
 
     def __init__(self, w, prefix: str, c: Qwen35Config, kv_index: int, rope: RopeTables):
         self.c, self.idx, self.rope = c, kv_index, rope
         self.q_proj = _lin(w, f"{prefix}.q_proj", c)
         self.k_proj = _lin(w, f"{prefix}.k_proj", c)
         self.v_proj = _lin(w, f"{prefix}.v_proj", c)
-        self.o_proj = self.out_proj = _lin(w, f"{prefix}.o_proj", c)
+        self.out_proj = _lin(w, f"{prefix}.o_proj", c)
         self.q_norm, self.k_norm = w[f"{prefix}.q_norm.weight"], w[f"{prefix}.k_norm.weight"]
 
     def __call__(self, x: mx.array, layout: SeqLayout, cache: ModelCache) -> mx.array:
@@ -206,12 +205,12 @@ class DenseMLP:
         self.up_proj = _lin(w, f"{prefix}.up_proj", c)
         self.down_proj = _lin(w, f"{prefix}.down_proj", c)
 
-    def hidden(self, x: mx.array) -> mx.array:
-        """down_proj's input: silu(x Wg^T) * (x Wu^T) [T, inter]."""
-        return swiglu_linear(x, self.gate_proj, self.up_proj)
-
     def __call__(self, x: mx.array) -> mx.array:
-        return linear(self.hidden(x), self.down_proj)
+        return linear(swiglu_linear(x, self.gate_proj, self.up_proj), self.down_proj)
+
+    def add_norm(self, x: mx.array, h: mx.array, w: mx.array, eps: float) -> tuple[mx.array, mx.array]:
+        """(h + mlp(x), rms_norm(h + mlp(x)) * w), down_proj carrying the add and the norm."""
+        return linear_add_rms_norm(swiglu_linear(x, self.gate_proj, self.up_proj), self.down_proj, h, w, eps)
 
 
 class MoEBlock:
@@ -239,6 +238,10 @@ class MoEBlock:
         routed = (down.reshape(T, k, -1) * weights[..., None]).sum(axis=1)
         return routed + self.shared(x) * mx.sigmoid(linear(x, self.shared_gate))
 
+    def add_norm(self, x: mx.array, h: mx.array, w: mx.array, eps: float) -> tuple[mx.array, mx.array]:
+        """(h + moe(x), rms_norm(h + moe(x)) * w): two outputs are summed, so no projection can carry it."""
+        return add_rms_norm(h, self(x), w, eps)
+
 
 class DecoderLayer:
     """Pre-norm block. The residual adds are fused with the projection before them and the norm after
@@ -257,9 +260,7 @@ class DecoderLayer:
     def __call__(self, h, x, layout: SeqLayout, cache: ModelCache, next_norm: mx.array):
         """h: residual stream [T, H]; x: input_layernorm(h). Returns (new h, next_norm(new h))."""
         h, x = linear_add_rms_norm(self.mixer(x, layout, cache), self.mixer.out_proj, h, self.post_norm, self.eps)
-        if isinstance(self.mlp, DenseMLP):
-            return linear_add_rms_norm(self.mlp.hidden(x), self.mlp.down_proj, h, next_norm, self.eps)
-        return add_rms_norm(h, self.mlp(x), next_norm, self.eps)
+        return self.mlp.add_norm(x, h, next_norm, self.eps)
 
 
 class Qwen35Model:
