@@ -162,6 +162,9 @@ def main():
     ap.add_argument("--past", type=int, default=512)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--shape", choices=["9b", "demo"], default="9b", help="demo: a CPU smoke run")
+    ap.add_argument("--variants", nargs="*", default=[], metavar="ROW=V[,ROW=V]",
+                    help="also time the compiled step with these selection rows (e.g. attn_min_split_keys=64)")
+    ap.add_argument("--no-ops", action="store_true", help="skip the per-op chains")
     ap.add_argument("--json")
     args = ap.parse_args()
     res = {"mlx": mx.__version__, "device": str(mx.default_device())}
@@ -192,19 +195,25 @@ def main():
         r["split_ms"] = {"build": med_ms(build), "encode": med_ms(enc), "wait": med_ms(wait),
                          "step": med_ms([a + b + c for a, b, c in zip(build, enc, wait)])}
 
+        host: list[float] = []
+
         def pipelined(f):
+            """Median step time; `host` gets the median time to build + launch a step (if it matches the
+            step time, the host bounds the loop, not the device)."""
             nonlocal ids
-            prev, ts = None, []
+            prev, ts, hs = None, [], []
             for i in range(args.steps + 3):
                 t0 = time.perf_counter()
                 tok = f(ids)
                 mx.async_eval(tok, *cache.arrays())
+                t1 = time.perf_counter()
                 if prev is not None:
                     prev.tolist()
                 ids, prev = tok, tok
                 if i >= 3:
-                    ts.append(time.perf_counter() - t0)
+                    ts.append(time.perf_counter() - t0), hs.append(t1 - t0)
             prev.tolist()
+            host[:] = [med_ms(hs)]
             return med_ms(ts)
 
         def plain(x):
@@ -243,11 +252,28 @@ def main():
                 return o[0]
 
             r["compiled_pipelined_ms"] = pipelined(comp)
+            r["compiled_host_ms"] = host[0]
+            for spec in args.variants:  # the same compiled step with selection rows changed (retraced)
+                rows = dict((k, int(v)) for k, v in (t.split("=") for t in spec.split(",")))
+                old = {k: SELECT[k] for k in rows}
+                SELECT.update(rows)
+                try:
+                    fv = mx.compile(step_fn(model, cache, B, args.past))
+
+                    def compv(x, fv=fv):
+                        o = fv(x, *cache.arrays())
+                        set_pools(cache, o[1:])
+                        return o[0]
+
+                    r.setdefault("variants_ms", {})[spec] = {"step": pipelined(compv), "host": host[0]}
+                finally:
+                    SELECT.update(old)
             r["compiled_step_peak_above_active_MiB"] = step_peak_mib(comp)
         r["tok_per_s_pipelined"] = B * 1e3 / r["pipelined_ms"]
         del cache
         mx.clear_cache()
-        r["ops_us"] = ops_at(model, B, args.past)
+        if not args.no_ops:
+            r["ops_us"] = ops_at(model, B, args.past)
         print(json.dumps({f"B{B}": {k: v for k, v in r.items() if k != "primitives"}}), flush=True)
     print(json.dumps(res, indent=1))
     if args.json:

@@ -46,26 +46,49 @@ def run(batch: int, steps: int, past: int) -> None:
         mx.eval(ids, *cache.arrays())
 
 
+_TIME = "gpu__time_duration.sum"
+# optional metrics (pass them to ncu's --metrics too): DRAM bytes give each kernel's achieved GB/s; the issue-
+# active share tells an instruction-bound kernel (near 100%) from a latency-bound one
+_EXTRA = {"dram__bytes_read.sum": "GB/s read", "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue %",
+          "sm__warps_active.avg.pct_of_peak_sustained_active": "occupancy %"}
+
+
+def _value(r: dict) -> float:
+    val = float(r["Metric Value"].replace(",", ""))
+    unit = r.get("Metric Unit", "")
+    scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3,
+             "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+    return val * scale.get(unit, 1.0)  # durations in µs, bytes in bytes, percentages as they are
+
+
 def summarize(path: str, steps: int) -> None:
     text = open(path).read()
     start = text.find('"ID"')
     rows = list(csv.DictReader(io.StringIO(text[start:])))
-    rows = [r for r in rows if r.get("Metric Name") == "gpu__time_duration.sum"]
-    marks = [i for i, r in enumerate(rows) if "step_marker" in r["Kernel Name"]]
-    last = rows[marks[-1] + 1 :]
-    by = collections.defaultdict(lambda: [0, 0.0])
-    for r in last:
-        name = re.sub(r"_[0-9a-f]{10}\b.*", "", r["Kernel Name"])[:60]
-        val = float(r["Metric Value"].replace(",", ""))
-        unit = r.get("Metric Unit", "ns")
-        us = val / 1000 if unit in ("ns", "nsecond") else val if unit in ("us", "usecond") else val * 1000
-        by[name][0] += 1
-        by[name][1] += us
-    total = sum(v[1] for v in by.values())
+    kernels: dict[str, dict] = {}  # ncu's launch ID -> name and metric values, in launch order
+    for r in rows:
+        k = kernels.setdefault(r["ID"], {"name": r["Kernel Name"]})
+        k[r["Metric Name"]] = _value(r)
+    seq = list(kernels.values())
+    marks = [i for i, k in enumerate(seq) if "step_marker" in k["name"]]
+    last = seq[marks[-1] + 1 :]
+    extra = [m for m in _EXTRA if any(m in k for k in last)]
+    by = collections.defaultdict(lambda: collections.defaultdict(float))
+    for k in last:
+        b = by[re.sub(r"_[0-9a-f]{10}\b.*", "", k["name"])[:60]]
+        b["n"] += 1
+        b["us"] += k[_TIME]
+        for m in extra:  # byte counts add up; percentages are weighted by duration
+            b[m] += k[m] if m.endswith(".sum") else k[m] * k[_TIME]
+    total = sum(v["us"] for v in by.values())
     print(f"kernels in the last step: {len(last)}, device time {total / 1000:.2f} ms")
-    print("| kernel | launches | µs | share |\n|---|---|---|---|")
-    for name, (n, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:25]:
-        print(f"| {name} | {n} | {us:.0f} | {100 * us / total:.1f}% |")
+    heads = ["kernel", "launches", "µs", "share"] + [_EXTRA[m] for m in extra]
+    print("| " + " | ".join(heads) + " |\n" + "|---" * len(heads) + "|")
+    for name, v in sorted(by.items(), key=lambda kv: -kv[1]["us"])[:30]:
+        cells = [name, f"{v['n']:.0f}", f"{v['us']:.0f}", f"{100 * v['us'] / total:.1f}%"]
+        for m in extra:
+            cells.append(f"{v[m] / v['us'] / 1e3:.0f}" if m.endswith(".sum") else f"{v[m] / v['us']:.0f}")
+        print("| " + " | ".join(cells) + " |")
 
 
 def main():

@@ -99,10 +99,20 @@ def test_selection_table_covers_every_qmv_variant():
 
 
 # ---------------------------------------------------------------- GPU: kernels against references
-def _poisoned():
+def _poisoned(npair: int | None = None):
+    """The qmatmul module with outputs poisoned; npair sets the 4-bit nibble-pair unpack for this example."""
     from mtlqwen.kernels import qmatmul  # noqa: PLC0415  (GPU module)
     qmatmul.POISON = float("nan")
+    if npair is not None:
+        selection.SELECT["qmv_nibble_pairs"] = npair
     return qmatmul
+
+
+@pytest.fixture(autouse=True)
+def _restore_selection():
+    saved = dict(selection.SELECT)
+    yield
+    selection.SELECT.update(saved)
 
 
 shape = dict(
@@ -115,9 +125,9 @@ shape = dict(
 @pytest.mark.gpu
 @needs_gpu
 @settings(max_examples=n_examples(40), **GPU_SETTINGS)
-@given(**shape, pf=st.sampled_from([0, 1]))
-def test_qmv_matches_reference(m, kg, n, bits, gs, dtype, seed, pf):
-    qm = _poisoned()
+@given(**shape, pf=st.sampled_from([0, 1]), npair=st.sampled_from([0, 1]))
+def test_qmv_matches_reference(m, kg, n, bits, gs, dtype, seed, pf, npair):
+    qm = _poisoned(npair)
     dt = DTYPES[dtype]
     rng = np.random.default_rng(seed)
     k = kg * gs
@@ -136,9 +146,9 @@ def test_qmv_matches_reference(m, kg, n, bits, gs, dtype, seed, pf):
 @pytest.mark.gpu
 @needs_gpu
 @settings(max_examples=n_examples(20), **GPU_SETTINGS)
-@given(**shape, nproj=st.integers(2, 4))
-def test_linear_multi_and_swiglu_match_reference(m, kg, n, bits, gs, dtype, seed, nproj):
-    qm = _poisoned()
+@given(**shape, nproj=st.integers(2, 4), npair=st.sampled_from([0, 1]))
+def test_linear_multi_and_swiglu_match_reference(m, kg, n, bits, gs, dtype, seed, nproj, npair):
+    qm = _poisoned(npair)
     dt = DTYPES[dtype]
     rng = np.random.default_rng(seed)
     k = kg * gs
@@ -182,12 +192,12 @@ def _add_norm32(h, delta, w, eps):
 @pytest.mark.gpu
 @needs_gpu
 @settings(max_examples=n_examples(30), **GPU_SETTINGS)
-@given(**shape, layers=st.integers(1, 3), pf=st.sampled_from([0, 1]))
-def test_qmv_residual_norm_matches_reference(m, kg, n, bits, gs, dtype, seed, layers, pf):
+@given(**shape, layers=st.integers(1, 3), pf=st.sampled_from([0, 1]), npair=st.sampled_from([0, 1]))
+def test_qmv_residual_norm_matches_reference(m, kg, n, bits, gs, dtype, seed, layers, pf, npair):
     """qmv + residual add + RMSNorm epilogue (qmv_residual.py): `layers` dependent launches on one counter
     per projection in one graph, each against the fp32 reference from the previous launch's outputs; the
     counters are back at zero after the graph ran (the last threadgroup resets them)."""
-    qm = _poisoned()
+    qm = _poisoned(npair)
     from mtlqwen.kernels import qmv_residual  # noqa: PLC0415  (GPU module)
     dt = DTYPES[dtype]
     rng = np.random.default_rng(seed)

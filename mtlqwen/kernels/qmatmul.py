@@ -55,6 +55,9 @@ _BODY = r"""
   constexpr uint32_t MAGIC = (uint32_t)(127 + BITS) << 23;        // float bits of 2^BITS
   constexpr uint32_t QMASK = ((1u << BITS) - 1u) << (23 - BITS);  // q in the top mantissa bits
   constexpr float OFF = (float)(1 << BITS);
+  // NP (4-bit only): even weights of a word carry 256+q (MAGIC_NP), odd ones 16+q; the even ones' sum of x
+  // (xe) corrects the fold by (256-16)*xe
+  constexpr uint32_t MAGIC_NP = (uint32_t)(127 + 8) << 23;
   constexpr int XB = XK == 0 ? 4 : 2;     // activation bytes
   constexpr int XW = EPW * XB / 4;        // activation uint32 words per weight word (2, 4 or 1, 2)
   constexpr int RP = EPI == 1 ? R / 2 : R;  // output rows per SIMD group
@@ -104,9 +107,10 @@ _BODY = r"""
       const int c = c0 + 32 * u;
       if (c < NC) {
         float dot[MT][R];
-        float xs[MT];
+        float xs[MT], xe[MT];
         for (int m = 0; m < MT; ++m) {
           xs[m] = 0.0f;
+          xe[m] = 0.0f;
           for (int r = 0; r < R; ++r) dot[m][r] = 0.0f;
         }
 #pragma unroll
@@ -115,11 +119,24 @@ _BODY = r"""
 #pragma unroll
           for (int r = 0; r < R; ++r) {
             const uint32_t w = qm_word(cw[u][r], j);
+            if (NP) {
+              // nibbles 2k, 2k+1 (bits 8k, 8k+4) move together to bits 15 and 19 with one shift, and one
+              // LOP3 each makes 256+q and 16+q: 1.5 instead of 2 integer ops per weight (the kernel is
+              // issue-bound at M=1)
 #pragma unroll
-            for (int e = 0; e < EPW; ++e) {
-              const int sh = e * BITS;   // move q from bits [sh, sh+BITS) to [23-BITS, 23)
-              const uint32_t t = sh <= 23 - BITS ? (w << (23 - BITS - sh)) : (w >> (sh - (23 - BITS)));
-              wf[r][e] = QM_AS_FLOAT((t & QMASK) | MAGIC);
+              for (int k = 0; k < EPW / 2; ++k) {
+                const int sh = 15 - 8 * k;
+                const uint32_t t = sh >= 0 ? (w << sh) : (w >> -sh);
+                wf[r][2 * k] = QM_AS_FLOAT((t & (0xFu << 15)) | MAGIC_NP);
+                wf[r][2 * k + 1] = QM_AS_FLOAT((t & QMASK) | MAGIC);
+              }
+            } else {
+#pragma unroll
+              for (int e = 0; e < EPW; ++e) {
+                const int sh = e * BITS;   // move q from bits [sh, sh+BITS) to [23-BITS, 23)
+                const uint32_t t = sh <= 23 - BITS ? (w << (23 - BITS - sh)) : (w >> (sh - (23 - BITS)));
+                wf[r][e] = QM_AS_FLOAT((t & QMASK) | MAGIC);
+              }
             }
           }
 #pragma unroll
@@ -135,6 +152,7 @@ _BODY = r"""
                 const uint32_t xw = (wi & 1) ? xv[wi / 2].y : xv[wi / 2].x;
                 const float xf = qm_x(xw, ((e * XB) / 2) & 1, XK);
                 xs[m] += xf;
+                if (NP && (e & 1) == 0) xe[m] += xf;
 #pragma unroll
                 for (int r = 0; r < R; ++r) dot[m][r] = fma(xf, wf[r][e], dot[m][r]);
               }
@@ -144,7 +162,8 @@ _BODY = r"""
 #pragma unroll
         for (int m = 0; m < MT; ++m)
 #pragma unroll
-          for (int r = 0; r < R; ++r) acc[m][r] += cs[u][r] * dot[m][r] + cb[u][r] * xs[m];
+          for (int r = 0; r < R; ++r)
+            acc[m][r] += cs[u][r] * (NP ? dot[m][r] - 240.0f * xe[m] : dot[m][r]) + cb[u][r] * xs[m];
       }
     }
   }
@@ -388,7 +407,7 @@ def _example(P: int, epi: int, dt, bits: int) -> KernelExample:
     """A Qwen3.5-9B-like call (K=4096, g64) for the Metal compile check."""
     wq = [(mx.uint32, (4096, 4096 * bits // 32)), (dt, (4096, 64)), (dt, (4096, 64))]
     tmpl = [("T", dt), ("XK", _XKIND[dt]), ("BITS", bits), ("GS", 64), ("MT", 4), ("R", 4), ("U", 1),
-            ("P", P), ("EPI", epi), ("PF", bits == 4)]
+            ("P", P), ("EPI", epi), ("PF", bits == 4), ("NP", bits == 4)]
     return KernelExample(inputs=[(dt, (4, 4096))] + wq * P, outputs=[dt] * (1 if epi else P), template=tmpl)
 
 
@@ -459,7 +478,8 @@ def fma_template(x: mx.array, p0: LinearParams, R: int, U: int, P: int, epi: int
     """The FMA body's template constants (also qmv_residual.py's); pf None: the selection table's."""
     pf = SELECT["qmv_prefetch"] if pf is None else pf
     return [("T", x.dtype), ("XK", _XKIND[x.dtype]), ("BITS", p0.bits), ("GS", p0.group_size), ("MT", _mt(x.shape[0])),
-            ("R", R), ("U", U), ("P", P), ("EPI", epi), ("PF", int(pf))]
+            ("R", R), ("U", U), ("P", P), ("EPI", epi), ("PF", int(pf)),
+            ("NP", int(p0.bits == 4 and SELECT["qmv_nibble_pairs"] == 1))]
 
 
 def _qmv_mma(x: mx.array, ps: list[LinearParams], epi: int) -> list[mx.array]:

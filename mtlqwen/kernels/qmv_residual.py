@@ -87,7 +87,7 @@ def _example(dt, bits: int) -> KernelExample:
     ins = [(dt, (2, K)), (mx.uint32, (N, K * bits // 32)), (dt, (N, K // 64)), (dt, (N, K // 64)),
            (dt, (2, N)), (dt, (N,)), (mx.float32, (1,)), (mx.uint32, (8,))]
     tmpl = [("T", dt), ("XK", qmatmul._XKIND[dt]), ("BITS", bits), ("GS", 64), ("MT", 2), ("R", 4), ("U", 2),
-            ("P", 1), ("EPI", 0), ("PF", 1), ("NBLK", N // 16), ("EPT", N // 128)]
+            ("P", 1), ("EPI", 0), ("PF", 1), ("NP", bits == 4), ("NBLK", N // 16), ("EPT", N // 128)]
     return KernelExample(inputs=ins, outputs=[dt] * 3, template=tmpl)
 
 

@@ -59,6 +59,18 @@ SELECT: dict[str, int] = {
     # for 572 MB, decode_profile.md run 6). Its test passed on the H200, but summed over a 9B step's
     # shapes at the table's blocking it lost (4.39 vs 4.37 ms, benchmarks/kernels_qmatmul_attn.md): off.
     "qmv_prefetch": 0,
+    # 4-bit FMA qmv: weight nibbles unpacked in pairs (one shift per two weights; qmatmul.py, template NP).
+    # At M=1 the kernel issues ~3.5 instructions per weight, 2 of them the unpack, and Nsight showed it
+    # issue-limited (qmv at 1.4-1.8 TB/s, issue-active ~57%, benchmarks/decode_profile.md, session 12).
+    "qmv_nibble_pairs": 0,
+    # FMA qmv blocking at M=1 (R weight rows per SIMD group, U 16-byte chunks in flight per lane and row; for
+    # N <= 4096 the small-N U): see QMV_BLOCKING below for how R=4 / U=2 / U=4 were first picked. Rows of
+    # this table so that a compiled step can be timed with other values (decode_profile.py --variants):
+    # the qmv's registers (138 at R=4 U=4) cap it at 12 warps per SM, which decides how much of one warp's
+    # math overlaps another's loads.
+    "qmv_m1_rows": 4,
+    "qmv_m1_chunks": 2,
+    "qmv_m1_chunks_small_n": 4,
     # Decode attention splits the context into ranges of at least this many keys (paged_attn_kernels.plan):
     # below it a split's fixed cost (q load, merge traffic) was taken to outweigh its parallelism. At B=1 with
     # 512 cached keys that leaves 2 splits x 4 KV heads = 8 threadgroups, and an attention call took 21 us
@@ -92,10 +104,9 @@ _apply_env_overrides(SELECT, os.environ.get("MTLQWEN_SELECT", ""))
 # activation load over R rows; U keeps loads in flight. Swept at M=1 / 8 on 4096x4096, 12288x4096 and
 # 4096x12288 (4-bit): M=1 best R=4 (U=4 for N <= 4096: 13.4 us; U=2 for larger N: 25 us vs 28-30),
 # M=8 best R=4..8, U=1. MT=2/4 and 8-bit: not swept, R=4 U=1-2 by the same reasoning. With R=4 the
-# M=1 steady state rose from 1.44 / 1.58 to 1.69 / 1.94 TB/s (stacked 4096-K / 12288-K).
+# M=1 steady state rose from 1.44 / 1.58 to 1.69 / 1.94 TB/s (stacked 4096-K / 12288-K). M=1 reads the
+# SELECT rows qmv_m1_* instead.
 QMV_BLOCKING: dict[tuple[int, int], tuple[int, int]] = {
-    (1, 4): (4, 2),
-    (1, 8): (4, 2),
     (2, 4): (4, 2),
     (2, 8): (4, 2),
     (4, 4): (4, 1),
@@ -108,9 +119,11 @@ QMV_BLOCKING: dict[tuple[int, int], tuple[int, int]] = {
 def qmv_config(mt: int, K: int, bits: int, swiglu: bool = False, N: int = 0) -> tuple[int, int]:
     """(R, U) for a qmv launch; SwiGLU doubles R (gate + up rows), so it starts from half at MT >= 2
     to keep the accumulators in registers. Small N at M=1: more loads in flight per lane (U=4)."""
-    R, U = QMV_BLOCKING[(mt, bits)]
-    if mt == 1 and 0 < N <= 4096:
-        U = 4
+    if mt == 1:
+        R = SELECT["qmv_m1_rows"]
+        U = SELECT["qmv_m1_chunks_small_n"] if 0 < N <= 4096 else SELECT["qmv_m1_chunks"]
+    else:
+        R, U = QMV_BLOCKING[(mt, bits)]
     if swiglu and mt >= 2:
         R = max(1, R // 2)
     return R, U
