@@ -136,24 +136,34 @@ _BODY = r"""
       if (lane == 0) { al[r] = a; mr[r] = m_new; }
     }
     BARRIER;
-    // (3) P.V: key group kg takes keys kg, kg+NKG, ...; DPT hd columns per lane
+    // (3) P.V: key group kg takes keys kg, kg+NKG, ...; DPT hd columns per lane. Every V row of the chunk
+    // is loaded before the math: with the loads inside the guarded loop, they ran one latency at a time
+    // (a 192-key split took ~60 us in a B=1 step, benchmarks/decode_profile.md, session 12).
     for (int r = 0; r < RT; ++r) {
       const float a = al[r];
       for (int i = 0; i < DPT; ++i) acc[r][i] *= a;
     }
+    constexpr int NJ = 32 / NKG;
+    uint2 vr2[NJ];                  // the raw V columns of key kg + j*NKG: 16-bit pools ...
+    uint4 vr4[KB == 2 ? 1 : NJ];    // ... or fp32 pools
 #pragma unroll
-    for (int j = 0; j < 32 / NKG; ++j) {
-      const int ck = kg + j * NKG, l = kc + ck;
-      if (l < kend) {
-        const int blk = block_tables[seq * nbt + l / BT];
-        CONST_PTR TV* vp = v_pool + ((size_t)(blk * BT + l % BT) * nKV + g) * HD + dc;
+    for (int j = 0; j < NJ; ++j) {
+      const int l = min(kc + kg + j * NKG, kend - 1);  // clamped to a valid key: its p is not used below
+      const int blk = block_tables[seq * nbt + l / BT];
+      CONST_PTR TV* vp = v_pool + ((size_t)(blk * BT + l % BT) * nKV + g) * HD + dc;
+      if (KB == 2) vr2[j] = *((CONST_PTR uint2*)vp);
+      else vr4[KB == 2 ? 0 : j] = *((CONST_PTR uint4*)vp);
+    }
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const int ck = kg + j * NKG;
+      if (kc + ck < kend) {
         float vf[DPT];
         if (KB == 2) {
-          const uint2 u = *((CONST_PTR uint2*)vp);
-          vf[0] = pa_elem(u.x, 0, KK); vf[1] = pa_elem(u.x, 1, KK);
-          vf[2] = pa_elem(u.y, 0, KK); vf[3] = pa_elem(u.y, 1, KK);
+          vf[0] = pa_elem(vr2[j].x, 0, KK); vf[1] = pa_elem(vr2[j].x, 1, KK);
+          vf[2] = pa_elem(vr2[j].y, 0, KK); vf[3] = pa_elem(vr2[j].y, 1, KK);
         } else {
-          const uint4 u = *((CONST_PTR uint4*)vp);
+          const uint4 u = vr4[KB == 2 ? 0 : j];
           vf[0] = PA_AS_FLOAT(u.x); vf[1] = PA_AS_FLOAT(u.y); vf[2] = PA_AS_FLOAT(u.z); vf[3] = PA_AS_FLOAT(u.w);
         }
 #pragma unroll

@@ -52,17 +52,20 @@ SELECT: dict[str, int] = {
     "head_norm_rope": 1,
     # out_proj / o_proj / down_proj at decode sizes carry the residual add + next RMSNorm in their epilogue
     # (qmv_residual.py): 64 add_rms_norm launches fewer per 9B step. Its GPU test passed on the H200
-    # (2026-11-30, session 11, benchmarks/kernels_qmatmul_attn.md).
-    "qmv_residual_norm": 1,
+    # (2026-11-30, session 11), but timed in a running B=1 step (benchmarks/step_trace.py, session 12) it
+    # took 26.0 us a launch against 14.5 + 4.0 for the plain qmv and add_rms_norm: the step was 0.40 ms
+    # shorter without it (4.39 -> 3.98 ms of kernels), and the host kept up either way. Off.
+    "qmv_residual_norm": 0,
     # The FMA qmv loads the next chunks' weights before the current chunks' math (template PF). Written to
     # keep loads in flight at M=1, where the kernel stalled at ~1.9-2.0 TB/s steady state (lm_head 291 us
     # for 572 MB, decode_profile.md run 6). Its test passed on the H200, but summed over a 9B step's
     # shapes at the table's blocking it lost (4.39 vs 4.37 ms, benchmarks/kernels_qmatmul_attn.md): off.
     "qmv_prefetch": 0,
-    # 4-bit FMA qmv: weight nibbles unpacked in pairs (one shift per two weights; qmatmul.py, template NP).
-    # At M=1 the kernel issues ~3.5 instructions per weight, 2 of them the unpack, and Nsight showed it
-    # issue-limited (qmv at 1.4-1.8 TB/s, issue-active ~57%, benchmarks/decode_profile.md, session 12).
-    "qmv_nibble_pairs": 0,
+    # 4-bit FMA qmv: weight nibbles unpacked in pairs (one shift per two weights; qmatmul.py, template NP):
+    # ~3.2 instead of ~3.6 instructions per weight at M=1 (PTX count). Its GPU tests passed on the H200
+    # (session 12); in a running B=1 step (step_trace.py) gate+up went from 30.2 to 28.0 us and the step's
+    # kernels from 3.98 to 3.88 ms (benchmarks/decode_profile.md).
+    "qmv_nibble_pairs": 1,
     # FMA qmv blocking at M=1 (R weight rows per SIMD group, U 16-byte chunks in flight per lane and row; for
     # N <= 4096 the small-N U): see QMV_BLOCKING below for how R=4 / U=2 / U=4 were first picked. Rows of
     # this table so that a compiled step can be timed with other values (decode_profile.py --variants):

@@ -1,0 +1,166 @@
+"""Where a compiled decode step's time goes on the device, kernel by kernel, as it really runs.
+
+Nsight Compute (step_kernels.py) replays kernels one at a time with idle gaps between them, which lets
+the clocks fall and inflates every latency-bound kernel. Here the compiled 9B step runs as in
+decode_profile.py (pipelined, MLX's CUDA graphs on) while PyTorch's profiler (CUPTI) records each
+kernel's start and end. Per step it reports:
+
+- `span`: first kernel start to last kernel end of the step; `busy`: the union of kernel intervals;
+  `gaps` = span - busy (the device waiting between kernels of one step: launch latency, host);
+- `idle_before`: the device idle between the previous step's last kernel and this step's first one
+  (the host had not launched it yet: host-bound when it is large);
+- per kernel name: launches per step and in-situ µs per launch, and the share of `busy`.
+
+    python benchmarks/step_trace.py --batch 1 --variants qmv_residual_norm=0 --json $OUT/trace.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import statistics
+import tempfile
+
+import mlx.core as mx
+
+from decode_profile import set_pools, step_fn
+from mtlqwen.kernels.selection import SELECT
+from mtlqwen.model.builtin import demo_config, qwen35_9b_config, random_model
+from mtlqwen.model.config import QuantSpec
+
+
+def kernel_events(run) -> list[tuple[float, float, str]]:
+    """(start µs, end µs, name) of every CUDA kernel the process ran during run(), sorted by start."""
+    import torch  # noqa: PLC0415
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        events = json.load(open(path))["traceEvents"]
+    ks = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+          if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    return sorted(ks)
+
+
+def short(name: str) -> str:
+    name = re.sub(r"^custom_kernel_", "", name)
+    name = re.sub(r"_[0-9a-f]{10}_.*", "", name)  # MLX's source hash and template suffix
+    return re.sub(r"\(.*", "", name)[:48]
+
+
+def steps_of(ks: list, end_marker: str) -> list[list]:
+    """Split the kernels into steps: each step ends with the kernel whose name contains end_marker."""
+    steps, cur = [], []
+    for k in ks:
+        cur.append(k)
+        if end_marker in k[2]:
+            steps.append(cur)
+            cur = []
+    return steps
+
+
+def busy_us(step: list) -> float:
+    total, hi = 0.0, None
+    for s, e, _ in step:  # union of intervals (kernels of one graph may overlap)
+        if hi is None or s > hi:
+            total += e - s
+            hi = e
+        elif e > hi:
+            total += e - hi
+            hi = e
+    return total
+
+
+def summarize(ks: list, end_marker: str = "arg_reduce") -> dict:
+    steps = steps_of(ks, end_marker)[1:]  # the first may have started before the profiler
+    if not steps:
+        return {"error": f"no kernels recorded ({len(ks)} events): is CUPTI available?"}
+    spans = [st[-1][1] - st[0][0] for st in steps]
+    busy = [busy_us(st) for st in steps]
+    idle = [b[0][0] - a[-1][1] for a, b in zip(steps, steps[1:])]
+    per = collections.defaultdict(list)
+    for st in steps:
+        for s, e, n in st:
+            per[short(n)].append(e - s)
+    n = len(steps)
+    kernels = sorted(((name, len(d) / n, statistics.mean(d), sum(d) / n) for name, d in per.items()),
+                     key=lambda t: -t[3])
+    med = statistics.median
+    return {
+        "steps": n, "kernels_per_step": statistics.mean(len(st) for st in steps),
+        "span_us": med(spans), "busy_us": med(busy), "gaps_us": med([a - b for a, b in zip(spans, busy)]),
+        "idle_before_us": med(idle) if idle else None,
+        "period_us": med([b[0][0] - a[0][0] for a, b in zip(steps, steps[1:])]) if len(steps) > 1 else None,
+        "kernels": [{"name": k, "per_step": round(c, 2), "us_each": round(u, 2), "us_per_step": round(t, 1),
+                     "share": round(t / med(busy), 3)} for k, c, u, t in kernels],
+    }
+
+
+def trace_variant(model, B: int, past: int, steps: int, rows: dict) -> dict:
+    old = {k: SELECT[k] for k in rows}
+    SELECT.update(rows)
+    try:
+        nb = past // 128 + 1
+        cache = model.make_cache(B * nb + 1, B, 128)
+        f = mx.compile(step_fn(model, cache, B, past))
+        ids = mx.zeros((B,), dtype=mx.int32)
+
+        def loop(n):
+            nonlocal ids
+            prev = None
+            for _ in range(n):
+                o = f(ids, *cache.arrays())
+                set_pools(cache, o[1:])
+                mx.async_eval(o[0], *cache.arrays())
+                if prev is not None:
+                    prev.tolist()
+                ids = prev = o[0]
+            prev.tolist()
+
+        loop(10)  # trace, compile the kernels, warm up
+        out = summarize(kernel_events(lambda: loop(steps)))
+        del cache, f
+        mx.clear_cache()
+        return out
+    finally:
+        SELECT.update(old)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--past", type=int, default=512)
+    ap.add_argument("--variants", nargs="*", default=[], metavar="ROW=V[,ROW=V]")
+    ap.add_argument("--top", type=int, default=16, help="kernel rows printed per variant")
+    ap.add_argument("--shape", choices=["9b", "demo"], default="9b")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    model = random_model(qwen35_9b_config() if a.shape == "9b" else demo_config(), quantize=QuantSpec(4, 64),
+                         dtype=mx.bfloat16)
+    res = {"mlx": mx.__version__, "batch": a.batch, "past": a.past, "variants": {}}
+    for spec in ["defaults"] + a.variants:
+        rows = {} if spec == "defaults" else {k: int(v) for k, v in (t.split("=") for t in spec.split(","))}
+        r = res["variants"][spec] = trace_variant(model, a.batch, a.past, a.steps, rows)
+        if "error" in r:
+            print(spec, r["error"])
+            continue
+        print(f"\n## {spec}: period {r['period_us']:.0f} µs, span {r['span_us']:.0f}, busy {r['busy_us']:.0f}, "
+              f"gaps {r['gaps_us']:.0f}, idle before {r['idle_before_us']:.0f}, {r['kernels_per_step']:.0f} kernels")
+        print("| kernel | per step | µs each | µs per step | share of busy |\n|---|---|---|---|---|")
+        for k in r["kernels"][: a.top]:
+            print(f"| {k['name']} | {k['per_step']:g} | {k['us_each']:.1f} | {k['us_per_step']:.0f} | {100 * k['share']:.1f}% |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
