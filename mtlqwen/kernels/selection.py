@@ -66,20 +66,21 @@ SELECT: dict[str, int] = {
     # (session 12); in a running B=1 step (step_trace.py) gate+up went from 30.2 to 28.0 us and the step's
     # kernels from 3.98 to 3.88 ms (benchmarks/decode_profile.md).
     "qmv_nibble_pairs": 1,
-    # FMA qmv blocking at M=1 (R weight rows per SIMD group, U 16-byte chunks in flight per lane and row; for
-    # N <= 4096 the small-N U): see QMV_BLOCKING below for how R=4 / U=2 / U=4 were first picked. Rows of
-    # this table so that a compiled step can be timed with other values (decode_profile.py --variants):
-    # the qmv's registers (138 at R=4 U=4) cap it at 12 warps per SM, which decides how much of one warp's
-    # math overlaps another's loads.
+    # FMA qmv blocking at M=1: R weight rows per SIMD group, U 16-byte chunks in flight per lane and row (the
+    # second value for N <= 4096). Chains of launches had picked R=4 with U=2 / U=4 (QMV_BLOCKING below),
+    # but timed in a running B=1 step (step_trace.py, session 12) U=1 was faster for every shape: gate+up
+    # 28.1 -> 26.0 us, GDN in_proj 18.5 -> 16.2, o/out/down_proj 17.0 -> 16.0 on average: at 64 registers
+    # (U=4: 128) an SM holds 32 SIMD groups instead of 12, and one group's math overlaps another's loads.
     "qmv_m1_rows": 4,
-    "qmv_m1_chunks": 2,
-    "qmv_m1_chunks_small_n": 4,
+    "qmv_m1_chunks": 1,
+    "qmv_m1_chunks_small_n": 1,
     # Decode attention splits the context into ranges of at least this many keys (paged_attn_kernels.plan):
-    # below it a split's fixed cost (q load, merge traffic) was taken to outweigh its parallelism. At B=1 with
-    # 512 cached keys that leaves 2 splits x 4 KV heads = 8 threadgroups, and an attention call took 21 us
-    # (decode_profile.md run 6). Shorter splits were slower there (B=1, 512 keys: 30.4 / 26.0 / 23.1 / 25.4
-    # us at 32 / 64 / 128 / 256 keys, chains of 40 calls -- within run-to-run noise of 256), so 256 stays.
-    "attn_min_split_keys": 256,
+    # below it a split's fixed cost (q load, merge traffic) outweighs its parallelism. Chains of 40 calls
+    # could not tell 32-256 apart (decode_profile.md run 6); timed in a running B=1 step with 512 cached
+    # keys (step_trace.py, session 12, after the V loads were hoisted): split + merge 28.5 + 4.0 us at 256
+    # (3 splits), 15.6 + 4.4 at 64, 13.1 + 5.8 at 32. 64: nearly the best there, and half the merge
+    # traffic of 32 on long contexts.
+    "attn_min_split_keys": 64,
     # The conv kernel writes each sequence's new conv state (its last K-1 raw rows) into the conv pool in
     # place instead of returning it for a scatter (conv_kernels.py): one built-in launch fewer per GDN
     # layer. tests/test_kernels_small.py::test_conv_inplace_kernel passed on the H200 (2026-11-30, session 11).
