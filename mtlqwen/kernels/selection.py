@@ -72,6 +72,7 @@ SELECT: dict[str, int] = {
     # 28.1 -> 26.0 us, GDN in_proj 18.5 -> 16.2, o/out/down_proj 17.0 -> 16.0 on average: at 64 registers
     # (U=4: 128) an SM holds 32 SIMD groups instead of 12, and one group's math overlaps another's loads.
     "qmv_m1_rows": 4,
+    "qmv_m1_swiglu_rows": 4,  # gate rows (as many up rows) per SIMD group of the SwiGLU qmv at M=1
     "qmv_m1_chunks": 1,
     "qmv_m1_chunks_small_n": 1,
     # Decode attention splits the context into ranges of at least this many keys (paged_attn_kernels.plan):
@@ -122,9 +123,9 @@ QMV_BLOCKING: dict[tuple[int, int], tuple[int, int]] = {
 
 def qmv_config(mt: int, K: int, bits: int, swiglu: bool = False, N: int = 0) -> tuple[int, int]:
     """(R, U) for a qmv launch; SwiGLU doubles R (gate + up rows), so it starts from half at MT >= 2
-    to keep the accumulators in registers. Small N at M=1: more loads in flight per lane (U=4)."""
+    to keep the accumulators in registers. M=1 reads the table's qmv_m1_* rows."""
     if mt == 1:
-        R = SELECT["qmv_m1_rows"]
+        R = SELECT["qmv_m1_swiglu_rows"] if swiglu else SELECT["qmv_m1_rows"]
         U = SELECT["qmv_m1_chunks_small_n"] if 0 < N <= 4096 else SELECT["qmv_m1_chunks"]
     else:
         R, U = QMV_BLOCKING[(mt, bits)]
