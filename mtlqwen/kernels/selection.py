@@ -71,8 +71,10 @@ SELECT: dict[str, int] = {
     # but timed in a running B=1 step (step_trace.py, session 12) U=1 was faster for every shape: gate+up
     # 28.1 -> 26.0 us, GDN in_proj 18.5 -> 16.2, o/out/down_proj 17.0 -> 16.0 on average: at 64 registers
     # (U=4: 128) an SM holds 32 SIMD groups instead of 12, and one group's math overlaps another's loads.
+    # R=8 took o/out/down_proj from 15.8 to 18.4 us (96 registers: 20 SIMD groups an SM); the SwiGLU qmv
+    # (R gate + R up rows) went from 26.1 to 24.6 us with R=2 instead of 4 (same trace, session 12).
     "qmv_m1_rows": 4,
-    "qmv_m1_swiglu_rows": 4,  # gate rows (as many up rows) per SIMD group of the SwiGLU qmv at M=1
+    "qmv_m1_swiglu_rows": 2,  # gate rows (as many up rows) per SIMD group of the SwiGLU qmv at M=1
     "qmv_m1_chunks": 1,
     "qmv_m1_chunks_small_n": 1,
     # Decode attention splits the context into ranges of at least this many keys (paged_attn_kernels.plan):
