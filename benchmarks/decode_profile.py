@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from mtlqwen.kernels import SeqLayout
 from mtlqwen.kernels.fused_small import add_rms_norm
-from mtlqwen.kernels.selection import SELECT
+from mtlqwen.kernels.selection import parse_rows, selected
 from mtlqwen.model.builtin import demo_config, qwen35_9b_config, random_model
 from mtlqwen.model.config import QuantSpec
 
@@ -95,14 +95,9 @@ def per_primitive_us() -> dict:
     return out
 
 
-def with_select(name: str, value: int, f):
-    """f() with one selection row changed (kernel choices read SELECT when an op is built)."""
-    old = SELECT[name]
-    SELECT[name] = value
-    try:
+def _with_rows(rows: dict, f):
+    with selected(rows):
         return f()
-    finally:
-        SELECT[name] = old
 
 
 def ops_at(model, B: int, past: int) -> dict:
@@ -147,7 +142,7 @@ def ops_at(model, B: int, past: int) -> dict:
         "mlp gate+up (swiglu_linear)": chain(lambda i: swiglu_linear(x, mlp(i).gate_proj, mlp(i).up_proj)),
         "mlp down": chain(lambda i: linear(xin(mlp(i).down_proj), mlp(i).down_proj)),
         "paged attention": chain(lambda i: paged_attention(q, cache.k_pools[i % len(att)], cache.v_pools[i % len(att)], lay, 0.08)),
-        **{f"paged attention, splits >= {n} keys": with_select("attn_min_split_keys", n, lambda: chain(
+        **{f"paged attention, splits >= {n} keys": _with_rows({"attn_min_split_keys": n}, lambda: chain(
             lambda i: paged_attention(q, cache.k_pools[i % len(att)], cache.v_pools[i % len(att)], lay, 0.08)))
            for n in (32, 64, 128)},
         "lm_head": chain(lambda i: linear(x, model.lm_head), n=8),
@@ -167,6 +162,7 @@ def main():
     ap.add_argument("--no-ops", action="store_true", help="skip the per-op chains")
     ap.add_argument("--json")
     args = ap.parse_args()
+    variants = {spec: parse_rows(spec, source="--variants") for spec in args.variants}  # typos fail now
     res = {"mlx": mx.__version__, "device": str(mx.default_device())}
     model = random_model(qwen35_9b_config() if args.shape == "9b" else demo_config(), quantize=QuantSpec(4, 64), dtype=mx.bfloat16)
     res["per_primitive"] = per_primitive_us()
@@ -253,11 +249,8 @@ def main():
 
             r["compiled_pipelined_ms"] = pipelined(comp)
             r["compiled_host_ms"] = host[0]
-            for spec in args.variants:  # the same compiled step with selection rows changed (retraced)
-                rows = dict((k, int(v)) for k, v in (t.split("=") for t in spec.split(",")))
-                old = {k: SELECT[k] for k in rows}
-                SELECT.update(rows)
-                try:
+            for spec, rows in variants.items():  # the same compiled step with selection rows changed (retraced)
+                with selected(rows):
                     fv = mx.compile(step_fn(model, cache, B, args.past))
 
                     def compv(x, fv=fv):
@@ -266,8 +259,6 @@ def main():
                         return o[0]
 
                     r.setdefault("variants_ms", {})[spec] = {"step": pipelined(compv), "host": host[0]}
-                finally:
-                    SELECT.update(old)
             r["compiled_step_peak_above_active_MiB"] = step_peak_mib(comp)
         r["tok_per_s_pipelined"] = B * 1e3 / r["pipelined_ms"]
         del cache

@@ -27,7 +27,7 @@ import tempfile
 import mlx.core as mx
 
 from decode_profile import set_pools, step_fn
-from mtlqwen.kernels.selection import SELECT
+from mtlqwen.kernels.selection import parse_rows, selected
 from mtlqwen.model.builtin import demo_config, qwen35_9b_config, random_model
 from mtlqwen.model.config import QuantSpec
 
@@ -104,9 +104,7 @@ def summarize(ks: list, end_marker: str = "arg_reduce") -> dict:
 
 
 def trace_variant(model, B: int, past: int, steps: int, rows: dict) -> dict:
-    old = {k: SELECT[k] for k in rows}
-    SELECT.update(rows)
-    try:
+    with selected(rows):
         nb = past // 128 + 1
         cache = model.make_cache(B * nb + 1, B, 128)
         f = mx.compile(step_fn(model, cache, B, past))
@@ -129,8 +127,6 @@ def trace_variant(model, B: int, past: int, steps: int, rows: dict) -> dict:
         del cache, f
         mx.clear_cache()
         return out
-    finally:
-        SELECT.update(old)
 
 
 def main():
@@ -143,11 +139,11 @@ def main():
     ap.add_argument("--shape", choices=["9b", "demo"], default="9b")
     ap.add_argument("--json")
     a = ap.parse_args()
+    variants = {"defaults": {}, **{spec: parse_rows(spec, source="--variants") for spec in a.variants}}  # typos fail now
     model = random_model(qwen35_9b_config() if a.shape == "9b" else demo_config(), quantize=QuantSpec(4, 64),
                          dtype=mx.bfloat16)
     res = {"mlx": mx.__version__, "batch": a.batch, "past": a.past, "variants": {}}
-    for spec in ["defaults"] + a.variants:
-        rows = {} if spec == "defaults" else {k: int(v) for k, v in (t.split("=") for t in spec.split(","))}
+    for spec, rows in variants.items():
         r = res["variants"][spec] = trace_variant(model, a.batch, a.past, a.steps, rows)
         if "error" in r:
             print(spec, r["error"])

@@ -47,32 +47,29 @@ def _alarm(signum, frame):
 
 
 def check(model, argv: list[str], out: str) -> None:
-    """Compiled decode with the in-place writes and fused launches vs uncompiled without them vs the one-shot
-    forward."""
-    from mtlqwen.kernels.selection import SELECT  # noqa: PLC0415
+    """Compiled decode with the selection table's in-place writes and fused launches vs uncompiled without
+    them vs the one-shot forward."""
+    from mtlqwen.kernels.selection import selected  # noqa: PLC0415
     from mtlqwen.runtime import Engine, SamplingParams  # noqa: PLC0415
 
     vocab, gen = model.config.vocab_size, 48
     rng = np.random.default_rng()
     lens = [int(a) for a in argv] or [300, 129, 7, 1]  # 5+ prompts: decode rows reach the tensor-core qmv
     prompts = [rng.integers(0, vocab, n).tolist() for n in lens]
-    # the decode-path variants the baseline switches off: in-place state writes and the fused launches
-    fused = ("gdn_state_inplace", "conv_state_inplace", "gdn_fused_norm", "qmv_residual_norm")
-    saved = {k: SELECT[k] for k in fused}
+    # the decode-path variants the baseline switches off: in-place state writes and the fused launches; the
+    # compiled run uses the selection table as it stands
+    unfused = {k: 0 for k in ("gdn_state_inplace", "conv_state_inplace", "gdn_fused_norm", "qmv_residual_norm")}
 
-    def run(compiled: bool, on: int) -> list[list[int]]:
-        SELECT.update({k: on for k in fused})
-        try:
+    def run(compiled: bool, rows: dict) -> list[list[int]]:
+        with selected(rows):
             eng = Engine(model, slots=len(prompts), step_tokens=128, num_blocks=4 * len(prompts), prefix_interval=0, compile_decode=compiled)
             outs = eng.generate(prompts, SamplingParams(max_tokens=gen, ignore_eos=True))
             st = eng.stats()
             assert st["free_blocks"] == st["total_blocks"] and st["running"] == 0, st
             return [o.token_ids for o in outs]
-        finally:
-            SELECT.update(saved)
 
-    base = run(False, 0)
-    new = run(True, 1)
+    base = run(False, unfused)
+    new = run(True, {})
     report = []
     for p, a, b in zip(prompts, base, new):
         rows = np.asarray(model.logits(p + a[:-1])[len(p) - 1 :].astype(mx.float32))

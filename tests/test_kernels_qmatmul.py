@@ -110,6 +110,7 @@ def _poisoned(npair: int | None = None):
 
 @pytest.fixture(autouse=True)
 def _restore_selection():
+    """The rows an example set (npair) go back to the table's values after the test."""
     saved = dict(selection.SELECT)
     yield
     selection.SELECT.update(saved)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mtlqwen.kernels.selection import SELECT, _apply_env_overrides
+from mtlqwen.kernels.selection import SELECT, _apply_env_overrides, parse_rows, selected
 
 
 def test_overrides_set_named_rows_and_refuse_anything_else():
@@ -16,3 +16,23 @@ def test_overrides_set_named_rows_and_refuse_anything_else():
     for bad in ("gdn_state_inplace", "no_such_row=1", "qmv_max_rows=eight", "=3", "qmv_max_rows=1.5"):
         with pytest.raises(ValueError, match="MTLQWEN_SELECT"):
             _apply_env_overrides(dict(SELECT), bad)
+
+
+def test_parse_rows_names_its_source_and_refuses_unknown_rows():
+    assert parse_rows("attn_min_split_keys=64, qmv_m1_rows=2") == {"attn_min_split_keys": 64, "qmv_m1_rows": 2}
+    assert parse_rows("") == {}
+    with pytest.raises(ValueError, match="--variants: 'qmv_m1_row=2'"):
+        parse_rows("qmv_m1_row=2", source="--variants")
+
+
+def test_selected_changes_rows_inside_the_block_only():
+    before = dict(SELECT)
+    with selected({"attn_min_split_keys": before["attn_min_split_keys"] + 1, "qmv_nibble_pairs": 0}):
+        assert SELECT == {**before, "attn_min_split_keys": before["attn_min_split_keys"] + 1, "qmv_nibble_pairs": 0}
+    assert SELECT == before
+    with pytest.raises(RuntimeError), selected({"qmv_nibble_pairs": 0}):
+        raise RuntimeError  # restored on an error too
+    assert SELECT == before
+    with pytest.raises(ValueError, match="unknown selection rows"), selected({"no_such_row": 1}):
+        pass
+    assert SELECT == before

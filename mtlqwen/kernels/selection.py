@@ -7,6 +7,7 @@ markdown beside it records the runs. Change a row only with a measurement that j
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 SELECT: dict[str, int] = {
@@ -95,14 +96,37 @@ SELECT: dict[str, int] = {
 }
 
 
-def _apply_env_overrides(table: dict[str, int], spec: str) -> None:
-    """`MTLQWEN_SELECT="gdn_state_inplace=1,qmv_mma_min_rows=5"`: try a row on the device without an edit;
-    an unknown name is an error, so a typo never silently measures the default."""
+def parse_rows(spec: str, table: dict[str, int] | None = None, source: str = "MTLQWEN_SELECT") -> dict[str, int]:
+    """"ROW=INT,ROW=INT" -> {row: value}; an unknown row or a non-integer value is an error, so a typo never
+    silently measures the default (MTLQWEN_SELECT, benchmarks' --variants)."""
+    table = SELECT if table is None else table
+    rows = {}
     for item in filter(None, (t.strip() for t in spec.split(","))):
         name, sep, value = (t.strip() for t in item.partition("="))
         if not sep or name not in table or not value.lstrip("-").isdigit():
-            raise ValueError(f"MTLQWEN_SELECT: {item!r} is not NAME=INT with NAME one of {sorted(table)}")
-        table[name] = int(value)
+            raise ValueError(f"{source}: {item!r} is not NAME=INT with NAME one of {sorted(table)}")
+        rows[name] = int(value)
+    return rows
+
+
+def _apply_env_overrides(table: dict[str, int], spec: str) -> None:
+    """`MTLQWEN_SELECT="gdn_state_inplace=1,qmv_mma_min_rows=5"`: try a row on the device without an edit."""
+    table.update(parse_rows(spec, table))
+
+
+@contextlib.contextmanager
+def selected(rows: dict[str, int]):
+    """SELECT with `rows` changed inside the block, restored after (kernel choices read SELECT when an op
+    is built or a step traced): benchmarks time variants of one step in one process."""
+    unknown = set(rows) - set(SELECT)
+    if unknown:
+        raise ValueError(f"unknown selection rows {sorted(unknown)}")
+    saved = {k: SELECT[k] for k in rows}
+    SELECT.update(rows)
+    try:
+        yield
+    finally:
+        SELECT.update(saved)
 
 
 _apply_env_overrides(SELECT, os.environ.get("MTLQWEN_SELECT", ""))
