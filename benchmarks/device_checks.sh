@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # First device call of a session: the GPU equivalence tests (kernels, then model and engine), then the
-# decode profile with the variants whose tests passed switched on. Logs and JSON land under $OUT.
+# decode profile (with the qmv prefetch switched on when SWEEP=1 finds it faster). Logs and JSON land under $OUT.
 #   source .device/env.sh && bash benchmarks/device_checks.sh
 # Knobs (environment): KERNEL_TESTS (pytest files or node ids, default the three kernel files),
 # KERNEL_LIMIT (s, 170), MODEL_TEST=0 skips tests/test_gpu_model.py, SWEEP=1 runs the qmv blocking /
@@ -12,12 +12,6 @@ sel=""
 timeout ${KERNEL_LIMIT:-170} $P $KERNEL_TESTS > $OUT/t_kernels.log 2>&1
 rc_k=$?; echo "kernel tests rc=$rc_k: $(tail -1 $OUT/t_kernels.log)"
 grep -E "PASSED|FAILED|ERROR" $OUT/t_kernels.log | grep "::" | sed 's/ *\[.*//' | sort -u
-# each kernel variant that is off until its GPU test passes: switched on when that test PASSED above
-on_pass() { grep -q "::$1 PASSED" $OUT/t_kernels.log && sel="${sel:+$sel,}$2"; }
-on_pass test_head_norm_rope_kernel head_norm_rope=1
-on_pass test_conv_inplace_kernel conv_state_inplace=1
-on_pass test_gdn_fused_norm_kernel gdn_fused_norm=1
-on_pass test_qmv_residual_norm_matches_reference qmv_residual_norm=1
 if [ "${SWEEP:-0}" = 1 ]; then
   timeout 120 python benchmarks/kernels_qmatmul_attn.py --only sweep --json $OUT/sweep.json > $OUT/sweep.log 2>&1
   echo "sweep rc=$?"; pick=$(python benchmarks/qmv_pick.py $OUT/sweep.json); echo "$pick"
