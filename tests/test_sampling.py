@@ -24,11 +24,31 @@ from mtlqwen.runtime.sampling import SamplingParams, sample, token_key
         ({"max_tokens": -3}, "max_tokens"),
         ({"seed": 1.5}, "seed"),
         ({"stop": ["ok", ""]}, "stop"),
+        # hostile values a client can send (2^63 once reached the sampler and took the engine down)
+        ({"temperature": 0.7, "top_k": 2**63}, "top_k"),
+        ({"temperature": 0.7, "top_k": 10**30}, "top_k"),
+        ({"temperature": 1e-40}, "temperature"),
+        ({"temperature": 0.0099}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"min_p": math.nan}, "min_p"),
+        ({"stop_token_ids": [2**40]}, "stop_token_ids"),
     ],
 )
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_vocabulary_bounds():
+    p = SamplingParams(temperature=0.7, top_k=100, stop_token_ids=(99,))
+    p.check_vocab(100)
+    with pytest.raises(ValueError, match="top_k"):
+        p.check_vocab(99)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=(100,)).check_vocab(100)
+    assert SamplingParams(temperature=0.01).temperature == 0.01  # the floor itself is allowed
 
 
 def test_defaults_and_normalisation():
@@ -88,6 +108,9 @@ def test_filters_keep_exactly_the_allowed_tokens():
     # top_k first, then top_p over the renormalised survivors: top_k=2 -> (0.625, 0.375)
     assert set(_draw_many(row, SamplingParams(temperature=1.0, top_k=2, top_p=0.6))) == {0}
     assert set(_draw_many(row, SamplingParams(temperature=1.0))) == {0, 1, 2, 3}
+    # edges: a top_p that is 0 in fp32 still keeps the most likely token; top_k past the row is no filter
+    assert set(_draw_many(row, SamplingParams(temperature=1.0, top_p=1e-300))) == {0}
+    assert set(_draw_many(row, SamplingParams(temperature=1.0, top_k=1000))) == {0, 1, 2, 3}
 
 
 def test_sample_frequencies_follow_the_softmax():

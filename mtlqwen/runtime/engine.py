@@ -191,6 +191,7 @@ class Engine:
         V = self.config.vocab_size
         if not ids:
             raise ValueError("empty prompt: at least one token is needed")
+        params.check_vocab(V)
         bad = [t for t in ids if not 0 <= t < V]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {V})")

@@ -7,11 +7,17 @@ being preempted and recomputed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 _MASK64 = (1 << 64) - 1
+# Below this a temperature divides bf16/fp32 logits into inf/nan (1e-40 gave garbage, not greedy); vLLM
+# clamps at the same value. Use 0 for greedy.
+MIN_TEMPERATURE = 1e-2
+# top_k is a count of vocabulary entries; the engine also checks it against its vocabulary at submit.
+MAX_TOP_K = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -47,22 +53,33 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number, got {v!r}")
             return v
 
-        if not num("temperature") >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        t = num("temperature")
+        if not (t == 0 or MIN_TEMPERATURE <= t < math.inf):
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, inf), got {t}")
         if not 0 < num("top_p") <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if num("top_k", (int,)) < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 <= num("top_k", (int,)) <= MAX_TOP_K:
+            raise ValueError(f"top_k must be in [0, {MAX_TOP_K}] (0 = off), got {self.top_k}")
         if not 0 <= num("min_p") <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
         if num("max_tokens", (int,)) <= 0:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if any(not 0 <= t <= MAX_TOP_K for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
         if not isinstance(self.speculative, bool):
             raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError for token-id fields outside a vocabulary of vocab_size entries."""
+        if self.top_k > vocab_size:
+            raise ValueError(f"top_k must be <= the vocabulary size {vocab_size} (0 = off), got {self.top_k}")
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:
@@ -92,12 +109,13 @@ def _filter(x: mx.array, params: list[SamplingParams]) -> mx.array:
     if any(p.top_k > 0 or p.top_p < 1 for p in params):
         srt = -mx.sort(-x, axis=-1)  # descending
         rank = mx.arange(V)[None, :]
-        k = mx.array([p.top_k if p.top_k > 0 else V for p in params])[:, None]
+        k = mx.array([min(p.top_k, V) if p.top_k > 0 else V for p in params])[:, None]
         srt = mx.where(rank < k, srt, neg)  # top_k, on the sorted copy
         probs = mx.softmax(srt, axis=-1)
         before = mx.cumsum(probs, axis=-1) - probs  # mass strictly ahead of each sorted entry
         top_p = mx.array([p.top_p for p in params], dtype=x.dtype)[:, None]
-        keep = (before < top_p) & (rank < k)  # the smallest prefix whose mass reaches top_p
+        # the smallest prefix whose mass reaches top_p; never empty (a top_p below fp32's range keeps the top)
+        keep = ((before < top_p) | (rank == 0)) & (rank < k)
         cut = mx.min(mx.where(keep, srt, mx.inf), axis=-1, keepdims=True)  # the smallest kept logit
         x = mx.where(x < cut, neg, x)
     if any(p.min_p > 0 for p in params):
