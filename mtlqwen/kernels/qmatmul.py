@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from . import qgemm
 from .backend import gpu_backend, register_kernel
 from .linear import LinearParams
 from .portable import KernelExample, portable_kernel
@@ -505,9 +506,22 @@ def _flat(x: mx.array) -> tuple[mx.array, tuple]:
     return (x if x.ndim == 2 else x.reshape(-1, x.shape[-1])), lead
 
 
+def _use_qgemm(x2: mx.array, ps: list[LinearParams]) -> bool:
+    """More rows than the qmv takes, up to qgemm_max_rows, on CUDA: the tensor-core GEMM."""
+    return (qmv_rows_exceeded(x2) and x2.shape[0] <= SELECT["qgemm_max_rows"] and qgemm.available()
+            and qgemm.supported(x2, ps))
+
+
+def qmv_rows_exceeded(x2: mx.array) -> bool:
+    return x2.shape[0] > SELECT["qmv_max_rows"]
+
+
 def _big_m(x2: mx.array, p: LinearParams) -> mx.array:
-    """More rows than qmv takes: MLX's quantized GEMM (None: the reference) or dequantize + GEMM."""
+    """More rows than qmv takes: the tensor-core GEMM (CUDA), else MLX's quantized GEMM (None: the
+    reference) or dequantize + GEMM."""
     M = x2.shape[0]
+    if _use_qgemm(x2, [p]):
+        return qgemm.qgemm(x2, [p])[0]
     small_n = SELECT["small_n_dequant"] and p.out_features % 128 != 0
     if (SELECT["dequant_gemm_min_rows"] <= M or small_n) and x2.dtype in (mx.bfloat16, mx.float16):
         return x2 @ p.dequantized().astype(x2.dtype).T
@@ -537,6 +551,8 @@ def linear_kernel(x: mx.array, p: LinearParams):
 @register_kernel("linear_multi")
 def linear_multi_kernel(x: mx.array, ps: list[LinearParams]):
     x2, lead = _flat(x)
+    if len(ps) <= 4 and _use_qgemm(x2, ps):
+        return [y.reshape(*lead, p.out_features) for y, p in zip(qgemm.qgemm(x2, ps), ps)]
     if x2.shape[0] > SELECT["qmv_max_rows"] or len(ps) > 4 or not qmv_supported(x2, ps):
         return None
     return [y.reshape(*lead, p.out_features) for y, p in zip(qmv(x2, ps), ps)]
@@ -545,6 +561,8 @@ def linear_multi_kernel(x: mx.array, ps: list[LinearParams]):
 @register_kernel("swiglu_linear")
 def swiglu_linear_kernel(x: mx.array, gate: LinearParams, up: LinearParams):
     x2, lead = _flat(x)
+    if gate.out_features == up.out_features and _use_qgemm(x2, [gate, up]):
+        return qgemm.qgemm(x2, [gate, up], epi=1)[0].reshape(*lead, gate.out_features)
     if (x2.shape[0] > SELECT["qmv_max_rows"] or gate.out_features != up.out_features
             or not qmv_supported(x2, [gate, up])):
         return None

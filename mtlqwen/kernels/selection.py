@@ -93,6 +93,13 @@ SELECT: dict[str, int] = {
     # one custom-kernel launch fewer per GDN layer at decode. tests/test_kernels_gdn.py::test_gdn_fused_norm_kernel
     # passed on the H200 (2026-11-30, session 11).
     "gdn_fused_norm": 1,
+    # CUDA, 9+ rows, 4/8-bit, bf16/fp16 x: the tensor-core quantized GEMM (qgemm.py) up to this many rows
+    # (0 = never); past it, and on Metal, the paths above (MLX's quantized_matmul / dequantize + GEMM).
+    "qgemm_max_rows": 1024,
+    # qgemm: 16-row weight tiles per warp (1 or 2; SwiGLU always pairs 2) and how many waves of blocks
+    # over the SMs split-K aims for when N / tile * M / tile blocks are too few.
+    "qgemm_rt": 1,
+    "qgemm_split_waves": 2,
 }
 
 
