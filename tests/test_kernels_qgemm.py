@@ -119,3 +119,24 @@ def test_linear_dispatch_through_qgemm(m, n, bits, seed):
     g, u = ref32(x, ps[0]), ref32(x, up)
     y = linear_fused.swiglu_linear(x, ps[0], up)
     assert rel_err(y, g / (1 + np.exp(-g)) * u) < TOL[mx.bfloat16]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@settings(max_examples=n_examples(20), **GPU_SETTINGS)
+@given(n=st.integers(1, 300), kg=st.integers(1, 12), bits=st.sampled_from([4, 8]), gs=st.sampled_from([32, 64, 128]),
+       dtype=st.sampled_from(["bfloat16", "float16", "float32"]), seed=st.integers(0, 2**31 - 1))
+def test_dequantize_kernel_matches_mlx(n, kg, bits, gs, dtype, seed):
+    """The dequantize kernel against mx.dequantize on the CPU stream: the same value to one rounding."""
+    from mtlqwen.kernels import dequant  # noqa: PLC0415
+
+    dequant.POISON = float("nan")
+    dt = DTYPES[dtype]
+    rng = np.random.default_rng(seed)
+    p = make_params(rng, n, kg * gs, bits, gs, dt)
+    got = np.array(dequant.dequantize(p, dt).astype(mx.float32))
+    with mx.stream(mx.cpu):
+        want = np.array(mx.dequantize(p.weight, p.scales, p.biases, group_size=gs, bits=bits).astype(mx.float32))
+    assert got.shape == (n, kg * gs) and np.isfinite(got).all()
+    ulp = {mx.bfloat16: 2.0**-7, mx.float16: 2.0**-10, mx.float32: 2.0**-22}[dt]
+    assert np.all(np.abs(got - want) <= ulp * np.maximum(np.abs(want), 1e-3)), np.abs(got - want).max()

@@ -2,6 +2,7 @@
 Imported lazily by `backend.kernel_for` on Metal / CUDA; keep it a plain list of imports."""
 
 from . import conv_kernels  # noqa: F401
+from . import dequant  # noqa: F401
 from . import fused_small  # noqa: F401
 from . import gdn_kernels  # noqa: F401
 from . import gdn_normed_kernels  # noqa: F401

@@ -367,14 +367,13 @@ def config(M: int, N: int, K: int, bits: int, epi: int) -> tuple[int, int, int, 
     from .selection import SELECT  # noqa: PLC0415
 
     RT = 2 if epi == 1 else SELECT["qgemm_rt"]
+    # tokens per block and pipeline depth: the best of the device-time sweep at 16 / 32 / 64 / 128+ rows
     if M <= 16:
-        TT, WM, ST = 2, 1, 4
+        TT, WM, ST = 2, 1, 2
     elif M <= 32:
-        TT, WM, ST = 4, 1, 4
-    elif M <= 64:
-        TT, WM, ST = 8, 1, 3
+        TT, WM, ST = 4, 1, 2
     else:
-        TT, WM, ST = 8, 2, 3
+        TT, WM, ST = 8, 1, 3
     WN = 4
     TR = 16 * RT * WN
     nout = 16 * WN if epi == 1 else TR

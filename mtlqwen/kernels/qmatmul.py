@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import qgemm
+from . import dequant, qgemm
 from .backend import gpu_backend, register_kernel
 from .linear import LinearParams
 from .portable import KernelExample, portable_kernel
@@ -524,6 +524,8 @@ def _big_m(x2: mx.array, p: LinearParams) -> mx.array:
         return qgemm.qgemm(x2, [p])[0]
     small_n = SELECT["small_n_dequant"] and p.out_features % 128 != 0
     if (SELECT["dequant_gemm_min_rows"] <= M or small_n) and x2.dtype in (mx.bfloat16, mx.float16):
+        if SELECT["dequant_kernel"] and dequant.supported(p, x2.dtype):
+            return x2 @ dequant.dequantize(p, x2.dtype).T
         return x2 @ p.dequantized().astype(x2.dtype).T
     if M <= SELECT["qmv_loop_max_rows"]:  # a few qmv launches beat MLX's GEMM for small M
         return mx.concatenate([qmv(x2[i:i + 8], [p])[0] for i in range(0, M, 8)], axis=0)

@@ -96,9 +96,13 @@ SELECT: dict[str, int] = {
     # CUDA, 9+ rows, 4/8-bit, bf16/fp16 x: the tensor-core quantized GEMM (qgemm.py) up to this many rows
     # (0 = never); past it, and on Metal, the paths above (MLX's quantized_matmul / dequantize + GEMM).
     "qgemm_max_rows": 1024,
-    # qgemm: 16-row weight tiles per warp (1 or 2; SwiGLU always pairs 2) and how many waves of blocks
-    # over the SMs split-K aims for when N / tile * M / tile blocks are too few.
-    "qgemm_rt": 1,
+    # The dequantize + GEMM path dequantizes with our kernel (dequant.py) instead of mx.dequantize, which
+    # took ~100 us per 12288x4096 4-bit matrix (benchmarks/qgemm.md).
+    "dequant_kernel": 1,
+    # qgemm: 16-row weight tiles per warp (1 or 2; SwiGLU always pairs 2): 2 was faster at 35 of the 42
+    # (matrix, rows) points of the 9B sweep (benchmarks/qgemm.md); how many waves of blocks over the SMs
+    # split-K aims for when N / tile * M / tile blocks are too few.
+    "qgemm_rt": 2,
     "qgemm_split_waves": 2,
 }
 
