@@ -35,11 +35,11 @@ SELECT: dict[str, int] = {
     # One qmv launch per 8 rows past that: disabled (0). At M=16 MLX's qmm took 15-41 us, qmv per 8
     # rows 71-207 us.
     "qmv_loop_max_rows": 0,
-    # From this many rows on: dequantize to the activation dtype, then MLX's bf16 GEMM (cuBLAS). At
-    # M=2048 it is 3.7-4.1x faster than MLX's qmm (151 vs 560 us, 4096x4096); at M=128 slower (68 vs
-    # 46 us): MLX's dequantize costs ~65 us per 4096x4096. The crossover, interpolated linearly
-    # between the two measured sizes, lies near 300 rows (not measured there).
-    "dequant_gemm_min_rows": 320,
+    # From this many rows on: dequantize to the activation dtype (dequant.py's kernel), then MLX's bf16 GEMM
+    # (cuBLAS). Device time on the H200 (CUPTI, benchmarks/qgemm.md), 12288x4096 4-bit: at 128 rows 64.8 us
+    # against the tensor-core GEMM's 67.0, at 256 72.8 against 129.3, at 1024 166 (79% of the bf16 GEMM on
+    # bf16 weights, 130.6) against 497; the other 9B matrices cross at the same place.
+    "dequant_gemm_min_rows": 129,
     # GDN decode / prefill kernels write the new recurrent states into the pool in place (gdn_kernels.py)
     # instead of returning them for a scatter, which on the GPU copies the whole pool every step (MLX keeps
     # kernel inputs alive, so the pool is never donated): +54 MiB per step at B=1 with one slot, +423 MiB at
@@ -94,8 +94,11 @@ SELECT: dict[str, int] = {
     # passed on the H200 (2026-11-30, session 11).
     "gdn_fused_norm": 1,
     # CUDA, 9+ rows, 4/8-bit, bf16/fp16 x: the tensor-core quantized GEMM (qgemm.py) up to this many rows
-    # (0 = never); past it, and on Metal, the paths above (MLX's quantized_matmul / dequantize + GEMM).
-    "qgemm_max_rows": 1024,
+    # (0 = never); past it, and on Metal, the paths above (MLX's quantized_matmul / dequantize + GEMM). At
+    # 16-128 rows it beat MLX's quantized_matmul on every 9B matrix (in_proj at 16 rows: 19-24 vs 26 us, at
+    # 128: 67 vs 105; benchmarks/qgemm.md); 16 / 32 concurrent requests decode at 2,448 / 3,386 tok/s
+    # with it against 1,142 / 1,462 without (runtime_bench).
+    "qgemm_max_rows": 128,
     # The dequantize + GEMM path dequantizes with our kernel (dequant.py) instead of mx.dequantize, which
     # took ~100 us per 12288x4096 4-bit matrix (benchmarks/qgemm.md).
     "dequant_kernel": 1,
