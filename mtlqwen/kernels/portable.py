@@ -184,8 +184,18 @@ class PortableKernel:
                 self._built[backend] = mx.fast.cuda_kernel(**kw, shared_memory=self.shared_memory)
         return self._built[backend]
 
+    def instance_key(self, template) -> tuple:
+        """(name, template values): one compiled instantiation (what a self-check verifies once)."""
+        return (self.name, tuple((n, str(v)) for n, v in (template or ())))
+
     def __call__(self, backend: str, **kwargs):
+        if LAUNCHES:  # the dispatcher is collecting the instantiations one op call launches
+            LAUNCHES[-1].append(self.instance_key(kwargs.get("template")))
         return self.build(backend)(**kwargs)
+
+
+# One list per op call in progress (dispatch.py pushes and pops them): the instantiations it launched.
+LAUNCHES: list[list[tuple]] = []
 
 
 REGISTRY: dict[str, PortableKernel] = {}
