@@ -99,6 +99,29 @@ def test_selection_table_covers_every_qmv_variant():
     assert selection.SELECT["qmv_max_rows"] <= 8  # the kernel's MT variants stop at 8
 
 
+@pytest.mark.parametrize("backend_name", ["metal", "cuda"])
+def test_the_tensor_core_rows_have_a_metal_fallback_row(monkeypatch, backend_name):
+    """qmv_mma_min_rows picks a CUDA-only variant; on Metal SELECT["qmv_mma_metal"] decides what those rows
+    run: 0 the FMA qmv kernel, 1 MLX's quantized matmul (the linear op's reference: the kernels decline)."""
+    from mtlqwen.kernels.qmatmul import gemv  # noqa: PLC0415
+
+    monkeypatch.setattr(gemv, "gpu_backend", lambda: backend_name)
+    rng = np.random.default_rng(0)
+    p, up = (make_params(rng, 64, 128, 4, 64, mx.bfloat16) for _ in range(2))
+    x = mx.array(rng.standard_normal((6, 128)).astype(np.float32)).astype(mx.bfloat16)
+    mma_from = selection.SELECT["qmv_mma_min_rows"]
+    assert 0 < mma_from <= 6
+    monkeypatch.setitem(selection.SELECT, "qmv_mma_metal", 1)
+    to_mlx = backend_name == "metal"
+    assert gemv.mma_rows_to_mlx(6) == to_mlx and not gemv.mma_rows_to_mlx(mma_from - 1)
+    if to_mlx:  # declined before any launch (CPU: a launch would fail)
+        assert gemv.linear_kernel(x, p) is None
+        assert gemv.linear_multi_kernel(x, [p, up]) is None
+        assert gemv.swiglu_linear_kernel(x, p, up) is None
+    monkeypatch.setitem(selection.SELECT, "qmv_mma_metal", 0)
+    assert not gemv.mma_rows_to_mlx(6)
+
+
 # ---------------------------------------------------------------- GPU: kernels against references
 def _poisoned(npair: int | None = None):
     """The qmatmul module with outputs poisoned; npair sets the 4-bit nibble-pair unpack for this example."""

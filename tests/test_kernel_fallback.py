@@ -1,0 +1,140 @@
+"""Runtime safety of the dispatch layer (kernels/dispatch.py), on the CPU through injected fake kernels: a
+kernel that fails to build or launch, or (self-check on) disagrees with its reference, is switched off with
+one warning and its op runs the fallback; a request through the Engine still returns the reference's
+tokens."""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mtlqwen.kernels import dispatch, rms_norm
+from mtlqwen.kernels.norms import rms_norm_ref
+from mtlqwen.runtime import Engine
+
+from engine_checks import greedy
+from hf_checkpoints import random_token_ids
+
+PROMPTS = [random_token_ids(n, 512, seed=n) for n in (19, 6, 41)]
+
+
+class FakeKernel:
+    """A kernel object for the dispatch layer: counts its calls; `build_error` raises as a failed build
+    would; otherwise returns the reference's result times `factor` (1: a correct kernel)."""
+
+    def __init__(self, ref, factor: float = 1.0, build_error: bool = False):
+        self.ref, self.factor, self.build_error, self.calls = ref, factor, build_error, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        if self.build_error:
+            raise RuntimeError("[metal_kernel] Unable to build metal library from source")
+        return self.ref(*args) * self.factor
+
+
+def kernel_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "mtlqwen.kernels" and r.levelno == logging.WARNING]
+
+
+def run_engine(model, compile_decode: bool) -> list[list[int]]:
+    eng = Engine(model, slots=2, step_tokens=32, block_tokens=16, num_blocks=24, compile_decode=compile_decode)
+    outs = eng.generate(PROMPTS, greedy(6))
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    return [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(model):
+    return run_engine(model, compile_decode=False)
+
+
+@pytest.mark.parametrize("compile_decode", [False, True])
+def test_a_kernel_that_fails_to_build_leaves_the_request_on_the_reference(model, reference_tokens, caplog,
+                                                                          compile_decode):
+    fake = FakeKernel(rms_norm_ref, build_error=True)
+    with caplog.at_level(logging.WARNING, logger="mtlqwen.kernels"), dispatch.inject("rms_norm", fake) as op:
+        tokens = run_engine(model, compile_decode)
+        assert op.failed is not None and "failed to build or launch" in op.failed
+    assert tokens == reference_tokens
+    assert fake.calls == 1  # switched off after its first failure: every later call took the fallback
+    (warning,) = kernel_warnings(caplog)
+    assert "'rms_norm'" in warning and "Unable to build metal library" in warning
+
+
+@pytest.mark.parametrize("compile_decode", [False, True])
+def test_a_wrong_kernel_is_caught_by_its_first_use_check(model, reference_tokens, caplog, monkeypatch,
+                                                         compile_decode):
+    monkeypatch.setenv("MTLQWEN_SELF_CHECK", "1")
+    fake = FakeKernel(rms_norm_ref, factor=1.5)
+    with caplog.at_level(logging.WARNING, logger="mtlqwen.kernels"), dispatch.inject("rms_norm", fake) as op:
+        tokens = run_engine(model, compile_decode)
+        assert op.failed is not None and "disagrees with its reference" in op.failed
+    assert tokens == reference_tokens
+    assert fake.calls == 1
+    (warning,) = kernel_warnings(caplog)
+    assert "'rms_norm'" in warning and "relative error 0.5" in warning
+
+
+def _case(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = mx.array(rng.standard_normal((3, 64)).astype(np.float32))
+    w = mx.array(1 + 0.1 * rng.standard_normal(64).astype(np.float32))
+    return x, w
+
+
+def test_a_correct_kernel_is_checked_once_then_trusted(caplog, monkeypatch):
+    monkeypatch.setenv("MTLQWEN_SELF_CHECK", "1")
+    x, w = _case()
+    fake = FakeKernel(lambda *a: rms_norm_ref(*a) + 1e-6)  # within the check's tolerance, not the reference
+    with caplog.at_level(logging.WARNING, logger="mtlqwen.kernels"), dispatch.inject("rms_norm", fake) as op:
+        for _ in range(3):
+            out = rms_norm(x, w, 1e-6)
+            assert mx.array_equal(out, rms_norm_ref(x, w, 1e-6) + 1e-6).item()  # the kernel's result
+        assert op.failed is None and len(op.checked) == 1
+    assert fake.calls == 3 and kernel_warnings(caplog) == []
+
+
+@pytest.mark.parametrize("factor", [1.0, 1.5])
+def test_first_use_inside_a_compile_trace_checks_a_concrete_copy(caplog, monkeypatch, factor):
+    """Nothing derived from a traced input can be evaluated: the check runs the kernel and the reference on
+    random inputs of the same shapes; a wrong kernel is switched off and the trace records the fallback."""
+    monkeypatch.setenv("MTLQWEN_SELF_CHECK", "1")
+    x, w = _case(1)
+    fake = FakeKernel(rms_norm_ref, factor=factor)
+    with caplog.at_level(logging.WARNING, logger="mtlqwen.kernels"), dispatch.inject("rms_norm", fake) as op:
+        out = mx.compile(lambda a: rms_norm(a, w, 1e-6))(x)
+        assert (op.failed is None) == (factor == 1.0)
+    assert fake.calls == 2  # the traced call and its concrete probe
+    ref = rms_norm_ref(x, w, 1e-6)
+    assert float(mx.max(mx.abs(out - ref)).item()) <= 1e-6  # right either way: the kernel, or the fallback
+    assert len(kernel_warnings(caplog)) == (0 if factor == 1.0 else 1)
+
+
+def test_self_check_defaults_to_the_unverified_back_ends(monkeypatch):
+    monkeypatch.delenv("MTLQWEN_SELF_CHECK", raising=False)
+    monkeypatch.setattr(dispatch, "gpu_backend", lambda: "metal")
+    assert dispatch.self_check()
+    monkeypatch.setattr(dispatch, "gpu_backend", lambda: "cuda")
+    assert not dispatch.self_check()
+    monkeypatch.setattr(dispatch, "gpu_backend", lambda: "metal")
+    monkeypatch.setenv("MTLQWEN_SELF_CHECK", "0")
+    assert not dispatch.self_check()
+
+
+def test_a_kernel_that_declines_a_shape_is_not_switched_off(caplog):
+    x, w = _case(2)
+    calls = []
+    with caplog.at_level(logging.WARNING, logger="mtlqwen.kernels"), \
+            dispatch.inject("rms_norm", lambda *a: calls.append(a) and None) as op:
+        out = rms_norm(x, w, 1e-6)
+        assert op.failed is None
+    assert len(calls) == 1 and mx.array_equal(out, rms_norm_ref(x, w, 1e-6)).item()
+    assert kernel_warnings(caplog) == []
+
+
+def test_inject_refuses_an_unknown_op():
+    with pytest.raises(KeyError, match="no op 'rms_nrom'"), dispatch.inject("rms_nrom", lambda *a: None):
+        pass
