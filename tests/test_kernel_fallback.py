@@ -138,3 +138,55 @@ def test_a_kernel_that_declines_a_shape_is_not_switched_off(caplog):
 def test_inject_refuses_an_unknown_op():
     with pytest.raises(KeyError, match="no op 'rms_nrom'"), dispatch.inject("rms_nrom", lambda *a: None):
         pass
+
+
+@pytest.fixture
+def metal_rms(monkeypatch):
+    """The real rms_norm kernel path on a pretend Metal back-end whose compiled kernel is a stand-in (the
+    reference's rows, times `factor[D]`): what the dispatcher sees of PortableKernel launches."""
+    from mtlqwen.kernels.norms import kernels as nk  # noqa: PLC0415
+
+    monkeypatch.setattr(nk, "gpu_backend", lambda: "metal")
+    launches, factor = [], {}
+
+    def compiled(inputs, template, **kw):
+        launches.append(dict(template)["D"])
+        x, w, eps = inputs
+        return [rms_norm_ref(x, w, float(eps[0].item())) * factor.get(x.shape[-1], 1.0)]
+
+    monkeypatch.setattr(nk.RMS, "build", lambda backend: compiled)
+    with dispatch.inject("rms_norm", nk.rms_norm_kernel) as op:
+        yield op, launches, factor
+
+
+def test_each_instantiation_is_checked_once(metal_rms, caplog, monkeypatch):
+    monkeypatch.setenv("MTLQWEN_SELF_CHECK", "1")
+    op, launches, factor = metal_rms
+    factor[2048] = 2.0  # the D=2048 instantiation (256 threads a row) is wrong, the D=64 one right
+    rng = np.random.default_rng(3)
+    w64, w2k = (mx.array(rng.standard_normal(d).astype(np.float32)) for d in (64, 2048))
+    with caplog.at_level(logging.WARNING, logger="mtlqwen.kernels"):
+        for rows in (3, 5):  # one instantiation (rows come from x_shape): checked at the first call only
+            x = mx.array(rng.standard_normal((rows, 64)).astype(np.float32))
+            assert mx.allclose(rms_norm(x, w64, 1e-6), rms_norm_ref(x, w64, 1e-6)).item()
+        assert op.failed is None and [k[0] for k in op.checked] == ["rms_norm"] and launches == [64, 64]
+        x = mx.array(rng.standard_normal((2, 2048)).astype(np.float32))
+        assert mx.array_equal(rms_norm(x, w2k, 1e-6), rms_norm_ref(x, w2k, 1e-6)).item()
+    assert op.failed is not None and launches == [64, 64, 2048]
+    (warning,) = kernel_warnings(caplog)
+    assert "'rms_norm'" in warning and "relative error 1" in warning
+
+
+def test_a_real_portable_kernel_that_cannot_build_falls_back(caplog):
+    """No stand-in: on the CPU, MLX refuses to build a Metal kernel -- a genuine build failure."""
+    from mtlqwen.kernels.norms import kernels as nk  # noqa: PLC0415
+
+    x, w = _case(4)
+    with pytest.MonkeyPatch.context() as mp, caplog.at_level(logging.WARNING, logger="mtlqwen.kernels"):
+        mp.setattr(nk, "gpu_backend", lambda: "metal")
+        with dispatch.inject("rms_norm", nk.rms_norm_kernel) as op:
+            out = rms_norm(x, w, 1e-6)
+            assert op.failed is not None
+    assert mx.array_equal(out, rms_norm_ref(x, w, 1e-6)).item()
+    (warning,) = kernel_warnings(caplog)
+    assert "'rms_norm'" in warning and "metal_kernel" in warning

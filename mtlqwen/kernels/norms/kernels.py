@@ -1,5 +1,5 @@
 """Row kernels: RMSNorm, the GDN gated RMSNorm and the fused residual add + RMSNorm (references in
-reference.py). The row fragments (ROW_HEAD, SUM_SQ, ROW_INV_RMS) are shared with rope/head_norm_rope.py.
+reference.py). The row fragments (ROW_HEAD, SUM_SQ, ROW_INV_RMS) are shared with rope/kernels.py (head_norm_rope).
 
 All of them are memory-bound; one launch each, fp32 arithmetic, each element read from device memory
 once (the second pass over a row hits the cache). Row counts come from `x_shape` so a kernel is
@@ -28,7 +28,7 @@ const bool live = rw < N;
 const size_t base = (size_t)(live ? rw : 0) * D;
 """
 
-# shared with head_norm_rope.py: reduce the row's sum of squares `ss` (TPRN threads a row) to `inv`
+# shared with rope/kernels.py (head_norm_rope): reduce the row's sum of squares `ss` (TPRN threads a row) to `inv`
 ROW_INV_RMS = """
 ss = SIMD_SUM(ss);
 if (TPRN > 32) {

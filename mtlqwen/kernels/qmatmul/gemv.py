@@ -125,7 +125,7 @@ def fma_inputs(x: mx.array, ps: list[LinearParams]) -> list[mx.array]:
 
 
 def fma_template(x: mx.array, p0: LinearParams, R: int, U: int, P: int, epi: int, pf: int | None) -> list:
-    """The FMA body's template constants (also qmv_residual.py's); pf None: the selection table's."""
+    """The FMA body's template constants (also residual.py's); pf None: the selection table's."""
     pf = SELECT["qmv_prefetch"] if pf is None else pf
     return [("T", x.dtype), ("XK", XKIND[x.dtype]), ("BITS", p0.bits), ("GS", p0.group_size), ("MT", row_bucket(x.shape[0])),
             ("R", R), ("U", U), ("P", P), ("EPI", epi), ("PF", int(pf)),
