@@ -98,8 +98,10 @@ class Op:
         if out is None:
             return self.fallback(*args, **kw)
         # a fake kernel (tests) launches no PortableKernel: the kernel itself is the one instantiation
-        new = [k for k in (launched or [("fn", id(kern))]) if k not in self.checked]
-        return self._first_use(new, kern, out, args, kw) if new else out
+        launched = launched or [kern]
+        if self.checked.issuperset(launched):
+            return out
+        return self._first_use([k for k in launched if k not in self.checked], kern, out, args, kw)
 
     def switch_off(self, why: str) -> None:
         self.failed = why

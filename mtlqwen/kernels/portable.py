@@ -190,7 +190,7 @@ class PortableKernel:
 
     def instance_key(self, template) -> tuple:
         """(name, template values): one compiled instantiation (what a self-check verifies once)."""
-        return (self.name, tuple((n, str(v)) for n, v in (template or ())))
+        return (self.name, tuple(template or ()))
 
     def __call__(self, backend: str, **kwargs):
         if LAUNCHES:  # the dispatcher is collecting the instantiations one op call launches
