@@ -190,3 +190,38 @@ def test_a_real_portable_kernel_that_cannot_build_falls_back(caplog):
     assert mx.array_equal(out, rms_norm_ref(x, w, 1e-6)).item()
     (warning,) = kernel_warnings(caplog)
     assert "'rms_norm'" in warning and "metal_kernel" in warning
+
+
+@pytest.mark.parametrize("factor", [1.0, 1.5])
+def test_the_trace_probe_of_a_paged_op_is_concrete_and_small(caplog, monkeypatch, factor):
+    """A traced attention call's probe: a concrete layout (empty contexts, one pool row per sequence), pools
+    cut to those rows; the kernel is judged on it against the reference."""
+    from mtlqwen.kernels import SeqLayout, paged_attention  # noqa: PLC0415
+    from mtlqwen.kernels.attention import paged_attention_ref  # noqa: PLC0415
+
+    monkeypatch.setenv("MTLQWEN_SELF_CHECK", "1")
+    seen = []
+
+    def fake(q, k_pool, v_pool, layout, scale, after=None):
+        seen.append((layout.traced, k_pool.shape[0]))
+        return paged_attention_ref(q, k_pool, v_pool, layout, scale) * factor
+
+    rng = np.random.default_rng(5)
+    B, bt, nblocks = 2, 16, 9
+    kp, vp = (mx.array(rng.standard_normal((nblocks, bt, 2, 32)).astype(np.float32)) for _ in range(2))
+    q = mx.array(rng.standard_normal((B, 4, 32)).astype(np.float32))
+    real = SeqLayout([0, 1, 2], [20, 5], [[3, 4], [7]], [0, 1], bt)
+
+    def step(q, kp, vp, kv_valid, tables):
+        lay = SeqLayout([0, 1, 2], [0] * B, [[0, 0]] * B, [0] * B, bt, max_len=32, traced=True)
+        lay._arrays.update(kv_valid=kv_valid, block_tables=tables)
+        return paged_attention(q, kp, vp, lay, 0.25)
+
+    with caplog.at_level(logging.WARNING, logger="mtlqwen.kernels"), dispatch.inject("paged_attention", fake) as op:
+        out = mx.compile(step)(q, kp, vp, real.array("kv_valid"), real.array("block_tables"))
+        assert (op.failed is None) == (factor == 1.0)
+    assert seen == [(True, nblocks), (False, B)]  # the traced call, then its probe
+    assert mx.allclose(out, paged_attention_ref(q, kp, vp, real, 0.25) * factor, atol=1e-5).item() == (factor == 1.0)
+    if factor != 1.0:  # switched off: the trace recorded the reference
+        assert mx.allclose(out, paged_attention_ref(q, kp, vp, real, 0.25), atol=1e-5).item()
+    assert len(kernel_warnings(caplog)) == (0 if factor == 1.0 else 1)

@@ -109,11 +109,12 @@ class Op:
 
     def _first_use(self, new: list, kern, out, args, kw):
         if not _concrete(args, kw):  # inside an mx.compile trace: check a concrete copy instead
-            why = self._check(kern, *self._probe(args, kw))
+            covered, why = self._check(kern, *self._probe(args, kw))
             if why is not None:
                 self.switch_off(why)
                 return self.fallback(*args, **kw)
-            self.checked.update(new)
+            if covered:  # else the copy fell outside the kernel's coverage: checked at a later first use
+                self.checked.update(new)
             return out
         ref = self._reference(args, kw)
         try:
@@ -136,18 +137,18 @@ class Op:
         mx.eval(_arrays(ref))
         return ref
 
-    def _check(self, kern, args, kw) -> str | None:
-        """Why the kernel fails on this (concrete) call, or None."""
+    def _check(self, kern, args, kw) -> tuple[bool, str | None]:
+        """(whether the kernel covered this concrete call, why it fails on it or None)."""
         ref = self._reference(args, kw)
         try:
             out = kern(*args, **kw)
             if out is None:
-                return None  # the copy left the kernel's coverage: the traced call's shape is checked later
+                return False, None
             mx.eval(_arrays(out))
         except Exception as e:  # noqa: BLE001
-            return f"failed to build or launch: {type(e).__name__}: {e}"
+            return True, f"failed to build or launch: {type(e).__name__}: {e}"
         why = None if ref is None else mismatch(out, ref)
-        return None if why is None else f"disagrees with its reference at first use ({why})"
+        return True, None if why is None else f"disagrees with its reference at first use ({why})"
 
     def _probe(self, args, kw) -> tuple[tuple, dict]:
         """A concrete stand-in for a traced call (same shapes, dtypes and layout geometry)."""
