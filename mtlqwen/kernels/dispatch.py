@@ -79,7 +79,7 @@ class Op:
         """The kernel a call would try now, or None (references run, row off, switched off)."""
         if self.failed is not None or (self.row is not None and not SELECT[self.row]):
             return None
-        if self.name in _INJECTED:
+        if _INJECTED and self.name in _INJECTED:
             return _INJECTED[self.name]
         return self.kernel if use_kernels() else None
 

@@ -148,7 +148,7 @@ _apply_env_overrides(SELECT, os.environ.get("MTLQWEN_SELECT", ""))
 # 4096x12288 (4-bit): M=1 best R=4 (U=4 for N <= 4096: 13.4 us; U=2 for larger N: 25 us vs 28-30),
 # M=8 best R=4..8, U=1. MT=2/4 and 8-bit: not swept, R=4 U=1-2 by the same reasoning. With R=4 the
 # M=1 steady state rose from 1.44 / 1.58 to 1.69 / 1.94 TB/s (stacked 4096-K / 12288-K). M=1 reads the
-# SELECT rows qmv_m1_* instead.
+# SELECT rows qmv_m1_* instead. The sweep: benchmarks/kernels_qmatmul_attn.md (benchmarks/qmv_pick.py).
 QMV_BLOCKING: dict[tuple[int, int], tuple[int, int]] = {
     (2, 4): (4, 2),
     (2, 8): (4, 2),
