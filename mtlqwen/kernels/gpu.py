@@ -7,5 +7,5 @@ from .conv import kernels as conv_kernels  # noqa: F401
 from .gdn import kernels as gdn_kernels  # noqa: F401
 from .gdn import normed  # noqa: F401
 from .norms import kernels as norm_kernels  # noqa: F401
-from .qmatmul import gemv, residual  # noqa: F401
+from .qmatmul import dequant, gemv, qgemm, residual  # noqa: F401
 from .rope import kernels as rope_kernels  # noqa: F401

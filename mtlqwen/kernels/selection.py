@@ -105,6 +105,17 @@ SELECT: dict[str, int] = {
     # custom-kernel launch fewer per GDN layer at decode. tests/test_kernels_gdn.py::test_gdn_fused_norm_kernel
     # passed on the H200 (benchmarks/kernels_gdn.md).
     "gdn_fused_norm": 1,
+    # CUDA, 9+ rows, 4/8-bit, bf16/fp16 x: the tensor-core quantized GEMM (qmatmul/qgemm.py) up to this many rows
+    # (0 = never); past it, and on Metal, the paths above (MLX's quantized_matmul / dequantize + GEMM).
+    "qgemm_max_rows": 1024,
+    # The dequantize + GEMM path dequantizes with our kernel (qmatmul/dequant.py) instead of mx.dequantize, which
+    # took ~100 us per 12288x4096 4-bit matrix (benchmarks/qgemm.md).
+    "dequant_kernel": 1,
+    # qgemm: 16-row weight tiles per warp (1 or 2; SwiGLU always pairs 2): 2 was faster at 35 of the 42
+    # (matrix, rows) points of the 9B sweep (benchmarks/qgemm.md); how many waves of blocks over the SMs
+    # split-K aims for when N / tile * M / tile blocks are too few.
+    "qgemm_rt": 2,
+    "qgemm_split_waves": 2,
 }
 
 

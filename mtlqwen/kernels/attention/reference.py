@@ -90,7 +90,9 @@ def drafter_attention_ref(
     causal: bool = False,
     window: int | None = None,
 ) -> mx.array:
-    """q [T, nH, hd], k_blk / v_blk [T, nKV, hd] (the packed blocks), pools [num_blocks, block_tokens, nKV, hd]
+    """DFlash drafter attention (dflash.md §1.4, §1.5): unlike `paged_attention_ref`, the newest keys (the
+    block's) are not in the pools but passed in, and the block is non-causal unless the layer says so.
+    q [T, nH, hd], k_blk / v_blk [T, nKV, hd] (the packed blocks), pools [num_blocks, block_tokens, nKV, hd]
     -> [T, nH, hd].
 
     Sequence i's block occupies rows query_start_loc[i]:query_start_loc[i+1] at positions P + j with

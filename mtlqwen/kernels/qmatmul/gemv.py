@@ -18,6 +18,7 @@ import mlx.core as mx
 from ..backend import gpu_backend
 from ..portable import KernelExample, portable_kernel
 from ..selection import SELECT, qmv_config
+from . import dequant, qgemm
 from .bodies import HEADER, MMA_HEADER, XKIND, fma_body, mma_body
 from .params import LinearParams
 
@@ -155,11 +156,26 @@ def _flat(x: mx.array) -> tuple[mx.array, tuple]:
     return (x if x.ndim == 2 else x.reshape(-1, x.shape[-1])), lead
 
 
+def _use_qgemm(x2: mx.array, ps: list[LinearParams]) -> bool:
+    """More rows than the qmv takes, up to qgemm_max_rows, on CUDA: the tensor-core GEMM."""
+    return (qmv_rows_exceeded(x2) and x2.shape[0] <= SELECT["qgemm_max_rows"] and qgemm.available()
+            and qgemm.supported(x2, ps))
+
+
+def qmv_rows_exceeded(x2: mx.array) -> bool:
+    return x2.shape[0] > SELECT["qmv_max_rows"]
+
+
 def _big_m(x2: mx.array, p: LinearParams) -> mx.array:
-    """More rows than qmv takes: MLX's quantized GEMM (None: the reference) or dequantize + GEMM."""
+    """More rows than qmv takes: the tensor-core GEMM (CUDA), else MLX's quantized GEMM (None: the
+    reference) or dequantize + GEMM."""
     M = x2.shape[0]
+    if _use_qgemm(x2, [p]):
+        return qgemm.qgemm(x2, [p])[0]
     small_n = SELECT["small_n_dequant"] and p.out_features % 128 != 0
     if (SELECT["dequant_gemm_min_rows"] <= M or small_n) and x2.dtype in (mx.bfloat16, mx.float16):
+        if SELECT["dequant_kernel"] and dequant.supported(p, x2.dtype):
+            return x2 @ dequant.dequantize(p, x2.dtype).T
         return x2 @ p.dequantized().astype(x2.dtype).T
     if M <= SELECT["qmv_loop_max_rows"]:  # a few qmv launches beat MLX's GEMM for small M
         return mx.concatenate([qmv(x2[i:i + 8], [p])[0] for i in range(0, M, 8)], axis=0)
@@ -195,6 +211,8 @@ def linear_kernel(x: mx.array, p: LinearParams):
 
 def linear_multi_kernel(x: mx.array, ps: list[LinearParams]):
     x2, lead = _flat(x)
+    if len(ps) <= 4 and _use_qgemm(x2, ps):
+        return [y.reshape(*lead, p.out_features) for y, p in zip(qgemm.qgemm(x2, ps), ps)]
     if (x2.shape[0] > SELECT["qmv_max_rows"] or len(ps) > 4 or mma_rows_to_mlx(x2.shape[0])
             or not qmv_supported(x2, ps)):
         return None
@@ -203,6 +221,8 @@ def linear_multi_kernel(x: mx.array, ps: list[LinearParams]):
 
 def swiglu_linear_kernel(x: mx.array, gate: LinearParams, up: LinearParams):
     x2, lead = _flat(x)
+    if gate.out_features == up.out_features and _use_qgemm(x2, [gate, up]):
+        return qgemm.qgemm(x2, [gate, up], epi=1)[0].reshape(*lead, gate.out_features)
     if (x2.shape[0] > SELECT["qmv_max_rows"] or gate.out_features != up.out_features
             or mma_rows_to_mlx(x2.shape[0]) or not qmv_supported(x2, [gate, up])):
         return None

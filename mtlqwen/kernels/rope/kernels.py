@@ -72,7 +72,7 @@ def rope_kernel(x, positions, tables: RopeTables, init_value=None):
 # One head-row of D values per TPRN threads, RPG rows per threadgroup. The normalised row is rounded to
 # the activation dtype (as the separate norm's output is) and parked in threadgroup memory, because RoPE
 # pairs element i with i ± RD/2 of the same row.
-_BODY = """
+_HEAD_NORM_ROPE = """
 SHARED float part[32];
 SHARED float nrm[RPG * D];
 const int tid = TID_X;
@@ -107,7 +107,7 @@ HEAD_NORM_ROPE = portable_kernel(
     name="head_norm_rope",
     input_names=["x", "w", "eps", "pos", "cos_t", "sin_t"],
     output_names=["y"],
-    body=_BODY,
+    body=_HEAD_NORM_ROPE,
     examples=[
         KernelExample([(dt, (3, H, RS)), (dt, (256,)), (mx.float32, (1,)), (mx.int32, (3,)),
                        (mx.float32, (64, 32)), (mx.float32, (64, 32))],

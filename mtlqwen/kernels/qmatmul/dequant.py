@@ -1,0 +1,86 @@
+"""Dequantize MLX affine 4/8-bit weights to the activation dtype at memory speed: the first half of the
+dequantize + GEMM path that serves many rows (prefill chunks) once the tensor-core GEMM stops winning.
+
+MLX's own `mx.dequantize` took ~100 us for one 12288x4096 4-bit matrix on the H200 (benchmarks/qgemm.md):
+as long as the bf16 GEMM it feeds at 1024 rows. This kernel reads each packed word once and writes its
+32/BITS weights with one vector store: one thread per uint32 word, w = s*q + b in fp32, one rounding (as
+MLX's dequantize). Reference twin: `LinearParams.dequantized` (mx.dequantize).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..backend import gpu_backend
+from ..portable import KernelExample, portable_kernel
+from .params import LinearParams
+
+POISON: float | None = None  # tests set NaN: every output element must then be written by the kernel
+
+# store EPW consecutive outputs: CUDA packs them into one 16- / 8-byte store; Metal stores element-wise
+_HEADER = r"""
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+template <typename T, int EPW>
+__device__ __forceinline__ void dq_store(T* out, const float (&v)[EPW]) {
+  if constexpr (sizeof(T) == 4) {
+#pragma unroll
+    for (int i = 0; i < EPW; ++i) out[i] = pl_from_float<T>(v[i]);
+    return;
+  }
+  uint32_t pk[EPW / 2];
+#pragma unroll
+  for (int i = 0; i < EPW / 2; ++i) {
+    T lo = pl_from_float<T>(v[2 * i]), hi = pl_from_float<T>(v[2 * i + 1]);
+    pk[i] = (uint32_t)(*reinterpret_cast<unsigned short*>(&lo)) | ((uint32_t)(*reinterpret_cast<unsigned short*>(&hi)) << 16);
+  }
+  if constexpr (EPW == 8) *reinterpret_cast<uint4*>(out) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+  else *reinterpret_cast<uint2*>(out) = make_uint2(pk[0], pk[1]);
+}
+#else
+template <typename T, int EPW>
+inline void dq_store(device T* out, thread const float (&v)[EPW]) {
+  for (int i = 0; i < EPW; ++i) out[i] = static_cast<T>(v[i]);
+}
+#endif
+"""
+
+# Template: T (output / scale dtype), BITS, GS. One thread per packed word of w [N, K*BITS/32].
+_BODY = r"""
+  constexpr int EPW = 32 / BITS;
+  const int KW = w_shape[1];
+  const int NG = s_shape[1];
+  const uint32_t total = (uint32_t)w_shape[0] * (uint32_t)KW;
+  const uint32_t i = GID_X;
+  if (i >= total) return;
+  const uint32_t row = i / (uint32_t)KW, col = i - row * (uint32_t)KW;
+  const uint32_t word = w[i];
+  const uint32_t gi = row * (uint32_t)NG + (col * EPW) / GS;
+  const float sc = TO_FLOAT(s[gi]);
+  const float bi = TO_FLOAT(b[gi]);
+  float v[EPW];
+  for (int e = 0; e < EPW; ++e) v[e] = fma(sc, (float)((word >> (e * BITS)) & ((1u << BITS) - 1u)), bi);
+  dq_store<T, EPW>(out + (size_t)i * EPW, v);
+"""
+
+KERNEL = portable_kernel(
+    name="mtl_dequantize", input_names=["w", "s", "b"], output_names=["out"], body=_BODY, header=_HEADER,
+    examples=[KernelExample(inputs=[(mx.uint32, (4096, 4096 * bits // 32)), (dt, (4096, 64)), (dt, (4096, 64))],
+                            outputs=[dt], template=[("T", dt), ("BITS", bits), ("GS", 64)])
+              for dt in (mx.bfloat16, mx.float16, mx.float32) for bits in (4, 8)],
+)
+
+
+def supported(p: LinearParams, dtype) -> bool:
+    return (p.quantized and p.bits in (4, 8) and p.group_size in (32, 64, 128) and p.scales.dtype == dtype
+            and p.biases.dtype == dtype and dtype in (mx.bfloat16, mx.float16, mx.float32))
+
+
+def dequantize(p: LinearParams, dtype) -> mx.array:
+    """p's weights as a dense [out, in] matrix of `dtype` (the scales' dtype), on the kernel."""
+    N, KW = p.weight.shape
+    total = N * KW
+    return KERNEL(
+        gpu_backend(), inputs=[p.weight, p.scales, p.biases], output_shapes=[(N, KW * 32 // p.bits)],
+        output_dtypes=[dtype], grid=(total, 1, 1), threadgroup=(256, 1, 1),
+        template=[("T", dtype), ("BITS", p.bits), ("GS", p.group_size)], init_value=POISON,
+    )[0]
