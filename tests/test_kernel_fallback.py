@@ -225,3 +225,14 @@ def test_the_trace_probe_of_a_paged_op_is_concrete_and_small(caplog, monkeypatch
     if factor != 1.0:  # switched off: the trace recorded the reference
         assert mx.allclose(out, paged_attention_ref(q, kp, vp, real, 0.25), atol=1e-5).item()
     assert len(kernel_warnings(caplog)) == (0 if factor == 1.0 else 1)
+
+
+def test_every_op_is_exported_and_dispatched():
+    """Each op registered with the dispatcher is a public name of mtlqwen.kernels, and nothing calls a
+    kernel around it (the exported function is the dispatching one)."""
+    import mtlqwen.kernels as K  # noqa: PLC0415
+
+    exported = {getattr(K, n).op.name: n for n in K.__all__ if hasattr(getattr(K, n), "op")}
+    assert set(exported) == set(dispatch.OPS), set(dispatch.OPS) ^ set(exported)
+    for name, public in exported.items():
+        assert getattr(K, public).op is dispatch.OPS[name]
