@@ -21,6 +21,9 @@ Runtime safety (a kernel never fails a request):
   then runs on a concrete copy of the call (`_probe`: traced arrays replaced by random arrays of their
   shapes, pools cut to the rows the batch uses, a traced layout by a concrete one with empty contexts).
 
+What it does not cover: an instantiation is checked at its first use only, so a launch that fails for a
+later grid of an already checked instantiation still surfaces in the caller's `mx.eval`.
+
 Tests put a fake kernel in through `inject` (any back-end, the CPU included).
 """
 
