@@ -27,7 +27,7 @@ import time
 import mlx.core as mx
 
 from mtlqwen.kernels import SeqLayout
-from mtlqwen.kernels.fused_small import add_rms_norm
+from mtlqwen.kernels import add_rms_norm
 from mtlqwen.kernels.selection import parse_rows, selected
 from mtlqwen.model.builtin import demo_config, qwen35_9b_config, random_model
 from mtlqwen.model.config import QuantSpec
@@ -104,7 +104,7 @@ def ops_at(model, B: int, past: int) -> dict:
     """Per-launch time (µs) of the step's op kinds at B rows, from chains of 40 launches on the layers' own
     weights (so weights come from HBM), one eval per chain, median of 5."""
     from mtlqwen.kernels import linear, paged_attention  # noqa: PLC0415
-    from mtlqwen.kernels.linear_fused import linear_multi, swiglu_linear  # noqa: PLC0415
+    from mtlqwen.kernels import linear_multi, swiglu_linear  # noqa: PLC0415
 
     gdn = [l for l in model.layers if l.kind == "linear_attention"]
     att = [l for l in model.layers if l.kind != "linear_attention"]

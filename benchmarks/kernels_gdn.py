@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
-from mtlqwen.kernels.conv1d import causal_conv1d_ref  # noqa: E402
-from mtlqwen.kernels.conv_kernels import run_conv  # noqa: E402
-from mtlqwen.kernels.gated_delta import gated_delta_candidates_ref, gated_delta_ref  # noqa: E402
-from mtlqwen.kernels.gdn_kernels import run_gdn  # noqa: E402
+from mtlqwen.kernels.conv import causal_conv1d_ref  # noqa: E402
+from mtlqwen.kernels.conv.kernels import run_conv  # noqa: E402
+from mtlqwen.kernels.gdn import gated_delta_candidates_ref, gated_delta_ref  # noqa: E402
+from mtlqwen.kernels.gdn.kernels import run_gdn  # noqa: E402
 from mtlqwen.kernels.seqs import SeqLayout  # noqa: E402
 
 HK, HV, DK, DV, CONV, SLOTS = 16, 32, 128, 128, 8192, 64

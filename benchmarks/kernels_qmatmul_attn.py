@@ -26,9 +26,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 
-from mtlqwen.kernels import paged_attn_kernels as pa  # noqa: E402
-from mtlqwen.kernels import qmatmul as qm  # noqa: E402
-from mtlqwen.kernels.linear import LinearParams, linear  # noqa: E402
+from mtlqwen.kernels.attention import kernels as pa  # noqa: E402
+from mtlqwen.kernels.qmatmul import gemv as qm  # noqa: E402
+from mtlqwen.kernels.qmatmul import LinearParams, linear  # noqa: E402
 from mtlqwen.kernels.seqs import SeqLayout  # noqa: E402
 
 SHAPES = [("qkv 8192x4096", 8192, 4096), ("z/o 4096x4096", 4096, 4096), ("gate/up 12288x4096", 12288, 4096),

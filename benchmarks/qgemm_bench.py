@@ -21,8 +21,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from mtlqwen.kernels import dequant, qgemm
-from mtlqwen.kernels.linear import LinearParams
+from mtlqwen.kernels.qmatmul import dequant, qgemm
+from mtlqwen.kernels.qmatmul import LinearParams
 
 try:
     import torch  # noqa: F401  (CUPTI through torch's profiler: device time per kernel)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mlx.core as mx
-from mtlqwen.kernels.paged_attention import paged_attention_gated_ref, paged_attention_ref
+from mtlqwen.kernels.attention import paged_attention_gated_ref, paged_attention_ref
 from mtlqwen.kernels.seqs import SeqLayout
 
 from gpu_checks import GPU_SETTINGS, n_examples, needs_gpu
@@ -76,7 +76,7 @@ def contexts(bt):
 
 def drawn_batch(data, bt, nkv, rep, hd, nseq, dtype: str, seed: int):
     """A GPU test's batch: kernel outputs poisoned, contexts and 1-5 query tokens per sequence drawn."""
-    from mtlqwen.kernels import paged_attn_kernels as pa  # noqa: PLC0415
+    from mtlqwen.kernels.attention import kernels as pa  # noqa: PLC0415
 
     pa.POISON = float("nan")
     dt = {"bfloat16": mx.bfloat16, "float32": mx.float32}[dtype]
@@ -117,7 +117,7 @@ def test_gated_reference_is_attention_times_sigmoid():
        splits=st.sampled_from([None, 1, 3, 8]), gated=st.sampled_from([0, 1, 2]), seed=st.integers(0, 2**31 - 1))
 def test_kernel_matches_reference(data, bt, nkv, rep, hd, nseq, dtype, splits, gated, seed):
     """gated: 0 no gate, 1 a compact gate [T, nH*hd], 2 the q|gate projection [T, nH, 2*hd] read in place."""
-    from mtlqwen.kernels import paged_attn_kernels as pa  # noqa: PLC0415
+    from mtlqwen.kernels.attention import kernels as pa  # noqa: PLC0415
     rng, dt, (q, kp, vp, layout) = drawn_batch(data, bt, nkv, rep, hd, nseq, dtype, seed)
     scale = hd**-0.5
     gate = mx.array(rng.standard_normal((q.shape[0], q.shape[1] * hd)).astype(np.float32)).astype(dt) if gated else None
@@ -142,9 +142,9 @@ def test_kernel_matches_reference(data, bt, nkv, rep, hd, nseq, dtype, splits, g
 def test_inplace_kv_write_then_attention_matches_functional(data, bt, nkv, rep, hd, nseq, dtype, splits, seed):
     """write_kv_inplace + attention ordered after it (one evaluation) == the functional scatter +
     reference; every pool element outside the written slots is unchanged."""
-    from mtlqwen.kernels import paged_attn_kernels as pa  # noqa: PLC0415
-    from mtlqwen.kernels.kv_write_kernels import write_kv_inplace_kernel  # noqa: PLC0415
-    from mtlqwen.kernels.paged_attention import write_kv  # noqa: PLC0415
+    from mtlqwen.kernels.attention import kernels as pa  # noqa: PLC0415
+    from mtlqwen.kernels.attention.kv_write import write_kv_inplace_kernel  # noqa: PLC0415
+    from mtlqwen.kernels.attention import write_kv  # noqa: PLC0415
 
     rng, dt, (q, kp, vp, layout) = drawn_batch(data, bt, nkv, rep, hd, nseq, dtype, seed)
     T = q.shape[0]
@@ -163,7 +163,7 @@ def test_inplace_kv_write_then_attention_matches_functional(data, bt, nkv, rep, 
 
 def test_traced_reference_equals_the_reference():
     """The compile-safe reference (padded block tables, keys masked by kv_valid) == the exact-length one."""
-    from mtlqwen.kernels.paged_attention import _paged_attention_traced  # noqa: PLC0415
+    from mtlqwen.kernels.attention.reference import _paged_attention_traced  # noqa: PLC0415
 
     rng = np.random.default_rng()
     q, kp, vp, layout = make_batch(rng, 16, 2, 2, 64, [0, 17, 40], [1, 1, 3], mx.float32)

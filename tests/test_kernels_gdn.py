@@ -11,10 +11,9 @@ from hypothesis import HealthCheck, Phase, assume, example, given, settings
 from hypothesis import strategies as st
 
 import mlx.core as mx
-from mtlqwen.kernels import backend
-from mtlqwen.kernels.gated_delta import (
-    _chunked,
-    _recurrent,
+from mtlqwen.kernels import backend, dispatch
+from mtlqwen.kernels.gdn.reference import _chunked, _recurrent
+from mtlqwen.kernels.gdn import (
     gated_delta,
     gated_delta_candidates,
     gated_delta_candidates_ref,
@@ -190,7 +189,7 @@ def _check(out, ref, dtype, what):
 @settings(max_examples=20, **GPU_SETTINGS)
 @given(**KERNEL_CASES, tpr=st.sampled_from([None, None, 4, 8, 16, 32]))  # lanes per state row (None: default)
 def test_gdn_kernel_matches_reference(seed, lens, geom, dtype, chunk, tpr):
-    from mtlqwen.kernels.gdn_kernels import run_gdn  # noqa: PLC0415
+    from mtlqwen.kernels.gdn.kernels import run_gdn  # noqa: PLC0415
 
     args, layout = make_case(seed, lens, *geom, dtype=dtype)
     out = run_gdn(**args, layout=layout, chunk=chunk, tpr=tpr, init_value=float("nan"))  # poisoned outputs
@@ -225,7 +224,7 @@ def test_gdn_kernel_reads_packed_qkv(seed, lens, geom, dtype, chunk, inplace):
     """The kernels reading q, k, v in place from the conv output (strided rows) == the reference. With
     inplace=True (the gate for SELECT["gdn_state_inplace"]) the sequences' pool rows must then hold the
     reference's new states and every other pool row must be untouched."""
-    from mtlqwen.kernels.gdn_kernels import run_gdn  # noqa: PLC0415
+    from mtlqwen.kernels.gdn.kernels import run_gdn  # noqa: PLC0415
 
     args, layout = make_case(seed, lens, *geom, dtype=dtype)
     before = np.array(args["state_pool"])
@@ -295,7 +294,7 @@ def test_gdn_fused_norm_kernel(seed, lens, geom, dtype, wdt, inplace):
     threadgroup per sequence and value head), reading q, k, v where they lie in the conv output. The
     normed output (poisoned first) == the reference; its states are returned, or with inplace written into
     the sequences' pool rows with every other row untouched."""
-    from mtlqwen.kernels.gdn_normed_kernels import run_gdn_normed  # noqa: PLC0415
+    from mtlqwen.kernels.gdn.normed import run_gdn_normed  # noqa: PLC0415
 
     args, layout = make_case(seed, lens, *geom, dtype=dtype)
     y, heads = packed_case(args)
@@ -328,7 +327,7 @@ def test_gdn_fused_norm_kernel(seed, lens, geom, dtype, wdt, inplace):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_gdn_chunk_boundaries(dtype):
     """Segments of 31/32/33/64/65 tokens packed together through the chunk kernel, vs float64."""
-    from mtlqwen.kernels.gdn_kernels import run_gdn  # noqa: PLC0415
+    from mtlqwen.kernels.gdn.kernels import run_gdn  # noqa: PLC0415
 
     args, layout = make_case(7, [31, 32, 33, 64, 65, 1], 2, 2, 128, 64, dtype=dtype)
     out = run_gdn(**args, layout=layout, chunk=True, init_value=float("nan"))
@@ -348,7 +347,7 @@ def test_gdn_chunk_boundaries(dtype):
     dtype=st.sampled_from([mx.float32, mx.bfloat16]),
 )
 def test_gdn_candidates_kernel(seed, lens, geom, dtype):
-    from mtlqwen.kernels.gdn_kernels import run_gdn  # noqa: PLC0415
+    from mtlqwen.kernels.gdn.kernels import run_gdn  # noqa: PLC0415
 
     args, layout = make_case(seed, lens, *geom, dtype=dtype)
     out = run_gdn(**args, layout=layout, candidates=True, init_value=float("nan"))
@@ -359,10 +358,10 @@ def test_gdn_candidates_kernel(seed, lens, geom, dtype):
 @needs_gpu
 def test_dispatchers_use_the_kernels():
     """gated_delta / gated_delta_candidates pick the kernels on a GPU back-end and agree with the twins."""
-    assert backend.kernel_for("gated_delta") is not None
-    assert backend.kernel_for("gated_delta_candidates") is not None
-    assert backend.kernel_for("gated_delta_packed") is not None
-    assert backend.kernel_for("gated_delta_packed_normed") is not None
+    assert dispatch.kernel_for("gated_delta") is not None
+    assert dispatch.kernel_for("gated_delta_candidates") is not None
+    assert dispatch.kernel_for("gated_delta_packed") is not None
+    assert dispatch.kernel_for("gated_delta_packed_normed") is not None
     for lens in ([1, 1, 1], [3, 40]):
         args, layout = make_case(3, lens, 2, 3, 32, 48)
         _check(gated_delta(**args, layout=layout), on_cpu(gated_delta_ref, **args, layout=layout), mx.float32,

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import mlx.core as mx
 from mtlqwen.kernels import backend, selection
-from mtlqwen.kernels.linear import linear
+from mtlqwen.kernels.qmatmul import linear
 
 from gpu_checks import GPU_SETTINGS, n_examples, needs_gpu
 from test_kernels_qmatmul import DTYPES, TOL, make_params, ref32, rel_err
@@ -23,7 +23,7 @@ from test_kernels_qmatmul import DTYPES, TOL, make_params, ref32, rel_err
 
 def test_config_table_is_launchable():
     """Every M the table sends to the kernel gets a configuration whose shared memory fits an H200 SM."""
-    from mtlqwen.kernels import qgemm  # noqa: PLC0415
+    from mtlqwen.kernels.qmatmul import qgemm  # noqa: PLC0415
 
     for M in range(9, selection.SELECT["qgemm_max_rows"] + 1, 7):
         for N, K in ((32, 4096), (4096, 4096), (12288, 4096), (4096, 12288), (248320, 4096)):
@@ -37,7 +37,7 @@ def test_config_table_is_launchable():
 
 
 def test_supported_shapes():
-    from mtlqwen.kernels import qgemm  # noqa: PLC0415
+    from mtlqwen.kernels.qmatmul import qgemm  # noqa: PLC0415
 
     rng = np.random.default_rng(0)
     p = make_params(rng, 40, 512, 4, 64, mx.bfloat16)
@@ -59,7 +59,7 @@ def test_cpu_linear_unchanged_past_qmv_rows():
 
 
 def _cuda_qgemm():
-    from mtlqwen.kernels import qgemm  # noqa: PLC0415  (GPU module)
+    from mtlqwen.kernels.qmatmul import qgemm  # noqa: PLC0415  (GPU module)
 
     if backend.gpu_backend() != "cuda":
         pytest.skip("the tensor-core GEMM is CUDA-only (Metal runs MLX's quantized_matmul)")
@@ -106,7 +106,7 @@ def test_qgemm_matches_reference(m, kq, n, bits, gs, dtype, nproj, cfg, seed):
 def test_linear_dispatch_through_qgemm(m, n, bits, seed):
     """The model's entry points (linear, linear_multi, swiglu_linear) at 9B-like K, through the table."""
     _cuda_qgemm()
-    from mtlqwen.kernels import linear_fused  # noqa: PLC0415
+    from mtlqwen.kernels import qmatmul as linear_fused  # noqa: PLC0415
 
     rng = np.random.default_rng(seed)
     k = 4096
@@ -130,7 +130,7 @@ def test_dequantize_kernel_matches_mlx(n, kg, bits, gs, dtype, seed):
     """The dequantize kernel against s*q + b computed exactly (float64 from the unpacked words): one rounding
     of the exact value. (mx.dequantize, the reference twin, rounds s*q before adding b in 16-bit types, so
     against it the bound is two roundings of |s*q| + |b|.)"""
-    from mtlqwen.kernels import dequant  # noqa: PLC0415
+    from mtlqwen.kernels.qmatmul import dequant  # noqa: PLC0415
 
     dequant.POISON = float("nan")
     dt = DTYPES[dtype]

@@ -1,4 +1,4 @@
-"""Quantized GEMV kernels (qmatmul.py) against their references; fused-op references against plain ops.
+"""Quantized GEMV kernels (qmatmul/gemv.py) against their references; fused-op references against plain ops.
 
 GPU tests draw fresh random shapes and data per example (odd M, K a multiple of the group size, odd N so
 the last threadgroup has a row tail) over every bits x group size x activation dtype, poison the outputs
@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mlx.core as mx
-from mtlqwen.kernels import backend, linear_fused, selection
-from mtlqwen.kernels.linear import LinearParams, linear_ref
+from mtlqwen.kernels import backend, selection
+from mtlqwen.kernels import qmatmul
+from mtlqwen.kernels.qmatmul import LinearParams, linear_ref
 
 from gpu_checks import GPU_SETTINGS, n_examples, needs_gpu
 
@@ -53,12 +54,12 @@ def test_fused_references_match_plain_ops(m, k, n, bits, seed):
     rng = np.random.default_rng(seed)
     x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
     ps = [make_params(rng, n + i, k, bits, 64, mx.float32) for i in range(3)]
-    for y, p in zip(linear_fused.linear_multi_ref(x, ps), ps):
+    for y, p in zip(qmatmul.linear_multi_ref(x, ps), ps):
         assert rel_err(y, ref32(x, p)) < 1e-5
     gate, up = ps[0], make_params(rng, n, k, bits, 64, mx.float32)
     g, u = ref32(x, gate), ref32(x, up)
     want = g / (1 + np.exp(-g)) * u
-    assert rel_err(linear_fused.swiglu_linear_ref(x, gate, up), want) < 1e-5
+    assert rel_err(qmatmul.swiglu_linear_ref(x, gate, up), want) < 1e-5
 
 
 def test_dispatchers_run_references_on_cpu():
@@ -66,15 +67,15 @@ def test_dispatchers_run_references_on_cpu():
         rng = np.random.default_rng(0)
         x = mx.array(rng.standard_normal((3, 128)).astype(np.float32))
         gate, up = (make_params(rng, 24, 128, 4, 32, mx.float32) for _ in range(2))
-        ys = linear_fused.linear_multi(x, [gate, up])
+        ys = qmatmul.linear_multi(x, [gate, up])
         assert [y.shape for y in ys] == [(3, 24), (3, 24)]
         assert rel_err(ys[1], np.array(linear_ref(x, up))) < 1e-6
-        assert rel_err(linear_fused.swiglu_linear(x, gate, up), np.array(linear_fused.swiglu_linear_ref(x, gate, up))) < 1e-6
+        assert rel_err(qmatmul.swiglu_linear(x, gate, up), np.array(qmatmul.swiglu_linear_ref(x, gate, up))) < 1e-6
 
 
 def test_linear_add_rms_norm_reference_and_cpu_dispatch():
     """The fused op is a projection, the residual add and the next RMSNorm; on the CPU it runs exactly that."""
-    from mtlqwen.kernels.fused_small import add_rms_norm_ref  # noqa: PLC0415
+    from mtlqwen.kernels.norms import add_rms_norm_ref  # noqa: PLC0415
     with mx.stream(mx.cpu):
         rng = np.random.default_rng(1)
         x = mx.array(rng.standard_normal((3, 128)).astype(np.float32))
@@ -82,8 +83,8 @@ def test_linear_add_rms_norm_reference_and_cpu_dispatch():
         h = mx.array(rng.standard_normal((3, 40)).astype(np.float32))
         w = mx.array(rng.standard_normal(40).astype(np.float32))
         want_h, want_y = (np.array(t) for t in add_rms_norm_ref(h, linear_ref(x, p), w, 1e-6))
-        for got in (linear_fused.linear_add_rms_norm_ref(x, p, h, w, 1e-6),
-                    linear_fused.linear_add_rms_norm(x, p, h, w, 1e-6)):
+        for got in (qmatmul.linear_add_rms_norm_ref(x, p, h, w, 1e-6),
+                    qmatmul.linear_add_rms_norm(x, p, h, w, 1e-6)):
             assert np.array_equal(np.array(got[0]), want_h) and np.array_equal(np.array(got[1]), want_y)
         hs = want_h.astype(np.float64)
         assert np.allclose(want_y, hs / np.sqrt((hs * hs).mean(-1, keepdims=True) + 1e-6) * np.array(w), rtol=1e-4)
@@ -98,14 +99,37 @@ def test_selection_table_covers_every_qmv_variant():
     assert selection.SELECT["qmv_max_rows"] <= 8  # the kernel's MT variants stop at 8
 
 
+@pytest.mark.parametrize("backend_name", ["metal", "cuda"])
+def test_the_tensor_core_rows_have_a_metal_fallback_row(monkeypatch, backend_name):
+    """qmv_mma_min_rows picks a CUDA-only variant; on Metal SELECT["qmv_mma_metal"] decides what those rows
+    run: 0 the FMA qmv kernel, 1 MLX's quantized matmul (the linear op's reference: the kernels decline)."""
+    from mtlqwen.kernels.qmatmul import gemv  # noqa: PLC0415
+
+    monkeypatch.setattr(gemv, "gpu_backend", lambda: backend_name)
+    rng = np.random.default_rng(0)
+    p, up = (make_params(rng, 64, 128, 4, 64, mx.bfloat16) for _ in range(2))
+    x = mx.array(rng.standard_normal((6, 128)).astype(np.float32)).astype(mx.bfloat16)
+    mma_from = selection.SELECT["qmv_mma_min_rows"]
+    assert 0 < mma_from <= 6
+    monkeypatch.setitem(selection.SELECT, "qmv_mma_metal", 1)
+    to_mlx = backend_name == "metal"
+    assert gemv.mma_rows_to_mlx(6) == to_mlx and not gemv.mma_rows_to_mlx(mma_from - 1)
+    if to_mlx:  # declined before any launch (CPU: a launch would fail)
+        assert gemv.linear_kernel(x, p) is None
+        assert gemv.linear_multi_kernel(x, [p, up]) is None
+        assert gemv.swiglu_linear_kernel(x, p, up) is None
+    monkeypatch.setitem(selection.SELECT, "qmv_mma_metal", 0)
+    assert not gemv.mma_rows_to_mlx(6)
+
+
 # ---------------------------------------------------------------- GPU: kernels against references
 def _poisoned(npair: int | None = None):
     """The qmatmul module with outputs poisoned; npair sets the 4-bit nibble-pair unpack for this example."""
-    from mtlqwen.kernels import qmatmul  # noqa: PLC0415  (GPU module)
-    qmatmul.POISON = float("nan")
+    from mtlqwen.kernels.qmatmul import gemv  # noqa: PLC0415  (GPU module)
+    gemv.POISON = float("nan")
     if npair is not None:
         selection.SELECT["qmv_nibble_pairs"] = npair
-    return qmatmul
+    return gemv
 
 
 @pytest.fixture(autouse=True)
@@ -135,7 +159,7 @@ def test_qmv_matches_reference(m, kg, n, bits, gs, dtype, seed, pf, npair):
     p = make_params(rng, 2 * n + 1, k, bits, gs, dt)  # odd N: a row tail in the last threadgroup
     x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dt)
     # the FMA kernel, also at M=8 where the dispatcher prefers MLX; with and without the weight prefetch
-    y = qm.qmv(x, [p], mma=False, cfg=(*selection.qmv_config(qm._mt(m), k, bits, N=2 * n + 1), pf))[0]
+    y = qm.qmv(x, [p], mma=False, cfg=(*selection.qmv_config(qm.row_bucket(m), k, bits, N=2 * n + 1), pf))[0]
     assert y.shape == (m, 2 * n + 1) and y.dtype == dt
     assert rel_err(y, ref32(x, p)) < TOL[dt]
     if dt == mx.float32:  # MLX's own CPU qmm accumulates 16-bit inputs loosely (~3e-2 seen): fp32 only
@@ -173,7 +197,7 @@ def test_linear_multi_and_swiglu_match_reference(m, kg, n, bits, gs, dtype, seed
 def test_linear_large_m_paths(m, bits, gs, dtype, seed):
     """Rows past the GEMV: qmv per 8 rows, MLX's GEMM, or dequantize + GEMM, per the selection table."""
     _poisoned()
-    from mtlqwen.kernels.linear import linear  # noqa: PLC0415
+    from mtlqwen.kernels.qmatmul import linear  # noqa: PLC0415
     dt = DTYPES[dtype]
     rng = np.random.default_rng(seed)
     p = make_params(rng, 96, 4 * gs, bits, gs, dt)
@@ -195,11 +219,11 @@ def _add_norm32(h, delta, w, eps):
 @settings(max_examples=n_examples(30), **GPU_SETTINGS)
 @given(**shape, layers=st.integers(1, 3), pf=st.sampled_from([0, 1]), npair=st.sampled_from([0, 1]))
 def test_qmv_residual_norm_matches_reference(m, kg, n, bits, gs, dtype, seed, layers, pf, npair):
-    """qmv + residual add + RMSNorm epilogue (qmv_residual.py): `layers` dependent launches on one counter
+    """qmv + residual add + RMSNorm epilogue (qmatmul/residual.py): `layers` dependent launches on one counter
     per projection in one graph, each against the fp32 reference from the previous launch's outputs; the
     counters are back at zero after the graph ran (the last threadgroup resets them)."""
     qm = _poisoned(npair)
-    from mtlqwen.kernels import qmv_residual  # noqa: PLC0415  (GPU module)
+    from mtlqwen.kernels.qmatmul import residual as qmv_residual  # noqa: PLC0415  (GPU module)
     dt = DTYPES[dtype]
     rng = np.random.default_rng(seed)
     k = kg * gs

@@ -9,12 +9,10 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 import mlx.core as mx
-from mtlqwen.kernels import backend
-from mtlqwen.kernels.conv1d import causal_conv1d, causal_conv1d_ref
-from mtlqwen.kernels.fused_small import add_rms_norm_ref
-from mtlqwen.kernels.head_norm_rope import head_norm_rope, head_norm_rope_ref
-from mtlqwen.kernels.norms import gated_rms_norm_ref, rms_norm, rms_norm_ref
-from mtlqwen.kernels.rope import RopeTables, apply_rope_ref
+from mtlqwen.kernels import backend, dispatch
+from mtlqwen.kernels.conv import causal_conv1d, causal_conv1d_ref
+from mtlqwen.kernels.norms import add_rms_norm_ref, gated_rms_norm_ref, rms_norm, rms_norm_ref
+from mtlqwen.kernels.rope import RopeTables, apply_rope_ref, head_norm_rope, head_norm_rope_ref
 from mtlqwen.kernels.selection import SELECT
 from mtlqwen.kernels.seqs import SeqLayout
 
@@ -168,7 +166,7 @@ def on_cpu(fn, *args):
                                                   max_size=5),
        C=st.sampled_from([24, 416, 300]), xdt=DTYPES, pdt=DTYPES)
 def test_conv_kernel(seed, lens, C, xdt, pdt):
-    from mtlqwen.kernels.conv_kernels import run_conv  # noqa: PLC0415
+    from mtlqwen.kernels.conv.kernels import run_conv  # noqa: PLC0415
 
     x, w, pool, layout = conv_case(seed, lens, C, 4, xdt, pdt)
     y, st_ = run_conv(x, w, pool, layout, init_value=NAN)
@@ -189,7 +187,7 @@ def test_conv_inplace_kernel(seed, lens, C, K, xdt, pdt):
     """The gate for SELECT["conv_state_inplace"]: the conv kernel that writes the new states into the pool
     rows itself. y (poisoned first) == the reference; the sequences' pool rows hold the reference's new
     states bit for bit (they are copies); every other pool row is unchanged."""
-    from mtlqwen.kernels.conv_kernels import run_conv  # noqa: PLC0415
+    from mtlqwen.kernels.conv.kernels import run_conv  # noqa: PLC0415
 
     x, w, pool, layout = conv_case(seed, lens, C, K, xdt, pdt)
     before = f64(pool)
@@ -211,7 +209,7 @@ def test_conv_inplace_kernel(seed, lens, C, K, xdt, pdt):
                                                           (2, 3, 128), (33, 1000)]),
        dtype=DTYPES, wdt=DTYPES)
 def test_norm_kernels(seed, shape, dtype, wdt):
-    from mtlqwen.kernels.fused_small import add_rms_norm_kernel, gated_rms_norm_kernel, rms_norm_kernel  # noqa: PLC0415
+    from mtlqwen.kernels.norms.kernels import add_rms_norm_kernel, gated_rms_norm_kernel, rms_norm_kernel  # noqa: PLC0415
 
     rng = np.random.default_rng(seed)
     x, z, d = (rand(rng, *shape, dtype=dtype) for _ in range(3))
@@ -230,7 +228,7 @@ def test_norm_kernels(seed, shape, dtype, wdt):
 @given(seed=st.integers(0, 2**31), T=st.integers(1, 40), H=st.sampled_from([1, 3, 16]), D=st.sampled_from([64, 256]),
        dtype=DTYPES)
 def test_rope_kernel(seed, T, H, D, dtype):
-    from mtlqwen.kernels.fused_small import rope_kernel  # noqa: PLC0415
+    from mtlqwen.kernels.rope.kernels import rope_kernel  # noqa: PLC0415
 
     rng = np.random.default_rng(seed)
     tables = RopeTables(64, 1e7, initial=256)
@@ -250,7 +248,7 @@ def test_rope_kernel(seed, T, H, D, dtype):
 def test_head_norm_rope_kernel(seed, T, H, D, stride, rd, dtype):
     """Rows read with a stride (q inside the q|gate projection when stride=2), row counts that leave a
     threadgroup part-full, bf16 / fp32; the output is poisoned first, so an unwritten element fails."""
-    from mtlqwen.kernels.head_norm_rope import head_norm_rope_kernel  # noqa: PLC0415
+    from mtlqwen.kernels.rope.kernels import head_norm_rope_kernel  # noqa: PLC0415
 
     rng = np.random.default_rng(seed)
     tables = RopeTables(rd, 1e7, initial=256)
@@ -268,7 +266,7 @@ def test_head_norm_rope_kernel(seed, T, H, D, stride, rd, dtype):
 def test_dispatchers_use_the_kernels():
     for op in ("causal_conv1d", "rms_norm", "gated_rms_norm", "rope", "add_rms_norm",
                "head_norm_rope"):
-        assert backend.kernel_for(op) is not None, op
+        assert dispatch.kernel_for(op) is not None, op
     x, w, pool, layout = conv_case(1, [3, 1, 20], 416, 4, mx.bfloat16, mx.bfloat16)
     want = on_cpu(causal_conv1d_ref, x, w, pool, layout)
     for got, ref in zip(causal_conv1d(x, w, pool, layout), want):

@@ -36,3 +36,23 @@ def test_selected_changes_rows_inside_the_block_only():
     with pytest.raises(ValueError, match="unknown selection rows"), selected({"no_such_row": 1}):
         pass
     assert SELECT == before
+
+
+def test_kv_inplace_is_a_row_of_the_table(monkeypatch):
+    """The in-place KV write is switched by SELECT["kv_inplace"] (MTLQWEN_SELECT="kv_inplace=0" turns it
+    off for a process); with the row off the op returns None (the caller scatters) without trying the kernel."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from mtlqwen.kernels import dispatch, write_kv_inplace  # noqa: PLC0415
+
+    code = "from mtlqwen.kernels.selection import SELECT; print(SELECT['kv_inplace'])"
+    env = {**__import__("os").environ, "MTLQWEN_SELECT": "kv_inplace=0"}
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout == "0\n"
+    assert SELECT["kv_inplace"] == 1
+    token, calls = object(), []
+    with dispatch.inject("write_kv_inplace", lambda *a: calls.append(a) or token):
+        assert write_kv_inplace(None, None, None, None, None, (1, 1, 32), None) is token
+        monkeypatch.setitem(SELECT, "kv_inplace", 0)
+        assert write_kv_inplace(None, None, None, None, None, (1, 1, 32), None) is None
+    assert len(calls) == 1

@@ -1,17 +1,21 @@
-"""Op functions used by the model. Each op module holds a plain-MLX reference twin (what the CPU
-back-end runs) and a dispatcher that picks a custom kernel on GPU back-ends."""
+"""Op functions used by the model, one package per op family (norms, rope, conv, gdn, attention,
+qmatmul), each with its plain-MLX reference twins (what the CPU back-end runs), its portable kernel
+bodies and its dispatchers. Every dispatcher goes through `dispatch.kernel_op`: the custom kernel on GPU
+back-ends, the fallback when it does not cover a shape or fails (one warning, the request goes on)."""
 
+from .attention import drafter_attention, paged_attention, paged_attention_gated, write_kv, write_kv_inplace
 from .backend import force_reference, gpu_backend, use_kernels
-from .conv1d import causal_conv1d
-from .gated_delta import gated_delta
-from .linear import LinearParams, gather_linear, linear
-from .norms import gated_rms_norm, rms_norm
-from .paged_attention import paged_attention, write_kv, write_kv_inplace
-from .rope import RopeTables, apply_rope
+from .conv import causal_conv1d
+from .gdn import gated_delta, gated_delta_candidates, gated_delta_packed, gated_delta_packed_normed, split_qkv
+from .norms import add_rms_norm, gated_rms_norm, rms_norm
+from .qmatmul import LinearParams, gather_linear, linear, linear_add_rms_norm, linear_multi, swiglu_linear
+from .rope import RopeTables, apply_rope, head_norm_rope
 from .seqs import SeqLayout
 
 __all__ = [
-    "LinearParams", "RopeTables", "SeqLayout", "apply_rope", "causal_conv1d", "force_reference",
-    "gated_delta", "gated_rms_norm", "gather_linear", "gpu_backend", "linear", "paged_attention", "rms_norm",
+    "LinearParams", "RopeTables", "SeqLayout", "add_rms_norm", "apply_rope", "causal_conv1d", "drafter_attention",
+    "force_reference", "gated_delta", "gated_delta_candidates", "gated_delta_packed", "gated_delta_packed_normed",
+    "gated_rms_norm", "gather_linear", "gpu_backend", "head_norm_rope", "linear", "linear_add_rms_norm",
+    "linear_multi", "paged_attention", "paged_attention_gated", "rms_norm", "split_qkv", "swiglu_linear",
     "use_kernels", "write_kv", "write_kv_inplace",
 ]

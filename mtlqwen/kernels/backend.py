@@ -33,32 +33,3 @@ def use_kernels() -> bool:
         and mx.default_device().type == mx.DeviceType.gpu
         and not force_reference()
     )
-
-
-_KERNELS: dict[str, object] = {}
-_loaded = False
-
-
-def register_kernel(op: str):
-    """Decorator used by the GPU kernel modules: `@register_kernel("rms_norm")`."""
-
-    def wrap(fn):
-        _KERNELS[op] = fn
-        return fn
-
-    return wrap
-
-
-def kernel_for(op: str):
-    """The GPU kernel implementing `op`, or None when references should run (CPU, override, none yet).
-    A kernel may itself return None for a shape it does not cover; the caller then runs the reference."""
-    global _loaded
-    if not use_kernels():
-        return None
-    if not _loaded:
-        _loaded = True
-        try:
-            from . import gpu  # noqa: F401,PLC0415  (imports every kernel module, which register)
-        except ImportError:
-            pass
-    return _KERNELS.get(op)

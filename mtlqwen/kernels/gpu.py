@@ -1,12 +1,11 @@
-"""Imports every GPU kernel module so that each registers its kernels (`backend.register_kernel`).
-Imported lazily by `backend.kernel_for` on Metal / CUDA; keep it a plain list of imports."""
+"""Imports every module that declares portable kernels, so that `portable.REGISTRY` lists them all
+(check_metal / check_cuda enumerate it). Nothing else imports this module; keep it a plain list."""
 
-from . import conv_kernels  # noqa: F401
-from . import dequant  # noqa: F401
-from . import fused_small  # noqa: F401
-from . import gdn_kernels  # noqa: F401
-from . import gdn_normed_kernels  # noqa: F401
-from . import head_norm_rope  # noqa: F401
-from . import kv_write_kernels  # noqa: F401
-from . import qmatmul, paged_attn_kernels  # noqa
-from . import qmv_residual  # noqa: F401
+from .attention import kernels as attention_kernels  # noqa: F401
+from .attention import kv_write  # noqa: F401
+from .conv import kernels as conv_kernels  # noqa: F401
+from .gdn import kernels as gdn_kernels  # noqa: F401
+from .gdn import normed  # noqa: F401
+from .norms import kernels as norm_kernels  # noqa: F401
+from .qmatmul import dequant, gemv, qgemm, residual  # noqa: F401
+from .rope import kernels as rope_kernels  # noqa: F401

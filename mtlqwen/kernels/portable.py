@@ -63,7 +63,7 @@ TOKENS: dict[str, tuple[str, str]] = {
     "MAKE_FLOAT4": ("float4", "make_float4"),
     # address space of a pointer cast to threadgroup / shared memory (CUDA pointers are generic)
     "TG_PTR": ("threadgroup", ""),
-    # across threadgroups of one launch (qmv_residual.py's "last threadgroup finishes" epilogue): a device-
+    # across threadgroups of one launch (qmatmul/residual.py's "last threadgroup finishes" epilogue): a device-
     # scope fence, a uint32 counter in an input buffer (relaxed atomics), and a load past the non-coherent
     # per-SM cache of data other threadgroups wrote during the launch
     "DEVICE_FENCE": ("atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device)",
@@ -131,6 +131,10 @@ def render_header(header: str, backend: str) -> str:
     return base + render(header, backend)
 
 
+# One list per op call in progress (dispatch.py pushes and pops them): the instantiations it launched.
+LAUNCHES: list[list[tuple]] = []
+
+
 @dataclass
 class KernelExample:
     """One concrete call of a kernel, enough to write the signature MLX would generate for it:
@@ -184,7 +188,13 @@ class PortableKernel:
                 self._built[backend] = mx.fast.cuda_kernel(**kw, shared_memory=self.shared_memory)
         return self._built[backend]
 
+    def instance_key(self, template) -> tuple:
+        """(name, template values): one compiled instantiation (what a self-check verifies once)."""
+        return (self.name, tuple(template or ()))
+
     def __call__(self, backend: str, **kwargs):
+        if LAUNCHES:  # the dispatcher is collecting the instantiations one op call launches
+            LAUNCHES[-1].append(self.instance_key(kwargs.get("template")))
         return self.build(backend)(**kwargs)
 
 

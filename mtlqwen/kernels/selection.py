@@ -1,8 +1,9 @@
 """Which quantized-matmul path runs for which shape class, the qmv kernel's blocking, and the kernel
 variants that stay off until their GPU tests have passed.
 
-Numbers come from benchmarks/kernels_qmatmul_attn.py on the project's H200 (MLX 0.32.4 CUDA); the
-markdown beside it records the runs. Change a row only with a measurement that justifies it.
+Numbers come from the project's H200 (MLX 0.32.4 CUDA); each row names the record (benchmarks/*.md)
+that holds its measurement. Change a row only with a measurement that justifies it. Every switch of a
+kernel variant is a row here; MTLQWEN_SELECT="row=value,..." overrides rows for one process.
 """
 
 from __future__ import annotations
@@ -11,95 +12,106 @@ import contextlib
 import os
 
 SELECT: dict[str, int] = {
-    # M <= 8: our qmv kernel. Measured 2026-11-30 (benchmarks/kernels_qmatmul_attn.md): at M=1 it beats
-    # MLX's qmv by 1.2-1.8x (lm_head 340 vs 603 us), at M=2/4 by 1.5-2.7x (MLX's qmv re-reads the
-    # weights per row). At M=8 MLX switches to its GEMM (qmm_sm80), which the chained benchmark showed
-    # 2.4x faster (25 vs 62 us, qkv) -- but those chains let independent launches overlap. Timed one
-    # kernel at a time inside a real B=8 step (Nsight Compute, benchmarks/decode_profile.md), qmm_sm80
-    # takes ~58 us for every K=4096 matrix whatever N (grid of only N/128 blocks: bound by the K loop)
-    # and 168 us for down_proj, so our qmv (40-103 us, 512+ blocks) wins at 8 rows too.
+    # M <= 8: our qmv kernel. At M=1 it beats MLX's qmv by 1.2-1.8x (lm_head 340 vs 603 us), at M=2/4 by
+    # 1.5-2.7x (MLX's qmv re-reads the weights per row) (benchmarks/kernels_qmatmul_attn.md). At M=8 MLX
+    # switches to its GEMM (qmm_sm80), which a chain of launches showed 2.4x faster (25 vs 62 us, qkv) --
+    # but those chains let independent launches overlap. Timed one kernel at a time inside a real B=8 step
+    # (Nsight Compute, benchmarks/decode_profile.md), qmm_sm80 takes ~58 us for every K=4096 matrix whatever
+    # N (grid of only N/128 blocks: bound by the K loop) and 168 us for down_proj, so our qmv (40-103 us,
+    # 512+ blocks) wins at 8 rows too.
     "qmv_max_rows": 8,
     # ... except a matrix this wide at 8 rows (the LM head, N = 248320): there MLX's GEMM has ~1900
-    # blocks to spread and took 471 us against our qmv's 1334 us (H200, 2026-11-30, decode_profile.md).
+    # blocks to spread and took 471 us against our qmv's 1334 us (benchmarks/decode_profile.md).
     "mlx_qmm_min_n_at_8_rows": 65536,
     # More rows than that, N not a multiple of 128 (the GDN b / a projections, N = 32): MLX has no
-    # tensor-core GEMM for it (qmm_naive: 77 us per 32x4096 matrix in that profile); dequantize the small
-    # matrix and use the bf16 GEMM instead.
+    # tensor-core GEMM for it (qmm_naive: 77 us per 32x4096 matrix, benchmarks/decode_profile.md);
+    # dequantize the small matrix and use the bf16 GEMM instead.
     "small_n_dequant": 1,
     # CUDA, 4-bit, bf16/fp16 x: rows from which the tensor-core qmv variant (mma.sync) replaces the FMA
-    # kernel; 0 = never. Steady state (one launch, 2026-11-30): at M=8 mma 1.09 / 1.27 TB/s vs FMA 0.43 /
-    # 0.33 and MLX's GEMM 1.11 / 1.05 (4096-K / 12288-K); at M=1 mma 1.24 / 1.36 vs FMA 1.69 / 1.94.
-    # Its equivalence test passed on the H200 (2026-11-30, benchmarks/kernels_qmatmul_attn.md); with it on,
-    # 8 concurrent requests decode at 1252 tok/s against 578 without (runtime_bench, benchmarks/e2e.md).
+    # kernel; 0 = never. Steady state (one launch): at M=8 mma 1.09 / 1.27 TB/s vs FMA 0.43 / 0.33 and MLX's
+    # GEMM 1.11 / 1.05 (4096-K / 12288-K); at M=1 mma 1.24 / 1.36 vs FMA 1.69 / 1.94. Its equivalence test
+    # passed on the H200 (benchmarks/kernels_qmatmul_attn.md); with it on, 8 concurrent requests decode at
+    # 1252 tok/s against 578 without (runtime_bench, benchmarks/e2e.md).
     "qmv_mma_min_rows": 5,
+    # The tensor-core variant is CUDA-only (Apple GPUs have no mma.sync; simdgroup_matrix is 8x8). On Metal
+    # the rows qmv_mma_min_rows selects it for run: 0 = the FMA qmv kernel (the tensor-core kernel's
+    # portable body: the one check_metal verifies), 1 = MLX's Metal quantized_matmul (the op's reference).
+    # Neither is measured on an Apple GPU yet.
+    "qmv_mma_metal": 0,
     # One qmv launch per 8 rows past that: disabled (0). At M=16 MLX's qmm took 15-41 us, qmv per 8
-    # rows 71-207 us.
+    # rows 71-207 us (benchmarks/kernels_qmatmul_attn.md).
     "qmv_loop_max_rows": 0,
-    # From this many rows on: dequantize to the activation dtype (dequant.py's kernel), then MLX's bf16 GEMM
+    # From this many rows on: dequantize to the activation dtype (qmatmul/dequant.py's kernel), then MLX's bf16 GEMM
     # (cuBLAS). Device time on the H200 (CUPTI, benchmarks/qgemm.md), 12288x4096 4-bit: at 128 rows 64.8 us
     # against the tensor-core GEMM's 67.0, at 256 72.8 against 129.3, at 1024 166 (79% of the bf16 GEMM on
     # bf16 weights, 130.6) against 497; the other 9B matrices cross at the same place.
     "dequant_gemm_min_rows": 129,
-    # GDN decode / prefill kernels write the new recurrent states into the pool in place (gdn_kernels.py)
+    # GDN decode / prefill kernels write the new recurrent states into the pool in place (gdn/kernels.py)
     # instead of returning them for a scatter, which on the GPU copies the whole pool every step (MLX keeps
     # kernel inputs alive, so the pool is never donated): +54 MiB per step at B=1 with one slot, +423 MiB at
-    # B=8 (decode_profile.md). Its property test and the engine's GPU test passed on the H200 (2026-11-30,
-    # benchmarks/kernels_gdn.md); 0 returns to the functional scatter.
+    # B=8 (benchmarks/decode_profile.md). Its property test and the engine's GPU test passed on the H200
+    # (benchmarks/kernels_gdn.md); 0 returns to the functional scatter.
     "gdn_state_inplace": 1,
+    # New tokens' K/V written into the paged pools in place (attention/kv_write.py) instead of MLX's
+    # functional scatter, which copies the whole pool each step while the previous step's attention still
+    # holds it (on the H200: +384 MiB peak for 4 x 96 MiB of extra pool). Its GPU test (in-place write, then
+    # attention, against the functional scatter) passed on the H200 (benchmarks/kernels_qmatmul_attn.md);
+    # 0 = the scatter (a debugging switch: MTLQWEN_SELECT="kv_inplace=0").
+    "kv_inplace": 1,
     # Attention's q/k RMSNorm + partial RoPE as one launch per tensor reading q in place from the q|gate
-    # projection (head_norm_rope.py): 3 launches and a copy fewer per attention layer (B=1 step: 494 -> 438
-    # primitives). tests/test_kernels_small.py::test_head_norm_rope_kernel passed on the H200 (2026-11-30,
-    # session 11, benchmarks/kernels_gdn.md), and the whole-model and engine GPU tests passed with it on.
+    # projection (rope/kernels.py): 3 launches and a copy fewer per attention layer (B=1 step: 494 -> 438
+    # primitives). tests/test_kernels_small.py::test_head_norm_rope_kernel passed on the H200
+    # (benchmarks/kernels_gdn.md), and the whole-model and engine GPU tests passed with it on.
     "head_norm_rope": 1,
     # out_proj / o_proj / down_proj at decode sizes carry the residual add + next RMSNorm in their epilogue
-    # (qmv_residual.py): 64 add_rms_norm launches fewer per 9B step. Its GPU test passed on the H200
-    # (2026-11-30, session 11), but timed in a running B=1 step (benchmarks/step_trace.py, session 12) it
-    # took 26.0 us a launch against 14.5 + 4.0 for the plain qmv and add_rms_norm: the step was 0.40 ms
-    # shorter without it (4.39 -> 3.98 ms of kernels), and the host kept up either way. Off.
+    # (qmatmul/residual.py): 64 add_rms_norm launches fewer per 9B step. Its GPU test passed on the H200,
+    # but timed in a running B=1 step (benchmarks/step_trace.py) it took 26.0 us a launch against 14.5 + 4.0
+    # for the plain qmv and add_rms_norm: the step was 0.40 ms shorter without it (4.39 -> 3.98 ms of
+    # kernels), and the host kept up either way (benchmarks/decode_profile.md). Off.
     "qmv_residual_norm": 0,
     # The FMA qmv loads the next chunks' weights before the current chunks' math (template PF). Written to
     # keep loads in flight at M=1, where the kernel stalled at ~1.9-2.0 TB/s steady state (lm_head 291 us
-    # for 572 MB, decode_profile.md run 6). Its test passed on the H200, but summed over a 9B step's
+    # for 572 MB, benchmarks/decode_profile.md). Its test passed on the H200, but summed over a 9B step's
     # shapes at the table's blocking it lost (4.39 vs 4.37 ms, benchmarks/kernels_qmatmul_attn.md): off.
     "qmv_prefetch": 0,
-    # 4-bit FMA qmv: weight nibbles unpacked in pairs (one shift per two weights; qmatmul.py, template NP):
-    # ~3.2 instead of ~3.6 instructions per weight at M=1 (PTX count). Its GPU tests passed on the H200
-    # (session 12); in a running B=1 step (step_trace.py) gate+up went from 30.2 to 28.0 us and the step's
-    # kernels from 3.98 to 3.88 ms (benchmarks/decode_profile.md).
+    # 4-bit FMA qmv: weight nibbles unpacked in pairs (one shift per two weights; qmatmul/bodies.py, template
+    # NP): ~3.2 instead of ~3.6 instructions per weight at M=1 (PTX count). Its GPU tests passed on the H200;
+    # in a running B=1 step (step_trace.py) gate+up went from 30.2 to 28.0 us and the step's kernels from
+    # 3.98 to 3.88 ms (benchmarks/decode_profile.md).
     "qmv_nibble_pairs": 1,
     # FMA qmv blocking at M=1: R weight rows per SIMD group, U 16-byte chunks in flight per lane and row (the
     # second value for N <= 4096). Chains of launches had picked R=4 with U=2 / U=4 (QMV_BLOCKING below),
-    # but timed in a running B=1 step (step_trace.py, session 12) U=1 was faster for every shape: gate+up
-    # 28.1 -> 26.0 us, GDN in_proj 18.5 -> 16.2, o/out/down_proj 17.0 -> 16.0 on average: at 64 registers
-    # (U=4: 128) an SM holds 32 SIMD groups instead of 12, and one group's math overlaps another's loads.
-    # R=8 took o/out/down_proj from 15.8 to 18.4 us (96 registers: 20 SIMD groups an SM); the SwiGLU qmv
-    # (R gate + R up rows) went from 26.1 to 24.6 us with R=2 instead of 4 (same trace, session 12).
+    # but timed in a running B=1 step (step_trace.py) U=1 was faster for every shape: gate+up 28.1 -> 26.0
+    # us, GDN in_proj 18.5 -> 16.2, o/out/down_proj 17.0 -> 16.0 on average: at 64 registers (U=4: 128) an
+    # SM holds 32 SIMD groups instead of 12, and one group's math overlaps another's loads. R=8 took
+    # o/out/down_proj from 15.8 to 18.4 us (96 registers: 20 SIMD groups an SM); the SwiGLU qmv (R gate + R
+    # up rows) went from 26.1 to 24.6 us with R=2 instead of 4 (benchmarks/decode_profile.md).
     "qmv_m1_rows": 4,
     "qmv_m1_swiglu_rows": 2,  # gate rows (as many up rows) per SIMD group of the SwiGLU qmv at M=1
     "qmv_m1_chunks": 1,
     "qmv_m1_chunks_small_n": 1,
-    # Decode attention splits the context into ranges of at least this many keys (paged_attn_kernels.plan):
+    # Decode attention splits the context into ranges of at least this many keys (attention/kernels.plan):
     # below it a split's fixed cost (q load, merge traffic) outweighs its parallelism. Chains of 40 calls
-    # could not tell 32-256 apart (decode_profile.md run 6); timed in a running B=1 step with 512 cached
-    # keys (step_trace.py, session 12, after the V loads were hoisted): split + merge 28.5 + 4.0 us at 256
-    # (3 splits), 15.6 + 4.4 at 64, 13.1 + 5.8 at 32. 64: nearly the best there, and half the merge
-    # traffic of 32 on long contexts.
+    # could not tell 32-256 apart; timed in a running B=1 step with 512 cached keys (step_trace.py, after
+    # the V loads were hoisted): split + merge 28.5 + 4.0 us at 256 (3 splits), 15.6 + 4.4 at 64, 13.1 +
+    # 5.8 at 32 (benchmarks/decode_profile.md). 64: nearly the best there, and half the merge traffic of 32
+    # on long contexts.
     "attn_min_split_keys": 64,
     # The conv kernel writes each sequence's new conv state (its last K-1 raw rows) into the conv pool in
-    # place instead of returning it for a scatter (conv_kernels.py): one built-in launch fewer per GDN
-    # layer. tests/test_kernels_small.py::test_conv_inplace_kernel passed on the H200 (2026-11-30, session 11).
+    # place instead of returning it for a scatter (conv/kernels.py): one built-in launch fewer per GDN
+    # layer. tests/test_kernels_small.py::test_conv_inplace_kernel passed on the H200 (benchmarks/kernels_gdn.md).
     "conv_state_inplace": 1,
-    # The GDN recurrence with the gated RMSNorm of its output in the same launch (gdn_normed_kernels.py):
-    # one custom-kernel launch fewer per GDN layer at decode. tests/test_kernels_gdn.py::test_gdn_fused_norm_kernel
-    # passed on the H200 (2026-11-30, session 11).
+    # The GDN recurrence with the gated RMSNorm of its output in the same launch (gdn/normed.py): one
+    # custom-kernel launch fewer per GDN layer at decode. tests/test_kernels_gdn.py::test_gdn_fused_norm_kernel
+    # passed on the H200 (benchmarks/kernels_gdn.md).
     "gdn_fused_norm": 1,
-    # CUDA, 9+ rows, 4/8-bit, bf16/fp16 x: the tensor-core quantized GEMM (qgemm.py) up to this many rows
+    # CUDA, 9+ rows, 4/8-bit, bf16/fp16 x: the tensor-core quantized GEMM (qmatmul/qgemm.py) up to this many rows
     # (0 = never); past it, and on Metal, the paths above (MLX's quantized_matmul / dequantize + GEMM). At
     # 16-128 rows it beat MLX's quantized_matmul on every 9B matrix (in_proj at 16 rows: 19-24 vs 26 us, at
     # 128: 67 vs 105; benchmarks/qgemm.md); 16 / 32 concurrent requests decode at 2,448 / 3,386 tok/s
     # with it against 1,142 / 1,462 without (runtime_bench).
     "qgemm_max_rows": 128,
-    # The dequantize + GEMM path dequantizes with our kernel (dequant.py) instead of mx.dequantize, which
+    # The dequantize + GEMM path dequantizes with our kernel (qmatmul/dequant.py) instead of mx.dequantize, which
     # took ~100 us per 12288x4096 4-bit matrix (benchmarks/qgemm.md).
     "dequant_kernel": 1,
     # qgemm: 16-row weight tiles per warp (1 or 2; SwiGLU always pairs 2): 2 was faster at 35 of the 42
@@ -150,7 +162,7 @@ _apply_env_overrides(SELECT, os.environ.get("MTLQWEN_SELECT", ""))
 # 4096x12288 (4-bit): M=1 best R=4 (U=4 for N <= 4096: 13.4 us; U=2 for larger N: 25 us vs 28-30),
 # M=8 best R=4..8, U=1. MT=2/4 and 8-bit: not swept, R=4 U=1-2 by the same reasoning. With R=4 the
 # M=1 steady state rose from 1.44 / 1.58 to 1.69 / 1.94 TB/s (stacked 4096-K / 12288-K). M=1 reads the
-# SELECT rows qmv_m1_* instead.
+# SELECT rows qmv_m1_* instead. The sweep: benchmarks/kernels_qmatmul_attn.md (benchmarks/qmv_pick.py).
 QMV_BLOCKING: dict[tuple[int, int], tuple[int, int]] = {
     (2, 4): (4, 2),
     (2, 8): (4, 2),

@@ -14,9 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..kernels import LinearParams, RopeTables, SeqLayout, linear, rms_norm, write_kv
-from ..kernels.head_norm_rope import head_norm_rope
-from ..kernels.drafter_attention import drafter_attention
+from ..kernels import LinearParams, RopeTables, SeqLayout, drafter_attention, head_norm_rope, linear, rms_norm, write_kv
 from .cache import ModelCache
 from .config import ConfigError, Qwen35Config, read_config_json
 from .dflash_config import DFlashConfig, DrafterFitError, parse_dflash_config, rope_frequencies

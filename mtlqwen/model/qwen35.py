@@ -16,20 +16,24 @@ from ..kernels import (
     LinearParams,
     RopeTables,
     SeqLayout,
+    add_rms_norm,
     causal_conv1d,
     gated_delta,
+    gated_delta_candidates,
+    gated_delta_packed_normed,
     gated_rms_norm,
     gather_linear,
+    head_norm_rope,
     linear,
+    linear_add_rms_norm,
+    linear_multi,
+    paged_attention_gated,
     rms_norm,
+    split_qkv,
+    swiglu_linear,
     write_kv,
     write_kv_inplace,
 )
-from ..kernels.fused_small import add_rms_norm
-from ..kernels.head_norm_rope import head_norm_rope
-from ..kernels.paged_attention import paged_attention_gated
-from ..kernels.gated_delta import gated_delta_candidates, gated_delta_packed_normed, split_qkv
-from ..kernels.linear_fused import linear_add_rms_norm, linear_multi, swiglu_linear
 from .cache import ModelCache
 from .config import Qwen35Config
 

@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .backend import gpu_backend, register_kernel
-from .portable import KernelExample, portable_kernel
-from .selection import SELECT
-from .seqs import SeqLayout
+from ..backend import gpu_backend
+from ..norms.kernels import FLOATS
+from ..portable import KernelExample, portable_kernel
+from ..selection import SELECT
+from ..seqs import SeqLayout
 
 # A batch whose longest segment exceeds this runs the chunk kernel. H200, Qwen3.5-9B GDN shape, B=1:
 # the recurrence is faster at T = 16..64, the chunk kernel ~10% at T = 128, within 5% at T = 4096
 # (benchmarks/kernels_gdn.md).
 CHUNK_MIN_T = 64
 CHUNK_TPR = 4  # lanes per state row in the chunk kernel (threadgroup = C * CHUNK_TPR)
-_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 _LIMITS = {"cuda": (32, 48 * 1024), "metal": (16, 32 * 1024)}  # (chunk, static shared bytes)
 
 
@@ -44,14 +44,14 @@ def _chunk_fits(backend: str, dk: int) -> int:
     return c if dk % 16 == 0 and smem <= limit else 0
 
 
-def _reduce(var: str) -> str:
+def reduce_row(var: str) -> str:
     """Sum `var` over the TPR consecutive lanes that share a state row."""
     return f"for (int _m = TPR / 2; _m > 0; _m >>= 1) {var} += SIMD_SHUFFLE_XOR({var}, _m);"
 
 
 # Shared by both kernels: thread -> (row r of the block, part p of the row); element e of a thread is
 # column COL(e) = ((e/4)*TPR + p)*4 + e%4, i.e. float4 chunk (e/4)*TPR + p.
-_PROLOGUE = """
+PROLOGUE = """
 constexpr int NE = DK / TPR;
 constexpr int NQ = NE / 4;
 const int tid = TID_X;
@@ -80,7 +80,7 @@ if (live) {
 """
 
 
-def _store_state(dst: str, index: str) -> str:
+def store_state(dst: str, index: str) -> str:
     """Write this thread's slice of the state row to `dst` at state index `index` ([..., DV, DK])."""
     return f"""
 if (live) {{
@@ -89,14 +89,14 @@ if (live) {{
 }}"""
 
 
-# token t's decay and beta (also used by gdn_normed_kernels.py)
+# token t's decay and beta (also used by normed.py)
 GATES = """  // gates in fp32 (§2.4): softplus as max(x,0) + log1p(exp(-|x|)), like logaddexp(x, 0)
   const float xa = TO_FLOAT(a[t * HV + hv]) + dtb;
   const float decay = EXP(neg_a * (FMAX(xa, 0.0f) + LOG1P(EXP(-FABS(xa)))));
   const float beta = 1.0f / (1.0f + EXP(-TO_FLOAT(b[t * HV + hv])));
 """
 _RECURRENT = (
-    (_PROLOGUE
+    (PROLOGUE
     + """
 for (int t = t0; t < t1; ++t) {
   // L2-normalise k and q over dk (eps on the sum, §2.5); every row group does it for itself
@@ -134,18 +134,18 @@ for (int t = t0; t < t1; ++t) {
   CAND_STORE
 }
 FINAL_STORE
-""").replace("RED_KSS", _reduce("kss"))
-    .replace("RED_QSS", _reduce("qss"))
-    .replace("RED_PRED", _reduce("pred"))
-    .replace("RED_OUT", _reduce("out"))
+""").replace("RED_KSS", reduce_row("kss"))
+    .replace("RED_QSS", reduce_row("qss"))
+    .replace("RED_PRED", reduce_row("pred"))
+    .replace("RED_OUT", reduce_row("out"))
 )
 # In-place variant: the final state goes straight into the pool rows it was read from (each threadgroup
 # owns its rows, read in the prologue, written here), so no scatter has to copy the pool; `done` is the
 # output MLX needs. Only where nothing else reads that pool in the same evaluation (GDNMixer's plain path).
-_INPLACE_STORE = _store_state("((DEVICE_PTR float*)state_pool)", "rows[seq]") + """
+INPLACE_STORE = store_state("((DEVICE_PTR float*)state_pool)", "rows[seq]") + """
 if (TGID_X == 0 && TGID_Y == 0 && TGID_Z == 0 && TID_X == 0) done[0] = 1;"""
 
-_IN = ["q", "k", "v", "a", "b", "A_log", "dt_bias", "state_pool", "qsl", "rows"]
+INPUT_NAMES = ["q", "k", "v", "a", "b", "A_log", "dt_bias", "state_pool", "qsl", "rows"]
 
 
 def _examples(cand: bool, chunk: int | None, inplace: bool = False) -> list[KernelExample]:
@@ -165,24 +165,24 @@ def _examples(cand: bool, chunk: int | None, inplace: bool = False) -> list[Kern
 
 RECURRENT = portable_kernel(
     name="gdn_recurrent",
-    input_names=_IN,
+    input_names=INPUT_NAMES,
     output_names=["o", "state_out"],
-    body=_RECURRENT.replace("CAND_STORE", "").replace("FINAL_STORE", _store_state("state_out", "seq")),
+    body=_RECURRENT.replace("CAND_STORE", "").replace("FINAL_STORE", store_state("state_out", "seq")),
     examples=_examples(False, None),
 )
 RECURRENT_CAND = portable_kernel(
     name="gdn_recurrent_cand",
-    input_names=_IN,
+    input_names=INPUT_NAMES,
     output_names=["o", "state_out", "all_states"],
-    body=_RECURRENT.replace("CAND_STORE", _store_state("all_states", "t")).replace(
-        "FINAL_STORE", _store_state("state_out", "seq")),
+    body=_RECURRENT.replace("CAND_STORE", store_state("all_states", "t")).replace(
+        "FINAL_STORE", store_state("state_out", "seq")),
     examples=_examples(True, None),
 )
 RECURRENT_INPLACE = portable_kernel(
     name="gdn_recurrent_inplace",
-    input_names=_IN,
+    input_names=INPUT_NAMES,
     output_names=["o", "done"],
-    body=_RECURRENT.replace("CAND_STORE", "").replace("FINAL_STORE", _INPLACE_STORE),
+    body=_RECURRENT.replace("CAND_STORE", "").replace("FINAL_STORE", INPLACE_STORE),
     examples=_examples(False, None, inplace=True),
 )
 
@@ -191,7 +191,7 @@ RECURRENT_INPLACE = portable_kernel(
 #   o_i = e^{g_i} S q_i + sum_{j<=i} e^{g_i-g_j} (q_i.k_j) V'_j,  S <- e^{g_L} S + sum_j e^{g_L-g_j} V'_j k_j^T
 # (g = in-chunk cumsum of the log decays). Thread row r doubles as token j = r of the chunk (BV == C).
 _CHUNK = (
-    _PROLOGUE
+    PROLOGUE
     + """
 SHARED float Ks[C * DK];        // normalised k of the chunk [token][dk]
 SHARED float Qs[C * DK];        // normalised, scaled q
@@ -316,20 +316,20 @@ FINAL_STORE
 """
 )
 for _v in ("kss", "qss", "kk", "ks", "qk", "qs"):
-    _CHUNK = _CHUNK.replace(f"RED_{_v.upper()}", _reduce(_v))
+    _CHUNK = _CHUNK.replace(f"RED_{_v.upper()}", reduce_row(_v))
 
 CHUNK = portable_kernel(
     name="gdn_chunk",
-    input_names=_IN,
+    input_names=INPUT_NAMES,
     output_names=["o", "state_out"],
-    body=_CHUNK.replace("FINAL_STORE", _store_state("state_out", "seq")),
+    body=_CHUNK.replace("FINAL_STORE", store_state("state_out", "seq")),
     examples=_examples(False, 16),
 )
 CHUNK_INPLACE = portable_kernel(
     name="gdn_chunk_inplace",
-    input_names=_IN,
+    input_names=INPUT_NAMES,
     output_names=["o", "done"],
-    body=_CHUNK.replace("FINAL_STORE", _INPLACE_STORE),
+    body=_CHUNK.replace("FINAL_STORE", INPLACE_STORE),
     examples=_examples(False, 16, inplace=True),
 )
 
@@ -356,11 +356,11 @@ def run_gdn(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, *, can
     B = layout.num_seqs
     if backend is None or T == 0 or B == 0 or state_pool.dtype != mx.float32 or Hv % Hk:
         return None
-    if v.dtype not in _FLOATS or _tpr(dk) == 0:
+    if v.dtype not in FLOATS or _tpr(dk) == 0:
         return None
     dt = v.dtype
     q, k = (x if x.dtype == dt else x.astype(dt) for x in (q, k))
-    a, b, A_log, dt_bias = (x if x.dtype in _FLOATS else x.astype(mx.float32) for x in (a, b, A_log, dt_bias))
+    a, b, A_log, dt_bias = (x if x.dtype in FLOATS else x.astype(mx.float32) for x in (a, b, A_log, dt_bias))
     longest = max(layout.q_len(i) for i in range(B))
     C = _chunk_fits(backend, dk)
     use_chunk = (longest > CHUNK_MIN_T if chunk is None else chunk) and C and not candidates
@@ -393,13 +393,11 @@ def run_gdn(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, *, can
     )
 
 
-@register_kernel("gated_delta")
 def gated_delta_kernel(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout):
     out = run_gdn(q, k, v, a, b, A_log, dt_bias, state_pool, layout)
     return None if out is None else (out[0], out[1])
 
 
-@register_kernel("gated_delta_packed")
 def gated_delta_packed_kernel(y, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, heads, write_state=False):
     """-> (o, new states) or, with write_state (and SELECT allows it), (o, None): states written in place."""
     inplace = bool(write_state and SELECT["gdn_state_inplace"])
@@ -407,7 +405,6 @@ def gated_delta_packed_kernel(y, a, b, A_log, dt_bias, state_pool, layout: SeqLa
     return None if out is None else (out[0], None if inplace else out[1])
 
 
-@register_kernel("gated_delta_candidates")
 def gated_delta_candidates_kernel(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout):
     out = run_gdn(q, k, v, a, b, A_log, dt_bias, state_pool, layout, candidates=True)
     return None if out is None else tuple(out)

@@ -1,4 +1,5 @@
-"""Gated DeltaNet: gates, L2-normalised q/k and the delta-rule recurrence over the fp32 state.
+"""Gated DeltaNet: gates, L2-normalised q/k and the delta-rule recurrence over the fp32 state (the
+reference twins; kernels.py and normed.py are the GPU kernels, ops.py the dispatchers).
 
 State layout per sequence: [Hv, dv, dk] fp32 (a dv row is contiguous in dk, which suits kernels that
 put a SIMD group on one row). Math follows qwen35-architecture.md §2.4-2.8; the docstrings use its names.
@@ -8,12 +9,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .backend import kernel_for
-from .norms import gated_rms_norm, gated_rms_norm_ref
-from .selection import SELECT
-from .seqs import SeqLayout
+from ..norms.reference import gated_rms_norm_ref
+from ..seqs import SeqLayout
 
-CHUNK = 64  # the reference's chunk; the prefill kernel uses 32 (same function, other blocking)
+REF_CHUNK = 64  # the reference's chunk; the prefill kernel uses 32 (same function, other blocking)
 RECURRENT_MAX_T = 16  # shorter segments (decode, verification) run the plain recurrence
 
 
@@ -45,14 +44,14 @@ def _recurrent(q, k, v, g, beta, S):
 
 
 def _chunked(q, k, v, g, beta, S):
-    """Same contract as `_recurrent`, in CHUNK-token blocks (§2.8), fp32 throughout."""
+    """Same contract as `_recurrent`, in REF_CHUNK-token blocks (§2.8), fp32 throughout."""
     Hv, T, dk = k.shape
-    n = -(-T // CHUNK)
-    pad = n * CHUNK - T
+    n = -(-T // REF_CHUNK)
+    pad = n * REF_CHUNK - T
     if pad:  # zero k, v, beta and g leave the state untouched
         q, k, v = (mx.pad(t, [(0, 0), (0, pad), (0, 0)]) for t in (q, k, v))
         g, beta = (mx.pad(t, [(0, 0), (0, pad)]) for t in (g, beta))
-    C = CHUNK
+    C = REF_CHUNK
     strict = mx.tril(mx.ones((C, C), dtype=mx.bool_), k=-1)
     incl = mx.tril(mx.ones((C, C), dtype=mx.bool_))
     eye = mx.eye(C, dtype=mx.float32)
@@ -147,35 +146,11 @@ def gated_delta_candidates_ref(
     return o.astype(v.dtype), mx.stack(states), every
 
 
-def gated_delta(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout):
-    kern = kernel_for("gated_delta")
-    out = kern(q, k, v, a, b, A_log, dt_bias, state_pool, layout) if kern is not None else None
-    return out if out is not None else gated_delta_ref(q, k, v, a, b, A_log, dt_bias, state_pool, layout)
-
-
-def gated_delta_candidates(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout):
-    """Like `gated_delta`, plus the candidate state after every token ([T, Hv, dv, dk] fp32)."""
-    kern = kernel_for("gated_delta_candidates")
-    out = kern(q, k, v, a, b, A_log, dt_bias, state_pool, layout) if kern is not None else None
-    return out if out is not None else gated_delta_candidates_ref(q, k, v, a, b, A_log, dt_bias, state_pool, layout)
-
-
 def split_qkv(y: mx.array, heads: tuple[int, int, int, int]) -> tuple[mx.array, mx.array, mx.array]:
     """The conv output y [T, 2*Hk*dk + Hv*dv] -> q, k [T, Hk, dk], v [T, Hv, dv] (channel order q | k | v)."""
     Hk, dk, Hv, dv = heads
     T, kd = y.shape[0], Hk * dk
     return y[:, :kd].reshape(T, Hk, dk), y[:, kd : 2 * kd].reshape(T, Hk, dk), y[:, 2 * kd :].reshape(T, Hv, dv)
-
-
-def gated_delta_packed(y, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, heads: tuple[int, int, int, int],
-                       write_state: bool = False):
-    """`gated_delta` on the packed conv output y (heads = (Hk, dk, Hv, dv)): the kernel reads q, k, v where
-    they lie in y instead of taking three sliced copies. write_state: the caller allows the kernel to write
-    the new states into state_pool's rows itself; it then returns (o, None) and the caller skips its scatter
-    (the reference always returns the states)."""
-    kern = kernel_for("gated_delta_packed")
-    out = kern(y, a, b, A_log, dt_bias, state_pool, layout, heads, write_state) if kern is not None else None
-    return out if out is not None else gated_delta_ref(*split_qkv(y, heads), a, b, A_log, dt_bias, state_pool, layout)
 
 
 def gated_delta_packed_normed_ref(y, z, norm_w, eps: float, a, b, A_log, dt_bias, state_pool, layout: SeqLayout,
@@ -186,21 +161,3 @@ def gated_delta_packed_normed_ref(y, z, norm_w, eps: float, a, b, A_log, dt_bias
     T, (_, _, Hv, dv) = y.shape[0], heads
     o, states = gated_delta_ref(*split_qkv(y, heads), a, b, A_log, dt_bias, state_pool, layout)
     return gated_rms_norm_ref(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), norm_w, eps).reshape(T, Hv * dv), states
-
-
-def gated_delta_packed_normed(y, z, norm_w, eps: float, a, b, A_log, dt_bias, state_pool, layout: SeqLayout,
-                              heads: tuple[int, int, int, int], write_state: bool = False):
-    """`gated_delta_packed` followed by the gated RMSNorm: one kernel (gdn_normed_kernels.py) where
-    SELECT["gdn_fused_norm"] allows it and it covers the batch (recurrent segments, head shapes within its
-    register budget), else the two ops one after the other (each a kernel of its own on the GPU, the
-    references on the CPU). Returns (o_normed [T, Hv*dv] in y's dtype, new states) or, when the kernel
-    wrote the states into state_pool's rows itself (write_state, GPU), (o_normed, None)."""
-    kern = kernel_for("gated_delta_packed_normed") if SELECT["gdn_fused_norm"] else None
-    out = (kern(y, z, norm_w, eps, a, b, A_log, dt_bias, state_pool, layout, heads, write_state)
-           if kern is not None else None)
-    if out is not None:
-        return out
-    T, (_, _, Hv, dv) = y.shape[0], heads
-    o, states = gated_delta_packed(y, a, b, A_log, dt_bias, state_pool, layout, heads, write_state)
-    # per-head norm on [T * Hv, dv] views: 2-D inputs need no reshape inside the norm op
-    return gated_rms_norm(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), norm_w, eps).reshape(T, Hv * dv), states

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .backend import gpu_backend, register_kernel
-from .portable import KernelExample, portable_kernel
-from .selection import SELECT
-from .seqs import SeqLayout
+from ..backend import gpu_backend
+from ..portable import KernelExample, portable_kernel
+from ..selection import SELECT
+from ..seqs import SeqLayout
 
 TG = 256  # threads along the channels
 
 # shared by both kernels: token rows u < T find their sequence lo (binary search over query_start_loc)
-_SEQ_OF_ROW = """\
+SEQ_OF_ROW = """\
 const int T = qsl[NSEQ];
 constexpr int KS = K - 1;
 if (c < CH) {
@@ -35,7 +35,7 @@ _BODY = """
 const int NSEQ = qsl_shape[0] - 1;
 const int c = GID_X % CHP;  // channel (CHP = CH padded to the threadgroup width)
 const int u = GID_X / CHP;  // output token, or a state row past T
-""" + _SEQ_OF_ROW + """    const int st = qsl[lo];
+""" + SEQ_OF_ROW + """    const int st = qsl[lo];
     const size_t prow = (size_t)rows[lo] * KS;
     float acc = 0.0f;
     for (int j = 0; j < K; ++j) {
@@ -72,7 +72,7 @@ _INPLACE_BODY = """
 const int NSEQ = qsl_shape[0] - 1;
 const int c = GID_X % CHP;
 const int u = GID_X / CHP;  // output token, or T + the sequence whose state this thread carries
-""" + _SEQ_OF_ROW + """    if (u - qsl[lo] >= KS) {  // the window lies in the new tokens: no pool read
+""" + SEQ_OF_ROW + """    if (u - qsl[lo] >= KS) {  // the window lies in the new tokens: no pool read
       float acc = 0.0f;
       for (int j = 0; j < K; ++j) acc += TO_FLOAT(w[c * K + j]) * TO_FLOAT(x[(size_t)(u - KS + j) * CH + c]);
       y[(size_t)u * CH + c] = FROM_FLOAT(XT, acc / (1.0f + EXP(-acc)));
@@ -157,7 +157,6 @@ def run_conv(x, w, conv_pool, layout: SeqLayout, init_value=None, inplace=False)
     )
 
 
-@register_kernel("causal_conv1d")
 def causal_conv1d_kernel(x, w, conv_pool, layout: SeqLayout, write_state=False):
     """-> (y, new states) or, with write_state and SELECT["conv_state_inplace"], (y, None): the new
     states were written into conv_pool's rows (None: not covered)."""

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .backend import gpu_backend
-from .linear import LinearParams
-from .portable import KernelExample, PortableKernel
+from ..backend import gpu_backend
+from ..portable import KernelExample, PortableKernel
+from ..selection import SELECT
+from .params import LinearParams
 
 POISON: float | None = None  # tests set NaN: every output element must then be written by the kernel
 _XKIND = {mx.bfloat16: 1, mx.float16: 2}
@@ -364,7 +365,6 @@ def _kernel(P: int, epi: int, smem: int) -> PortableKernel:
 
 def config(M: int, N: int, K: int, bits: int, epi: int) -> tuple[int, int, int, int, int, int]:
     """(RT, TT, WN, WM, STAGES, SPLIT) for a launch; chosen from the H200 sweep (benchmarks/qgemm.md)."""
-    from .selection import SELECT  # noqa: PLC0415
 
     RT = 2 if epi == 1 else SELECT["qgemm_rt"]
     # tokens per block and pipeline depth: the best of the device-time sweep at 16 / 32 / 64 / 128+ rows

@@ -1,13 +1,11 @@
-"""Attention over paged KV: K/V of sequence i live in the blocks of its block table."""
+"""Attention over paged KV (K/V of sequence i live in the blocks of its block table), the functional KV
+write, and the DFlash drafter's attention: the reference twins."""
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 
-from .backend import kernel_for
-from .seqs import SeqLayout
+from ..seqs import SeqLayout
 
 
 def write_kv(
@@ -71,15 +69,6 @@ def _paged_attention_traced(q, k_pool, v_pool, layout: SeqLayout, scale: float) 
     return mx.concatenate(outs, axis=0)
 
 
-def paged_attention(
-    q: mx.array, k_pool: mx.array, v_pool: mx.array, layout: SeqLayout, scale: float, after: mx.array | None = None
-) -> mx.array:
-    """`after`: the token of `write_kv_inplace` (given only when `write_kv_inplace` returned one)."""
-    kern = kernel_for("paged_attention")
-    out = kern(q, k_pool, v_pool, layout, scale, after) if kern is not None else None
-    return out if out is not None else paged_attention_ref(q, k_pool, v_pool, layout, scale)
-
-
 def paged_attention_gated_ref(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate: mx.array) -> mx.array:
     """Attention, then the output gate of qwen35-architecture.md §3.6: o * sigmoid(gate), gate [T, nH*hd] or
     the q|gate projection [T, nH, 2*hd] (gate = each head's second half)."""
@@ -90,24 +79,42 @@ def paged_attention_gated_ref(q, k_pool, v_pool, layout: SeqLayout, scale: float
     return (o.astype(mx.float32) * mx.sigmoid(g)).astype(q.dtype)
 
 
-def paged_attention_gated(
-    q, k_pool, v_pool, layout: SeqLayout, scale: float, gate: mx.array, after: mx.array | None = None
+def drafter_attention_ref(
+    q: mx.array,
+    k_blk: mx.array,
+    v_blk: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    layout: SeqLayout,
+    scale: float,
+    causal: bool = False,
+    window: int | None = None,
 ) -> mx.array:
-    """`paged_attention` with the sigmoid output gate applied inside the kernel (no separate ops)."""
-    kern = kernel_for("paged_attention_gated")
-    out = kern(q, k_pool, v_pool, layout, scale, gate, after) if kern is not None else None
-    return out if out is not None else paged_attention_gated_ref(q, k_pool, v_pool, layout, scale, gate)
+    """DFlash drafter attention (dflash.md §1.4, §1.5): unlike `paged_attention_ref`, the newest keys (the
+    block's) are not in the pools but passed in, and the block is non-causal unless the layer says so.
+    q [T, nH, hd], k_blk / v_blk [T, nKV, hd] (the packed blocks), pools [num_blocks, block_tokens, nKV, hd]
+    -> [T, nH, hd].
 
-
-def write_kv_inplace(
-    k_pool: mx.array, v_pool: mx.array, k: mx.array, v: mx.array, layout: SeqLayout, q_shape, q_dtype
-) -> mx.array | None:
-    """On GPU back-ends: write k, v [T, nKV, hd] into the pools' own buffers (no pool copy) and return a
-    token that `paged_attention(..., after=token)` takes so it runs after the write. None when that path
-    does not apply (CPU, or an attention the kernel does not cover): then use `write_kv`."""
-    if os.environ.get("MTLQWEN_KV_INPLACE", "1") == "0":  # debugging switch: the functional scatter
-        return None
-    kern, covers = kernel_for("write_kv_inplace"), kernel_for("paged_attention_covers")
-    if kern is None or covers is None or not covers(q_shape, q_dtype, k_pool, v_pool, layout):
-        return None
-    return kern(k_pool, v_pool, k, v, layout)
+    Sequence i's block occupies rows query_start_loc[i]:query_start_loc[i+1] at positions P + j with
+    P = kv_valid[i]; its committed context is pool rows 0..P-1 (via block_tables[i]). Key index = key
+    position (context 0..P-1, then the block at P..). Masks: `causal` hides block keys after the query;
+    `window` hides keys with query_pos - key_pos >= window (sliding layers). Head h reads KV head h // rep.
+    """
+    bt = layout.block_tokens
+    outs = []
+    for i in range(layout.num_seqs):
+        s, e = layout.query_start_loc[i], layout.query_start_loc[i + 1]
+        T, P = e - s, layout.kv_valid[i]
+        kk = k_blk[s:e].astype(mx.float32)  # [T, nKV, hd]
+        vv = v_blk[s:e].astype(mx.float32)
+        if P > 0:  # committed context first: key index = key position
+            kk = mx.concatenate([gather_context(k_pool, layout.block_tables[i], P, bt), kk], axis=0)
+            vv = mx.concatenate([gather_context(v_pool, layout.block_tables[i], P, bt), vv], axis=0)
+        qpos, kpos = (P + mx.arange(T))[:, None], mx.arange(P + T)[None, :]
+        allowed = mx.ones((T, P + T), dtype=mx.bool_)
+        if causal:
+            allowed = allowed & (kpos <= qpos)
+        if window is not None:
+            allowed = allowed & (qpos - kpos < window)
+        outs.append(masked_gqa_attention(q[s:e], kk, vv, allowed, scale))
+    return mx.concatenate(outs, axis=0)

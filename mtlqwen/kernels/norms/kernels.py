@@ -1,5 +1,5 @@
-"""Small fused kernels: RMSNorm, the GDN gated RMSNorm, partial RoPE from tables, and a fused
-residual-add + RMSNorm (with its reference twin here: it is a new op, not yet wired in the model).
+"""Row kernels: RMSNorm, the GDN gated RMSNorm and the fused residual add + RMSNorm (references in
+reference.py). The row fragments (ROW_HEAD, SUM_SQ, ROW_INV_RMS) are shared with rope/kernels.py (head_norm_rope).
 
 All of them are memory-bound; one launch each, fp32 arithmetic, each element read from device memory
 once (the second pass over a row hits the cache). Row counts come from `x_shape` so a kernel is
@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .backend import gpu_backend, kernel_for, register_kernel
-from .norms import rms_norm_ref
-from .portable import KernelExample, portable_kernel
-from .rope import RopeTables
+from ..backend import gpu_backend
+from ..portable import KernelExample, portable_kernel
 
 FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 # Row layout: RPG rows per threadgroup, TPRN threads per row (32: one SIMD group; > 32: several,
 # combined through threadgroup memory).
-_ROW_HEAD = """
+ROW_HEAD = """
 SHARED float part[32];
 const int tid = TID_X;
 const int lr = tid / TPRN;
@@ -30,7 +28,7 @@ const bool live = rw < N;
 const size_t base = (size_t)(live ? rw : 0) * D;
 """
 
-# shared with head_norm_rope.py: reduce the row's sum of squares `ss` (TPRN threads a row) to `inv`
+# shared with rope/kernels.py (head_norm_rope): reduce the row's sum of squares `ss` (TPRN threads a row) to `inv`
 ROW_INV_RMS = """
 ss = SIMD_SUM(ss);
 if (TPRN > 32) {
@@ -51,14 +49,14 @@ for (int i = lt; i < D; i += TPRN) {
 }
 """
 
-_RMS = _ROW_HEAD + SUM_SQ + ROW_INV_RMS + """
+_RMS = ROW_HEAD + SUM_SQ + ROW_INV_RMS + """
 if (live) {
   for (int i = lt; i < D; i += TPRN) y[base + i] = FROM_FLOAT(XT, TO_FLOAT(x[base + i]) * inv * TO_FLOAT(w[i]));
 }
 """
 
 # HF order (§2.9): normalise, cast to the activation dtype, times w, times silu(z), cast
-_GATED = _ROW_HEAD + SUM_SQ + ROW_INV_RMS + """
+_GATED = ROW_HEAD + SUM_SQ + ROW_INV_RMS + """
 if (live) {
   for (int i = lt; i < D; i += TPRN) {
     const float yv = TO_FLOAT(FROM_FLOAT(XT, TO_FLOAT(x[base + i]) * inv)) * TO_FLOAT(w[i]);
@@ -71,7 +69,7 @@ if (live) {
 # h + delta is rounded to the activation dtype first (it is the new residual stream), then normed. The row's
 # loads all go first (NPT per thread, held in registers): a loop that stored between its loads ran them one
 # latency at a time (the compiler must assume the output may alias the inputs), ~16 us a launch at B=8.
-_ADD_RMS = _ROW_HEAD + """
+_ADD_RMS = ROW_HEAD + """
 constexpr int NPT = (D + TPRN - 1) / TPRN;
 float hv[NPT];
 float wv[NPT];
@@ -101,26 +99,6 @@ if (live) {
 }
 """
 
-_ROPE = """
-const size_t idx = GID_X;
-const size_t total = (size_t)x_shape[0] * H * D;
-if (idx < total) {
-  const int d = idx % D;
-  if (d >= RD) {
-    y[idx] = x[idx];
-  } else {
-    const int ps = pos[idx / ((size_t)H * D)];
-    const int i = d % (RD / 2);
-    const float cs = cos_t[(size_t)ps * (RD / 2) + i];
-    const float sn = sin_t[(size_t)ps * (RD / 2) + i];
-    const float xv = TO_FLOAT(x[idx]);
-    const float res = d < RD / 2 ? xv * cs - TO_FLOAT(x[idx + RD / 2]) * sn : xv * cs + TO_FLOAT(x[idx - RD / 2]) * sn;
-    y[idx] = FROM_FLOAT(XT, res);
-  }
-}
-"""
-
-
 def _row_examples(n_in: int, n_out: int) -> list[KernelExample]:
     """Qwen3.5-9B hidden rows in bf16 (several SIMD groups a row) and short fp32 rows (one each)."""
     out = []
@@ -136,16 +114,6 @@ GATED = portable_kernel(name="gated_rms_norm", input_names=["x", "z", "w", "eps"
                         body=_GATED, examples=_row_examples(2, 1))
 ADD_RMS = portable_kernel(name="add_rms_norm", input_names=["x", "dlt", "w", "eps"],
                           output_names=["hsum", "y"], body=_ADD_RMS, examples=_row_examples(2, 2))
-ROPE = portable_kernel(
-    name="rope_tables",
-    input_names=["x", "pos", "cos_t", "sin_t"],
-    output_names=["y"],
-    body=_ROPE,
-    examples=[KernelExample([(dt, (3, H, 256)), (mx.int32, (3,)), (mx.float32, (64, 32)), (mx.float32, (64, 32))],
-                            [dt], [("XT", dt), ("H", H), ("D", 256), ("RD", 64)])
-              for dt, H in ((mx.bfloat16, 16), (mx.float32, 3))],
-)
-
 _EPS_ARRAYS: dict[float, mx.array] = {}
 
 
@@ -178,54 +146,16 @@ def _rows(kern, xs: list, w, eps: float, n_out: int, init_value=None):
     return [o.reshape(x.shape) for o in out]
 
 
-@register_kernel("rms_norm")
 def rms_norm_kernel(x, w, eps, init_value=None):
     out = _rows(RMS, [x], w, eps, 1, init_value)
     return None if out is None else out[0]
 
 
-@register_kernel("gated_rms_norm")
 def gated_rms_norm_kernel(x, z, w, eps, init_value=None):
     out = _rows(GATED, [x, z], w, eps, 1, init_value)
     return None if out is None else out[0]
 
 
-@register_kernel("add_rms_norm")
 def add_rms_norm_kernel(h, delta, w, eps, init_value=None):
     out = _rows(ADD_RMS, [h, delta.astype(h.dtype)], w, eps, 2, init_value)
     return None if out is None else (out[0], out[1])
-
-
-def add_rms_norm_ref(h: mx.array, delta: mx.array, w: mx.array, eps: float) -> tuple[mx.array, mx.array]:
-    """(h + delta, rms_norm(h + delta)): the decoder block's residual add fused with the next pre-norm."""
-    hs = h + delta.astype(h.dtype)
-    return hs, rms_norm_ref(hs, w, eps)
-
-
-def add_rms_norm(h: mx.array, delta: mx.array, w: mx.array, eps: float) -> tuple[mx.array, mx.array]:
-    kern = kernel_for("add_rms_norm")
-    out = kern(h, delta, w, eps) if kern is not None else None
-    return out if out is not None else add_rms_norm_ref(h, delta, w, eps)
-
-
-@register_kernel("rope")
-def rope_kernel(x, positions, tables: RopeTables, init_value=None):
-    """x [T, H, D], positions [T] -> the first rotary_dim dims of each head rotated (NeoX halves)."""
-    backend = gpu_backend()
-    if backend is None or x.ndim != 3 or x.size == 0 or x.dtype not in FLOATS:
-        return None
-    T, H, D = x.shape
-    rd = tables.rotary_dim
-    if rd % 2 or rd > D:
-        return None
-    total = T * H * D
-    return ROPE(
-        backend,
-        inputs=[x, positions.astype(mx.int32), tables.cos, tables.sin],
-        output_shapes=[x.shape],
-        output_dtypes=[x.dtype],
-        grid=(-(-total // 256) * 256, 1, 1),
-        threadgroup=(256, 1, 1),
-        template=[("XT", x.dtype), ("H", H), ("D", D), ("RD", rd)],
-        init_value=init_value,
-    )[0]

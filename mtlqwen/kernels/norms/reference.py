@@ -1,10 +1,8 @@
-"""RMSNorm variants, computed in fp32 and cast back (qwen35-architecture.md §4, §2.9)."""
+"""RMSNorm variants, computed in fp32 and cast back (qwen35-architecture.md §4, §2.9): the reference twins."""
 
 from __future__ import annotations
 
 import mlx.core as mx
-
-from .backend import kernel_for
 
 
 def rms_norm_ref(x: mx.array, w: mx.array, eps: float) -> mx.array:
@@ -23,17 +21,7 @@ def gated_rms_norm_ref(x: mx.array, z: mx.array, w: mx.array, eps: float) -> mx.
     return (y * (zf * mx.sigmoid(zf))).astype(x.dtype)
 
 
-def rms_norm(x: mx.array, w: mx.array, eps: float) -> mx.array:
-    kern = kernel_for("rms_norm")
-    out = kern(x, w, eps) if kern is not None else None
-    if out is not None:
-        return out
-    return rms_norm_ref(x, w, eps)
-
-
-def gated_rms_norm(x: mx.array, z: mx.array, w: mx.array, eps: float) -> mx.array:
-    kern = kernel_for("gated_rms_norm")
-    out = kern(x, z, w, eps) if kern is not None else None
-    if out is not None:
-        return out
-    return gated_rms_norm_ref(x, z, w, eps)
+def add_rms_norm_ref(h: mx.array, delta: mx.array, w: mx.array, eps: float) -> tuple[mx.array, mx.array]:
+    """(h + delta, rms_norm(h + delta)): the decoder block's residual add fused with the next pre-norm."""
+    hs = h + delta.astype(h.dtype)
+    return hs, rms_norm_ref(hs, w, eps)

@@ -1,26 +1,78 @@
-"""Per-head RMSNorm then partial RoPE in one launch: gated attention's q and k preparation (§3.3-3.4).
+"""Partial RoPE from tables, and per-head RMSNorm then partial RoPE in one launch (gated attention's q and
+k preparation, §3.3-3.4), written once in portable tokens.
 
-Why: the attention layer otherwise spends five launches here per step (a copy of q out of the q|gate
-projection, RMSNorm q, RoPE q, RMSNorm k, RoPE k), and at batch 1 each custom-kernel launch costs the host
-~9 µs to encode (benchmarks/decode_profile.md). The kernel reads each head's first D values with a row
-stride, so q is taken straight from the packed projection output [T, H, 2·D] without a copy.
+Why the fused kernel: the attention layer otherwise spends five launches here per step (a copy of q out of
+the q|gate projection, RMSNorm q, RoPE q, RMSNorm k, RoPE k), and at batch 1 each custom-kernel launch
+costs the host ~9 µs to encode (benchmarks/decode_profile.md). It reads each head's first D values with a
+row stride, so q is taken straight from the packed projection output [T, H, 2·D] without a copy.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from .backend import gpu_backend, kernel_for, register_kernel
-from .fused_small import FLOATS, ROW_INV_RMS, SUM_SQ, eps_array
-from .norms import rms_norm, rms_norm_ref
-from .portable import KernelExample, portable_kernel
-from .rope import RopeTables, apply_rope, apply_rope_ref
-from .selection import SELECT
+from ..backend import gpu_backend
+from ..norms.kernels import FLOATS, ROW_INV_RMS, SUM_SQ, eps_array
+from ..portable import KernelExample, portable_kernel
+from .reference import RopeTables
+
+_ROPE = """
+const size_t idx = GID_X;
+const size_t total = (size_t)x_shape[0] * H * D;
+if (idx < total) {
+  const int d = idx % D;
+  if (d >= RD) {
+    y[idx] = x[idx];
+  } else {
+    const int ps = pos[idx / ((size_t)H * D)];
+    const int i = d % (RD / 2);
+    const float cs = cos_t[(size_t)ps * (RD / 2) + i];
+    const float sn = sin_t[(size_t)ps * (RD / 2) + i];
+    const float xv = TO_FLOAT(x[idx]);
+    const float res = d < RD / 2 ? xv * cs - TO_FLOAT(x[idx + RD / 2]) * sn : xv * cs + TO_FLOAT(x[idx - RD / 2]) * sn;
+    y[idx] = FROM_FLOAT(XT, res);
+  }
+}
+"""
+
+
+ROPE = portable_kernel(
+    name="rope_tables",
+    input_names=["x", "pos", "cos_t", "sin_t"],
+    output_names=["y"],
+    body=_ROPE,
+    examples=[KernelExample([(dt, (3, H, 256)), (mx.int32, (3,)), (mx.float32, (64, 32)), (mx.float32, (64, 32))],
+                            [dt], [("XT", dt), ("H", H), ("D", 256), ("RD", 64)])
+              for dt, H in ((mx.bfloat16, 16), (mx.float32, 3))],
+)
+
+
+def rope_kernel(x, positions, tables: RopeTables, init_value=None):
+    """x [T, H, D], positions [T] -> the first rotary_dim dims of each head rotated (NeoX halves)."""
+    backend = gpu_backend()
+    if backend is None or x.ndim != 3 or x.size == 0 or x.dtype not in FLOATS:
+        return None
+    T, H, D = x.shape
+    rd = tables.rotary_dim
+    if rd % 2 or rd > D:
+        return None
+    total = T * H * D
+    return ROPE(
+        backend,
+        inputs=[x, positions.astype(mx.int32), tables.cos, tables.sin],
+        output_shapes=[x.shape],
+        output_dtypes=[x.dtype],
+        grid=(-(-total // 256) * 256, 1, 1),
+        threadgroup=(256, 1, 1),
+        template=[("XT", x.dtype), ("H", H), ("D", D), ("RD", rd)],
+        init_value=init_value,
+    )[0]
+
 
 # One head-row of D values per TPRN threads, RPG rows per threadgroup. The normalised row is rounded to
 # the activation dtype (as the separate norm's output is) and parked in threadgroup memory, because RoPE
 # pairs element i with i ± RD/2 of the same row.
-_BODY = """
+_HEAD_NORM_ROPE = """
 SHARED float part[32];
 SHARED float nrm[RPG * D];
 const int tid = TID_X;
@@ -55,7 +107,7 @@ HEAD_NORM_ROPE = portable_kernel(
     name="head_norm_rope",
     input_names=["x", "w", "eps", "pos", "cos_t", "sin_t"],
     output_names=["y"],
-    body=_BODY,
+    body=_HEAD_NORM_ROPE,
     examples=[
         KernelExample([(dt, (3, H, RS)), (dt, (256,)), (mx.float32, (1,)), (mx.int32, (3,)),
                        (mx.float32, (64, 32)), (mx.float32, (64, 32))],
@@ -64,17 +116,6 @@ HEAD_NORM_ROPE = portable_kernel(
     ],
 )
 
-def _heads(x: mx.array, head_dim: int) -> mx.array:
-    return x if x.shape[-1] == head_dim else x[..., :head_dim]  # a slice is a graph node even when whole
-
-
-def head_norm_rope_ref(x: mx.array, w: mx.array, eps: float, positions: mx.array, tables: RopeTables,
-                       head_dim: int) -> mx.array:
-    """x [T, H, RS] (RS >= head_dim: each head's first head_dim values are used) -> [T, H, head_dim]."""
-    return apply_rope_ref(rms_norm_ref(_heads(x, head_dim), w, eps), positions, tables)
-
-
-@register_kernel("head_norm_rope")
 def head_norm_rope_kernel(x, w, eps, positions, tables: RopeTables, head_dim: int, init_value=None):
     backend = gpu_backend()
     if backend is None or x.ndim != 3 or x.size == 0 or x.dtype not in FLOATS:
@@ -94,14 +135,3 @@ def head_norm_rope_kernel(x, w, eps, positions, tables: RopeTables, head_dim: in
         template=[("XT", x.dtype), ("H", H), ("D", head_dim), ("RS", RS), ("RD", rd), ("TPRN", 32), ("RPG", rpg)],
         init_value=init_value,
     )[0]
-
-
-def head_norm_rope(x: mx.array, w: mx.array, eps: float, positions: mx.array, tables: RopeTables,
-                   head_dim: int) -> mx.array:
-    """The fused kernel where it is switched on (`SELECT["head_norm_rope"]`), else the norm and RoPE ops
-    one after the other (each a kernel of its own on the GPU)."""
-    kern = kernel_for("head_norm_rope") if SELECT["head_norm_rope"] else None
-    out = kern(x, w, eps, positions, tables, head_dim) if kern is not None else None
-    if out is not None:
-        return out
-    return apply_rope(rms_norm(_heads(x, head_dim), w, eps), positions, tables)

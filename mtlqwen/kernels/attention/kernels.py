@@ -14,10 +14,10 @@ import math
 
 import mlx.core as mx
 
-from .backend import gpu_backend, register_kernel
-from .portable import KernelExample, portable_kernel
-from .selection import SELECT
-from .seqs import SeqLayout
+from ..backend import gpu_backend
+from ..portable import KernelExample, portable_kernel
+from ..selection import SELECT
+from ..seqs import SeqLayout
 
 POISON: float | None = None  # tests set NaN: every output element must then be written by the kernel
 _KIND = {mx.float32: 0, mx.bfloat16: 1, mx.float16: 2}
@@ -266,7 +266,7 @@ def _kernel(split: int, gate: bool):
     if key not in _K:
         ins = ["q", "k_pool", "v_pool", "block_tables", "kv_valid", "query_start_loc", "prm", "scale_arr"]
         ins += ["gate"] if gate and not split else []
-        ins += ["dep"]  # unread: orders this kernel after the in-place KV write (kv_write_kernels.py)
+        ins += ["dep"]  # unread: orders this kernel after the in-place KV write (kv_write.py)
         outs = ["po", "pm", "pl"] if split else ["out"]
         body = _BODY.replace("WRITE_OUT", _WRITE_SPLIT if split else _WRITE_FINAL).replace(
             "GATE_CODE", "o = o / (1.0f + EXP(-TO_FLOAT(gate[row * GST + GOF + dc + i])));" if gate else "")
@@ -387,16 +387,9 @@ def paged_attention_gpu(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate
         template=[("TQ", q.dtype), ("HD", hd), ("GST", gst), ("GOF", gof)], init_value=POISON)[0]
 
 
-@register_kernel("paged_attention")
 def paged_attention_kernel(q, k_pool, v_pool, layout, scale, after=None):
     return paged_attention_gpu(q, k_pool, v_pool, layout, scale, after=after)
 
 
-@register_kernel("paged_attention_covers")
-def paged_attention_covers(q_shape, q_dtype, k_pool, v_pool, layout):
-    return covers(q_shape, q_dtype, k_pool, v_pool, layout)
-
-
-@register_kernel("paged_attention_gated")
 def paged_attention_gated_kernel(q, k_pool, v_pool, layout, scale, gate, after=None):
     return paged_attention_gpu(q, k_pool, v_pool, layout, scale, gate=gate, after=after)

@@ -1,31 +1,23 @@
-"""Quantized matmul on GPU back-ends: a GEMV kernel for decode-sized M (1..8 rows) over MLX affine 4/8-bit
-weights, with fused variants (several projections of one input in one launch, gate+up with the SwiGLU
-epilogue); larger M goes to MLX's quantized GEMM or dequantize-then-bf16-GEMM per `selection.py`.
+"""The quantized GEMV's kernel source, as public fragments: the FMA body every back-end runs (gemv.py's
+qmv and residual.py's qmv with the residual + norm epilogue both render it), the CUDA tensor-core body,
+and the functions that fill a body's placeholders for P projections and an epilogue.
 
-Math (qwen35-architecture.md §5.4): w = s*q + b per group of G input columns, so per group
-    y += s * sum(x*q) + b * sum(x).
-A 4-bit (8-bit) q becomes a float without a convert: OR-ing it under the exponent of 2^BITS gives the float
-2^BITS + q exactly. We accumulate sum(x*(2^BITS+q)) and fold the offset into the bias,
-    y += s * sum(x*f) + (b - 2^BITS*s) * sum(x),
-which costs a shift+LOP3+FMA per weight (the instruction budget at M=1 is ~4 per weight at full bandwidth).
+Placeholders: PROJ_SELECT (threadgroup -> projection p and its N), QM_LOAD(c) (the chunk loads,
+`with_loads`), ROW_SELECT (the weight / scale / bias pointers of row r), WRITE_OUT (the FMA body's store
+of acc[m][r] to output row n), MMA_PTRS / MMA_WRITE (the tensor-core body's).
 """
 
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
 
-from . import dequant, qgemm
-from .backend import gpu_backend, register_kernel
-from .linear import LinearParams
-from .portable import KernelExample, portable_kernel
-from .selection import SELECT, qmv_config
-
-POISON: float | None = None  # tests set NaN: every output element must then be written by the kernel
 # x kind -> how the kernel reads raw activation bits (bf16 and fp32 are pure bit moves, fp16 converts)
-_XKIND = {mx.float32: 0, mx.bfloat16: 1, mx.float16: 2}
+XKIND = {mx.float32: 0, mx.bfloat16: 1, mx.float16: 2}
 
 # Header helpers. The only back-end difference is the bit cast and the half conversion.
-_HEADER = r"""
+HEADER = r"""
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)  // nvcc / NVRTC; otherwise Metal
 #define QM_AS_FLOAT(u) __uint_as_float(u)
 #define QM_HALF_BITS(u) __half2float(__ushort_as_half((unsigned short)(u)))
@@ -43,13 +35,13 @@ INLINE uint32_t qm_word(uint4 v, int i) { return i == 0 ? v.x : (i == 1 ? v.y : 
 INLINE float qm_silu(float g) { return g / (1.0f + EXP(-g)); }
 """
 
-# Portable body. Template constants: T (x / y dtype), XK (_XKIND), BITS, GS, MT (max x rows, M <= MT),
+# Portable body. Template constants: T (x / y dtype), XK (XKIND), BITS, GS, MT (max x rows, M <= MT),
 # R (weight rows per SIMD group), U (16-byte chunks in flight per lane and row), P (projections), EPI
 # (0: y_p = x W_p^T for each p; 1: P == 2 and y = silu(x W_0^T) * (x W_1^T)).
 # Threadgroup = 4 SIMD groups (128 lanes); SIMD group w of block b owns rows [b*4R + w*R, +R) of one
 # projection (EPI 1: R/2 gate rows and the same R/2 up rows). A lane walks the 16-byte chunks c = lane,
 # lane+32, ... of its rows: K split across lanes, SIMD_SUM at the end.
-_BODY = r"""
+FMA_BODY = r"""
   constexpr int CE = 128 / BITS;          // weights per 16-byte chunk (32 or 16), all in one group
   constexpr int EPW = 32 / BITS;          // weights per uint32 word
   constexpr int CPG = GS / CE;            // chunks per group
@@ -191,7 +183,7 @@ _BODY = r"""
 # k-reduction stays inside one quantization group. Weights become 16-bit pairs (OFF+q) with one LOP3
 # per two weights; x (token g of the B fragment) is loaded per lane for the same columns and paired with
 # PRMT. A second mma against ones gives sum(x) per group for the fold y += s*C + (b - OFF*s)*sum(x).
-_MMA_BODY = r"""
+MMA_BODY = r"""
   constexpr int WPT = GS / 32;            // weight words per lane per row and group
   constexpr uint32_t MAGIC2 = XK == 1 ? 0x43004300u : 0x64006400u;  // bf16 128+q / fp16 1024+q pairs
   constexpr uint32_t ONES2 = XK == 1 ? 0x3F803F80u : 0x3C003C00u;
@@ -278,7 +270,7 @@ _MMA_BODY = r"""
   }
 """
 
-_MMA_HEADER = r"""
+MMA_HEADER = r"""
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 template <int XK>
 __device__ __forceinline__ void qm_mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -296,25 +288,25 @@ __device__ __forceinline__ void qm_mma(float (&c)[4], uint32_t a0, uint32_t a1, 
 """
 
 
-def _mma_ptrs(P: int, epi: int) -> str:
+def mma_ptrs(P: int, epi: int) -> str:
     """Row g of the tile reads (WA, SA, BA), row g+8 reads (WB, SB, BB): gate / up under SwiGLU."""
     if epi == 1:
         return ("const uint32_t* WA = w0; const uint32_t* WB = w1; const T* SA = s0; const T* SB = s1;"
                 " const T* BA = b0; const T* BB = b1;")
-    w, sc, b = (_ptr_select(c, P) for c in "wsb")
+    w, sc, b = (ptr_select(c, P) for c in "wsb")
     return (f"const uint32_t* WA = {w}; const uint32_t* WB = WA; const T* SA = {sc}; const T* SB = SA;"
             f" const T* BA = {b}; const T* BB = BA;")
 
 
-def _mma_write(P: int, epi: int) -> str:
+def mma_write(P: int, epi: int) -> str:
     if epi == 1:
         return "y0[(size_t)m * N + na] = pl_from_float<T>(qm_silu(acc[c]) * acc[c + 2]);"
-    y = _ptr_select("y", P)
+    y = ptr_select("y", P)
     return (f"T* Y = {y}; Y[(size_t)m * N + na] = pl_from_float<T>(acc[c]);\n"
             "        if (na + 8 < N) Y[(size_t)m * N + na + 8] = pl_from_float<T>(acc[c + 2]);")
 
 
-def _proj_select(P: int, epi: int) -> str:
+def proj_select(P: int, epi: int) -> str:
     """Code that maps the threadgroup to (p, blk within p) and binds N."""
     if epi == 1:
         return "  const int N = w0_shape[0];\n"
@@ -326,30 +318,30 @@ def _proj_select(P: int, epi: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _ptr_select(prefix: str, P: int) -> str:
+def ptr_select(prefix: str, P: int) -> str:
     if P == 1:
         return f"{prefix}0"
     return " : ".join(f"(p == {i} ? {prefix}{i}" for i in range(P - 1)) + f" : {prefix}{P - 1}" + ")" * (P - 1)
 
 
-def _row_select(P: int, epi: int) -> str:
+def row_select(P: int, epi: int) -> str:
     if epi == 1:  # first R/2 rows from the gate projection, the next R/2 from up (same output rows)
         return ("const bool up = r >= RP; const int row = min(n0 + (up ? r - RP : r), N - 1);\n"
                 "        CONST_PTR uint32_t* W = up ? w1 : w0; CONST_PTR T* S = up ? s1 : s0;"
                 " CONST_PTR T* B = up ? b1 : b0;")
-    return (f"const int row = min(n0 + r, N - 1);\n        CONST_PTR uint32_t* W = {_ptr_select('w', P)};"
-            f" CONST_PTR T* S = {_ptr_select('s', P)}; CONST_PTR T* B = {_ptr_select('b', P)};")
+    return (f"const int row = min(n0 + r, N - 1);\n        CONST_PTR uint32_t* W = {ptr_select('w', P)};"
+            f" CONST_PTR T* S = {ptr_select('s', P)}; CONST_PTR T* B = {ptr_select('b', P)};")
 
 
-def _write_out(P: int, epi: int) -> str:
+def write_out(P: int, epi: int) -> str:
     if epi == 1:
         return ("if (n < N) y0[(size_t)m * N + n] = FROM_FLOAT(T, qm_silu(acc[m][r]) * acc[m][r + RP]);")
-    return (f"if (n < N) {{ DEVICE_PTR T* Y = {_ptr_select('y', P)}; "
+    return (f"if (n < N) {{ DEVICE_PTR T* Y = {ptr_select('y', P)}; "
             "Y[(size_t)m * N + n] = FROM_FLOAT(T, acc[m][r]); }")
 
 
 # Loads of U chunks from chunk index C0 (lane's first chunk) for the R rows, into wv / sc / bo.
-_LOAD = r"""{
+LOAD = r"""{
       const int qm_c0 = C0;
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -366,206 +358,20 @@ _LOAD = r"""{
     }"""
 
 
-def _with_loads(body: str) -> str:
+def with_loads(body: str) -> str:
     """Expand QM_LOAD(expr) into the chunk loads (before ROW_SELECT is substituted)."""
-    import re  # noqa: PLC0415
-    return re.sub(r"QM_LOAD\(([^\n]*?)\)\n", lambda m: _LOAD.replace("C0", m.group(1)) + "\n", body)
+    return re.sub(r"QM_LOAD\(([^\n]*?)\)\n", lambda m: LOAD.replace("C0", m.group(1)) + "\n", body)
 
 
-_KERNELS: dict = {}
+def fma_body(P: int, epi: int, store: str | None = None) -> str:
+    """The FMA qmv body for P projections (epi 1: SwiGLU of two); `store` replaces the default output
+    write (residual.py parks the projection there for its epilogue)."""
+    return (with_loads(FMA_BODY).replace("PROJ_SELECT", proj_select(P, epi))
+            .replace("ROW_SELECT", row_select(P, epi))
+            .replace("WRITE_OUT", write_out(P, epi) if store is None else store))
 
 
-def _kernel(P: int, epi: int):
-    key = (P, epi)
-    if key not in _KERNELS:
-        body = (_with_loads(_BODY).replace("PROJ_SELECT", _proj_select(P, epi))
-                .replace("ROW_SELECT", _row_select(P, epi))
-                .replace("WRITE_OUT", _write_out(P, epi)))
-        ins = ["x"] + [f"{a}{i}" for i in range(P) for a in ("w", "s", "b")]
-        outs = ["y0"] if epi == 1 else [f"y{i}" for i in range(P)]
-        _KERNELS[key] = portable_kernel(
-            name=f"mtl_qmv_p{P}_e{epi}", input_names=ins, output_names=outs, body=body, header=_HEADER,
-            examples=[_example(P, epi, dt, bits) for dt in (mx.bfloat16, mx.float32) for bits in (4, 8)],
-        )
-    return _KERNELS[key]
-
-
-def _mma_kernel(P: int, epi: int):
-    """The tensor-core variant; its portable body (Metal, compile check) is the FMA kernel's."""
-    key = ("mma", P, epi)
-    if key not in _KERNELS:
-        port = _kernel(P, epi)
-        cuda = (_MMA_BODY.replace("PROJ_SELECT", _proj_select(P, epi)).replace("MMA_WRITE", _mma_write(P, epi))
-                .replace("MMA_PTRS", _mma_ptrs(P, epi)))
-        _KERNELS[key] = portable_kernel(
-            name=f"mtl_qmv_mma_p{P}_e{epi}", input_names=port.input_names, output_names=port.output_names,
-            body=port.body, cuda_body=cuda, header=_HEADER + _MMA_HEADER, examples=port.examples,
-            cuda_examples=[_mma_example(P, epi, dt) for dt in (mx.bfloat16, mx.float16)])
-    return _KERNELS[key]
-
-
-def _example(P: int, epi: int, dt, bits: int) -> KernelExample:
-    """A Qwen3.5-9B-like call (K=4096, g64) for the Metal compile check."""
-    wq = [(mx.uint32, (4096, 4096 * bits // 32)), (dt, (4096, 64)), (dt, (4096, 64))]
-    tmpl = [("T", dt), ("XK", _XKIND[dt]), ("BITS", bits), ("GS", 64), ("MT", 4), ("R", 4), ("U", 1),
-            ("P", P), ("EPI", epi), ("PF", bits == 4), ("NP", bits == 4)]
-    return KernelExample(inputs=[(dt, (4, 4096))] + wq * P, outputs=[dt] * (1 if epi else P), template=tmpl)
-
-
-def _mma_example(P: int, epi: int, dt) -> KernelExample:
-    """The tensor-core body's template (as `_qmv_mma` launches it) for the CUDA compile check."""
-    ex = _example(P, epi, dt, 4)
-    return KernelExample(inputs=ex.inputs, outputs=ex.outputs,
-                         template=[("T", dt), ("XK", _XKIND[dt]), ("GS", 64), ("UG", 256 // 64), ("NW", 8),
-                                   ("P", P), ("EPI", epi)])
-
-
-def _mt(M: int) -> int:
-    return 1 if M == 1 else 2 if M == 2 else 4 if M <= 4 else 8
-
-
-def qmv_supported(x: mx.array, ps: list[LinearParams]) -> bool:
-    """Shapes and types the qmv kernel covers; the scales must share x's dtype unless x is fp32."""
-    p0 = ps[0]
-    if not (x.ndim == 2 and 1 <= x.shape[0] <= 8 and x.dtype in _XKIND):
-        return False
-    return all(
-        p.quantized and p.bits in (4, 8) and p.group_size in (32, 64, 128)
-        and p.bits == p0.bits and p.group_size == p0.group_size and p.in_features == x.shape[1]
-        and (p.scales.dtype == x.dtype or x.dtype == mx.float32)
-        for p in ps
-    )
-
-
-def qmv(x: mx.array, ps: list[LinearParams], epi: int = 0, cfg: tuple[int, int] | None = None,
-        mma: bool | None = None) -> list[mx.array]:
-    """x [M, K], M <= 8 -> [y_p [M, N_p]] (epi 0) or [silu(x W_0^T) * (x W_1^T)] (epi 1).
-    `cfg` = (R, U[, PF]) overrides the FMA kernel's blocking (and prefetch); `mma` forces / forbids the
-    tensor-core variant."""
-    M, K = x.shape
-    p0 = ps[0]
-    if mma is None:
-        mma = cfg is None and 0 < SELECT["qmv_mma_min_rows"] <= M
-    if mma and gpu_backend() == "cuda" and p0.bits == 4 and x.dtype in (mx.bfloat16, mx.float16):
-        return _qmv_mma(x, ps, epi)
-    R, U = cfg[:2] if cfg is not None else qmv_config(_mt(M), K, p0.bits, swiglu=epi == 1, N=p0.out_features)
-    pf = cfg[2] if cfg is not None and len(cfg) > 2 else None
-    if epi == 1:
-        R *= 2  # gate and up rows share the activation loads
-    rp = R // 2 if epi == 1 else R
-    nblocks = sum((p.out_features + 4 * rp - 1) // (4 * rp) for p in ([p0] if epi == 1 else ps))
-    shapes = [(M, p0.out_features)] if epi == 1 else [(M, p.out_features) for p in ps]
-    return _kernel(len(ps), epi)(
-        gpu_backend(),
-        inputs=fma_inputs(x, ps),
-        output_shapes=shapes,
-        output_dtypes=[x.dtype] * len(shapes),
-        grid=(nblocks * 128, 1, 1),
-        threadgroup=(128, 1, 1),
-        template=fma_template(x, p0, R, U, len(ps), epi, pf),
-        init_value=POISON,
-    )
-
-
-def fma_inputs(x: mx.array, ps: list[LinearParams]) -> list[mx.array]:
-    """x, then (weight, scales, biases) per projection, scales in x's dtype (qmv_supported: they share it,
-    or x is fp32 and they are cast)."""
-    dt = x.dtype
-    return [x] + [a if a.dtype == dt or a is p.weight else a.astype(dt)
-                  for p in ps for a in (p.weight, p.scales, p.biases)]
-
-
-def fma_template(x: mx.array, p0: LinearParams, R: int, U: int, P: int, epi: int, pf: int | None) -> list:
-    """The FMA body's template constants (also qmv_residual.py's); pf None: the selection table's."""
-    pf = SELECT["qmv_prefetch"] if pf is None else pf
-    return [("T", x.dtype), ("XK", _XKIND[x.dtype]), ("BITS", p0.bits), ("GS", p0.group_size), ("MT", _mt(x.shape[0])),
-            ("R", R), ("U", U), ("P", P), ("EPI", epi), ("PF", int(pf)),
-            ("NP", int(p0.bits == 4 and SELECT["qmv_nibble_pairs"] == 1))]
-
-
-def _qmv_mma(x: mx.array, ps: list[LinearParams], epi: int) -> list[mx.array]:
-    """Tensor-core qmv: 8 SIMD groups split K, 16 weight rows per threadgroup (8 under SwiGLU)."""
-    M = x.shape[0]
-    p0, dt = ps[0], x.dtype
-    rb = 8 if epi == 1 else 16
-    nblocks = sum((p.out_features + rb - 1) // rb for p in ([p0] if epi == 1 else ps))
-    inputs = [x] + [a for p in ps for a in (p.weight, p.scales, p.biases)]
-    shapes = [(M, p0.out_features)] if epi == 1 else [(M, p.out_features) for p in ps]
-    return _mma_kernel(len(ps), epi)(
-        "cuda", inputs=inputs, output_shapes=shapes, output_dtypes=[dt] * len(shapes),
-        grid=(nblocks * 256, 1, 1), threadgroup=(256, 1, 1),
-        template=[("T", dt), ("XK", _XKIND[dt]), ("GS", p0.group_size), ("UG", 256 // p0.group_size),
-                  ("NW", 8), ("P", len(ps)), ("EPI", epi)],
-        init_value=POISON,
-    )
-
-
-def _flat(x: mx.array) -> tuple[mx.array, tuple]:
-    lead = x.shape[:-1]
-    # a reshape with -1 is a graph node even when nothing changes (host cost on every step)
-    return (x if x.ndim == 2 else x.reshape(-1, x.shape[-1])), lead
-
-
-def _use_qgemm(x2: mx.array, ps: list[LinearParams]) -> bool:
-    """More rows than the qmv takes, up to qgemm_max_rows, on CUDA: the tensor-core GEMM."""
-    return (qmv_rows_exceeded(x2) and x2.shape[0] <= SELECT["qgemm_max_rows"] and qgemm.available()
-            and qgemm.supported(x2, ps))
-
-
-def qmv_rows_exceeded(x2: mx.array) -> bool:
-    return x2.shape[0] > SELECT["qmv_max_rows"]
-
-
-def _big_m(x2: mx.array, p: LinearParams) -> mx.array:
-    """More rows than qmv takes: the tensor-core GEMM (CUDA), else MLX's quantized GEMM (None: the
-    reference) or dequantize + GEMM."""
-    M = x2.shape[0]
-    if _use_qgemm(x2, [p]):
-        return qgemm.qgemm(x2, [p])[0]
-    small_n = SELECT["small_n_dequant"] and p.out_features % 128 != 0
-    if (SELECT["dequant_gemm_min_rows"] <= M or small_n) and x2.dtype in (mx.bfloat16, mx.float16):
-        if SELECT["dequant_kernel"] and dequant.supported(p, x2.dtype):
-            return x2 @ dequant.dequantize(p, x2.dtype).T
-        return x2 @ p.dequantized().astype(x2.dtype).T
-    if M <= SELECT["qmv_loop_max_rows"]:  # a few qmv launches beat MLX's GEMM for small M
-        return mx.concatenate([qmv(x2[i:i + 8], [p])[0] for i in range(0, M, 8)], axis=0)
-    return None
-
-
-for _pe in ((1, 0), (2, 0), (3, 0), (2, 1)):  # declared at import so check_metal sees them
-    _kernel(*_pe)
-    _mma_kernel(*_pe)
-
-
-@register_kernel("linear")
-def linear_kernel(x: mx.array, p: LinearParams):
-    if not p.quantized:
-        return None
-    x2, lead = _flat(x)
-    if not qmv_supported(x2 if x2.shape[0] <= 8 else x2[:8], [p]):
-        return None
-    M = x2.shape[0]
-    wide = M >= 8 and p.out_features >= SELECT["mlx_qmm_min_n_at_8_rows"]
-    y = qmv(x2, [p])[0] if M <= SELECT["qmv_max_rows"] and not wide else _big_m(x2, p)
-    return None if y is None else y.reshape(*lead, p.out_features)
-
-
-@register_kernel("linear_multi")
-def linear_multi_kernel(x: mx.array, ps: list[LinearParams]):
-    x2, lead = _flat(x)
-    if len(ps) <= 4 and _use_qgemm(x2, ps):
-        return [y.reshape(*lead, p.out_features) for y, p in zip(qgemm.qgemm(x2, ps), ps)]
-    if x2.shape[0] > SELECT["qmv_max_rows"] or len(ps) > 4 or not qmv_supported(x2, ps):
-        return None
-    return [y.reshape(*lead, p.out_features) for y, p in zip(qmv(x2, ps), ps)]
-
-
-@register_kernel("swiglu_linear")
-def swiglu_linear_kernel(x: mx.array, gate: LinearParams, up: LinearParams):
-    x2, lead = _flat(x)
-    if gate.out_features == up.out_features and _use_qgemm(x2, [gate, up]):
-        return qgemm.qgemm(x2, [gate, up], epi=1)[0].reshape(*lead, gate.out_features)
-    if (x2.shape[0] > SELECT["qmv_max_rows"] or gate.out_features != up.out_features
-            or not qmv_supported(x2, [gate, up])):
-        return None
-    return qmv(x2, [gate, up], epi=1)[0].reshape(*lead, gate.out_features)
+def mma_body(P: int, epi: int) -> str:
+    """The tensor-core (CUDA) qmv body for P projections (epi 1: SwiGLU of two)."""
+    return (MMA_BODY.replace("PROJ_SELECT", proj_select(P, epi)).replace("MMA_WRITE", mma_write(P, epi))
+            .replace("MMA_PTRS", mma_ptrs(P, epi)))

@@ -4,7 +4,7 @@ Why: at batch 1 a decode step is host-bound, and each custom-kernel launch costs
 (benchmarks/decode_profile.md). The GDN layer's plain path ran the recurrence, then `gated_rms_norm` over
 each value head's dv outputs; here one launch does both:
     o_normed[t, hv, :] = rms_norm(o[t, hv, :]) * norm_w * silu(z[t, hv, :])
-with the roundings of the two ops it replaces (norms.gated_rms_norm_ref): o rounded to the activation
+with the roundings of the two ops it replaces (norms/reference.py: gated_rms_norm_ref): o rounded to the activation
 dtype, normalised in fp32, rounded, times w, times silu(z), rounded.
 
 Design: the norm needs all dv outputs of a head, but `gdn_recurrent` spreads a head over dv / BV
@@ -12,7 +12,7 @@ threadgroups (BV = 128 / TPR rows each). Two ways to bring a head together:
   - one threadgroup per (sequence, value head), BV >= DV rows, and a threadgroup reduction of the
     squares per token (two barriers a token);
   - keep the blocks, park the unnormalised o, count finished blocks with an atomic and let the last
-    block of a head normalise it (as qmv_residual.py does with the portability layer's DEVICE_FENCE /
+    block of a head normalise it (as qmatmul/residual.py does with the portability layer's DEVICE_FENCE /
     ATOMIC_ADD_U32): a counter that stays zero between launches, a parked copy of o, and a serial
     epilogue in one threadgroup per head -- more traffic and latency than a head-sized threadgroup.
 We take the first. What limits it is registers, not the 1024-thread cap: without __launch_bounds__ (MLX
@@ -26,7 +26,7 @@ from device memory took exactly 128). The prediction is (S k) / |k| and the outp
 reference's products in another order, so fp32 rounding differs in the last bits. Shapes it does not
 cover return None, and the op then runs the two kernels one after the other.
 
-Only the token-by-token recurrence: a segment longer than gdn_kernels.CHUNK_MIN_T goes to the chunk
+Only the token-by-token recurrence: a segment longer than kernels.CHUNK_MIN_T goes to the chunk
 kernel and the separate norm (prefill is not host-bound).
 """
 
@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .backend import gpu_backend, register_kernel
-from .fused_small import eps_array
-from .gdn_kernels import _FLOATS, _IN, _INPLACE_STORE, _PROLOGUE, CHUNK_MIN_T, GATES, _reduce, _store_state
-from .portable import KernelExample, portable_kernel
-from .selection import SELECT
-from .seqs import SeqLayout
+from ..backend import gpu_backend
+from ..norms.kernels import FLOATS, eps_array
+from ..portable import KernelExample, portable_kernel
+from ..selection import SELECT
+from ..seqs import SeqLayout
+from .kernels import CHUNK_MIN_T, GATES, INPLACE_STORE, INPUT_NAMES, PROLOGUE, reduce_row, store_state
 
 MAX_THREADS = 512  # threads a threadgroup: 128 registers each on NVIDIA (see the module docstring)
 MAX_NE = 32  # state elements a thread (dk / TPR): TPR = 2 at dk = 128 took 255 registers in gdn_recurrent
@@ -47,7 +47,7 @@ MAX_NE = 32  # state elements a thread (dk / TPR): TPR = 2 at dk = 128 took 255 
 # Threadgroup = BV * TPR threads (a multiple of 32) over the head's DV rows (rows >= DV: not live).
 # s: this thread's slice of its state row (prologue); part: one partial sum of squares per SIMD group.
 _BODY = (
-    (_PROLOGUE
+    (PROLOGUE
     + """
 constexpr int NSG = (BV * TPR) / 32;
 SHARED float part[32];    // one partial sum of squares per SIMD group
@@ -98,13 +98,13 @@ for (int t = t0; t < t1; ++t) {
 }
 FINAL_STORE
 """)
-    .replace("RED_KSS", _reduce("kss"))
-    .replace("RED_PRED", _reduce("pred"))
-    .replace("RED_OUT", _reduce("out"))
-    .replace("RED_QSS", _reduce("qss"))
+    .replace("RED_KSS", reduce_row("kss"))
+    .replace("RED_PRED", reduce_row("pred"))
+    .replace("RED_OUT", reduce_row("out"))
+    .replace("RED_QSS", reduce_row("qss"))
 )
 
-_IN_NORMED = _IN + ["z", "norm_w", "eps"]
+_IN_NORMED = INPUT_NAMES + ["z", "norm_w", "eps"]
 
 
 def fused_tpr(dk: int, dv: int) -> int:
@@ -144,14 +144,14 @@ NORMED = portable_kernel(
     name="gdn_recurrent_normed",
     input_names=_IN_NORMED,
     output_names=["o", "state_out"],
-    body=_BODY.replace("FINAL_STORE", _store_state("state_out", "seq")),
+    body=_BODY.replace("FINAL_STORE", store_state("state_out", "seq")),
     examples=_examples(False),
 )
 NORMED_INPLACE = portable_kernel(
     name="gdn_recurrent_normed_inplace",
     input_names=_IN_NORMED,
     output_names=["o", "done"],
-    body=_BODY.replace("FINAL_STORE", _INPLACE_STORE),
+    body=_BODY.replace("FINAL_STORE", INPLACE_STORE),
     examples=_examples(True),
 )
 
@@ -167,12 +167,12 @@ def run_gdn_normed(y, z, norm_w, eps: float, a, b, A_log, dt_bias, state_pool, l
     T, B = y.shape[0], layout.num_seqs
     tpr, bv = _geometry(dk, dv)
     if (backend is None or T == 0 or B == 0 or not tpr or Hv % Hk or state_pool.dtype != mx.float32
-            or y.ndim != 2 or y.shape[1] != 2 * Hk * dk + Hv * dv or y.dtype not in _FLOATS
-            or z.size != T * Hv * dv or z.dtype not in _FLOATS or norm_w.shape != (dv,)):
+            or y.ndim != 2 or y.shape[1] != 2 * Hk * dk + Hv * dv or y.dtype not in FLOATS
+            or z.size != T * Hv * dv or z.dtype not in FLOATS or norm_w.shape != (dv,)):
         return None
     if max(layout.q_len(i) for i in range(B)) > CHUNK_MIN_T:
         return None
-    a, b, A_log, dt_bias, norm_w = (x if x.dtype in _FLOATS else x.astype(mx.float32)
+    a, b, A_log, dt_bias, norm_w = (x if x.dtype in FLOATS else x.astype(mx.float32)
                                     for x in (a, b, A_log, dt_bias, norm_w))
     C = y.shape[1]
     tmpl = [("InT", y.dtype), ("HK", Hk), ("HV", Hv), ("DK", dk), ("DV", dv), ("TPR", tpr), ("BV", bv),
@@ -192,7 +192,6 @@ def run_gdn_normed(y, z, norm_w, eps: float, a, b, A_log, dt_bias, state_pool, l
     )
 
 
-@register_kernel("gated_delta_packed_normed")
 def gated_delta_packed_normed_kernel(y, z, norm_w, eps, a, b, A_log, dt_bias, state_pool, layout: SeqLayout,
                                      heads, write_state=False):
     """-> (o_normed, new states) or, with write_state and SELECT["gdn_state_inplace"], (o_normed, None):

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .backend import gpu_backend, register_kernel
-from .portable import KernelExample, portable_kernel
-from .seqs import SeqLayout
+from ..backend import gpu_backend
+from ..portable import KernelExample, portable_kernel
+from ..seqs import SeqLayout
 
 # one thread per element of a token's K (and V) row: ROW = nKV * hd
 _BODY = """
@@ -52,7 +52,6 @@ KV_WRITE = portable_kernel(
 )
 
 
-@register_kernel("write_kv_inplace")
 def write_kv_inplace_kernel(k_pool, v_pool, k, v, layout: SeqLayout) -> mx.array | None:
     """-> the `done` token [1] int32 (None: not covered; the caller writes functionally instead)."""
     backend = gpu_backend()

@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import qmatmul
-from .backend import gpu_backend, register_kernel
-from .fused_small import FLOATS, eps_array
-from .linear import LinearParams
-from .portable import KernelExample, portable_kernel
-from .selection import SELECT, qmv_config
+from ..backend import gpu_backend
+from ..norms.kernels import FLOATS, eps_array
+from ..portable import KernelExample, portable_kernel
+from ..selection import SELECT, qmv_config
+from . import gemv
+from .bodies import HEADER, XKIND, fma_body
+from .params import LinearParams
 
 # After the qmv body: dlt [M, N] holds this threadgroup's columns. Writers fence, then one thread counts
 # the threadgroup in; the NBLK-th arrival owns the epilogue (h + dlt -> hsum, rms_norm(hsum) * nw -> y).
-_EPILOGUE = r"""
+EPILOGUE = r"""
   SHARED float qr_part[4];
   SHARED int qr_last;
   DEVICE_FENCE;
@@ -75,10 +76,7 @@ _EPILOGUE = r"""
   }
 """
 
-_BODY = (qmatmul._with_loads(qmatmul._BODY).replace("PROJ_SELECT", qmatmul._proj_select(1, 0))
-         .replace("ROW_SELECT", qmatmul._row_select(1, 0))
-         .replace("WRITE_OUT", "if (n < N) dlt[(size_t)m * N + n] = FROM_FLOAT(T, acc[m][r]);")
-         + _EPILOGUE)
+_BODY = fma_body(1, 0, store="if (n < N) dlt[(size_t)m * N + n] = FROM_FLOAT(T, acc[m][r]);") + EPILOGUE
 
 
 def _example(dt, bits: int) -> KernelExample:
@@ -86,14 +84,14 @@ def _example(dt, bits: int) -> KernelExample:
     K, N = 12288, 4096
     ins = [(dt, (2, K)), (mx.uint32, (N, K * bits // 32)), (dt, (N, K // 64)), (dt, (N, K // 64)),
            (dt, (2, N)), (dt, (N,)), (mx.float32, (1,)), (mx.uint32, (8,))]
-    tmpl = [("T", dt), ("XK", qmatmul._XKIND[dt]), ("BITS", bits), ("GS", 64), ("MT", 2), ("R", 4), ("U", 2),
+    tmpl = [("T", dt), ("XK", XKIND[dt]), ("BITS", bits), ("GS", 64), ("MT", 2), ("R", 4), ("U", 2),
             ("P", 1), ("EPI", 0), ("PF", 1), ("NP", bits == 4), ("NBLK", N // 16), ("EPT", N // 128)]
     return KernelExample(inputs=ins, outputs=[dt] * 3, template=tmpl)
 
 
 QMV_ADD_RMS = portable_kernel(
     name="mtl_qmv_add_rms", input_names=["x", "w0", "s0", "b0", "h", "nw", "eps", "cnt"],
-    output_names=["dlt", "hsum", "y"], body=_BODY, header=qmatmul._HEADER,
+    output_names=["dlt", "hsum", "y"], body=_BODY, header=HEADER,
     examples=[_example(dt, bits) for dt in (mx.bfloat16, mx.float32) for bits in (4, 8)],
 )
 
@@ -121,10 +119,9 @@ def covers(x: mx.array, p: LinearParams, h: mx.array) -> bool:
             and 1 <= M <= SELECT["qmv_max_rows"] and not (0 < mma_from <= M and gpu_backend() == "cuda")
             and h.shape == (M, p.out_features) and h.dtype == x.dtype and x.dtype in FLOATS
             and p.out_features <= 128 * MAX_EPT
-            and qmatmul.qmv_supported(x, [p]))
+            and gemv.qmv_supported(x, [p]))
 
 
-@register_kernel("linear_add_rms_norm")
 def linear_add_rms_norm_kernel(x: mx.array, p: LinearParams, h: mx.array, w: mx.array, eps: float):
     """-> (h + x W^T, rms_norm(h + x W^T) * w), both [M, N], or None where `covers` says no."""
     return qmv_add_rms(x, p, h, w, eps) if covers(x, p, h) else None
@@ -136,16 +133,16 @@ def qmv_add_rms(x: mx.array, p: LinearParams, h: mx.array, w: mx.array, eps: flo
     pf: the weight-prefetch variant (default: the selection table's)."""
     M, K = x.shape
     N = p.out_features
-    R, U = qmv_config(qmatmul._mt(M), K, p.bits, N=N)
+    R, U = qmv_config(gemv.row_bucket(M), K, p.bits, N=N)
     nblk = -(-N // (4 * R))
     _, hsum, y = QMV_ADD_RMS(
         gpu_backend(),
-        inputs=qmatmul.fma_inputs(x, [p]) + [h, w, eps_array(eps), _counter(p)],
+        inputs=gemv.fma_inputs(x, [p]) + [h, w, eps_array(eps), _counter(p)],
         output_shapes=[(M, N)] * 3,
         output_dtypes=[x.dtype] * 3,
         grid=(nblk * 128, 1, 1),
         threadgroup=(128, 1, 1),
-        template=qmatmul.fma_template(x, p, R, U, 1, 0, pf) + [("NBLK", nblk), ("EPT", -(-N // 128))],
-        init_value=qmatmul.POISON,
+        template=gemv.fma_template(x, p, R, U, 1, 0, pf) + [("NBLK", nblk), ("EPT", -(-N // 128))],
+        init_value=gemv.POISON,
     )
     return hsum, y

@@ -1,10 +1,11 @@
-"""Partial rotary embedding (NeoX rotate-half) over the first `rotary_dim` dims of each head."""
+"""Partial rotary embedding (NeoX rotate-half) over the first `rotary_dim` dims of each head, and the
+per-head RMSNorm that precedes it in gated attention (§3.3-3.4): the reference twins."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from .backend import kernel_for
+from ..norms.reference import rms_norm_ref
 
 
 class RopeTables:
@@ -41,9 +42,12 @@ def apply_rope_ref(x: mx.array, positions: mx.array, tables: RopeTables) -> mx.a
     return mx.concatenate([rot, x[..., rd:]], axis=-1) if rd < x.shape[-1] else rot
 
 
-def apply_rope(x: mx.array, positions: mx.array, tables: RopeTables) -> mx.array:
-    kern = kernel_for("rope")
-    out = kern(x, positions, tables) if kern is not None else None
-    if out is not None:
-        return out
-    return apply_rope_ref(x, positions, tables)
+def head_norm_rope_ref(x: mx.array, w: mx.array, eps: float, positions: mx.array, tables: RopeTables,
+                       head_dim: int) -> mx.array:
+    """x [T, H, RS] (RS >= head_dim: each head's first head_dim values are used) -> [T, H, head_dim]."""
+    return apply_rope_ref(rms_norm_ref(heads_of(x, head_dim), w, eps), positions, tables)
+
+
+def heads_of(x: mx.array, head_dim: int) -> mx.array:
+    """Each head's first head_dim values of x [..., RS]."""
+    return x if x.shape[-1] == head_dim else x[..., :head_dim]  # a slice is a graph node even when whole

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .backend import gpu_backend
-from .linear import LinearParams
-from .portable import KernelExample, portable_kernel
+from ..backend import gpu_backend
+from ..portable import KernelExample, portable_kernel
+from .params import LinearParams
 
 POISON: float | None = None  # tests set NaN: every output element must then be written by the kernel
 

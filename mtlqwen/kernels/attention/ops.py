@@ -1,0 +1,70 @@
+"""The attention ops: the paged decode-attention kernel (kernels.py) and the in-place KV write
+(kv_write.py) where they run, the references otherwise."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..dispatch import OPS, kernel_op
+from ..seqs import SeqLayout
+from . import kernels, kv_write
+from .reference import drafter_attention_ref, paged_attention_gated_ref, paged_attention_ref
+
+_POOLS = ("k_pool", "v_pool")
+
+
+def _after(k_pool, v_pool, after):
+    """The pools ordered after an in-place KV write (`after`, its token): the kernel takes the token as an
+    input; a reference reading the pools needs the same edge (the write was taken before this attention's
+    kernel was switched off)."""
+    return (k_pool, v_pool) if after is None else tuple(mx.depends([k_pool, v_pool], [after]))
+
+
+def _attention_ref(q, k_pool, v_pool, layout, scale, after=None):
+    return paged_attention_ref(q, *_after(k_pool, v_pool, after), layout, scale)
+
+
+@kernel_op("paged_attention", kernels.paged_attention_kernel, reference=_attention_ref, pools=_POOLS)
+def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, layout: SeqLayout, scale: float,
+                    after: mx.array | None = None) -> mx.array:
+    """q [T, nH, hd] -> [T, nH, hd]. `after`: the token of `write_kv_inplace` (given only when it returned one)."""
+    return _attention_ref(q, k_pool, v_pool, layout, scale, after)
+
+
+def _gated_ref(q, k_pool, v_pool, layout, scale, gate, after=None):
+    return paged_attention_gated_ref(q, *_after(k_pool, v_pool, after), layout, scale, gate)
+
+
+@kernel_op("paged_attention_gated", kernels.paged_attention_gated_kernel, reference=_gated_ref, pools=_POOLS)
+def paged_attention_gated(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate: mx.array,
+                          after: mx.array | None = None) -> mx.array:
+    """`paged_attention` with the sigmoid output gate applied inside the kernel (no separate ops)."""
+    return _gated_ref(q, k_pool, v_pool, layout, scale, gate, after)
+
+
+def _write_kv_inplace_kernel(k_pool, v_pool, k, v, layout, q_shape, q_dtype):
+    """The in-place write, only where the attention that reads the pools next runs its kernel (which takes
+    the token) over this shape."""
+    attention_on = all(OPS[n].active_kernel() is not None for n in ("paged_attention", "paged_attention_gated"))
+    if not attention_on or not kernels.covers(q_shape, q_dtype, k_pool, v_pool, layout):
+        return None
+    return kv_write.write_kv_inplace_kernel(k_pool, v_pool, k, v, layout)
+
+
+# no reference to compare with: the write's result is the pools' contents (tests/test_kernels_attention.py)
+@kernel_op("write_kv_inplace", _write_kv_inplace_kernel, row="kv_inplace", pools=_POOLS)
+def write_kv_inplace(k_pool: mx.array, v_pool: mx.array, k: mx.array, v: mx.array, layout: SeqLayout, q_shape,
+                     q_dtype) -> mx.array | None:
+    """On GPU back-ends: write k, v [T, nKV, hd] into the pools' own buffers (no pool copy) and return a
+    token that `paged_attention(..., after=token)` takes so it runs after the write. None when that path
+    does not apply (CPU, SELECT["kv_inplace"] off, or an attention the kernel does not cover): then use
+    `write_kv`."""
+    return None
+
+
+@kernel_op("drafter_attention", None)
+def drafter_attention(q, k_blk, v_blk, k_pool, v_pool, layout: SeqLayout, scale: float, causal: bool = False,
+                      window: int | None = None) -> mx.array:
+    """DFlash drafter attention (dflash.md §1.4, §1.5): block queries over the paged context and the block's
+    own transient K/V. No GPU kernel yet: the reference runs everywhere."""
+    return drafter_attention_ref(q, k_blk, v_blk, k_pool, v_pool, layout, scale, causal, window)

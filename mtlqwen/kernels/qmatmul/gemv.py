@@ -1,0 +1,229 @@
+"""Quantized matmul on GPU back-ends: a GEMV kernel for decode-sized M (1..8 rows) over MLX affine 4/8-bit
+weights, with fused variants (several projections of one input in one launch, gate+up with the SwiGLU
+epilogue); larger M goes to MLX's quantized GEMM or dequantize-then-bf16-GEMM per `selection.py`.
+The kernel source lives in bodies.py; this module declares its instantiations and launches them.
+
+Math (qwen35-architecture.md §5.4): w = s*q + b per group of G input columns, so per group
+    y += s * sum(x*q) + b * sum(x).
+A 4-bit (8-bit) q becomes a float without a convert: OR-ing it under the exponent of 2^BITS gives the float
+2^BITS + q exactly. We accumulate sum(x*(2^BITS+q)) and fold the offset into the bias,
+    y += s * sum(x*f) + (b - 2^BITS*s) * sum(x),
+which costs a shift+LOP3+FMA per weight (the instruction budget at M=1 is ~4 per weight at full bandwidth).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..backend import gpu_backend
+from ..portable import KernelExample, portable_kernel
+from ..selection import SELECT, qmv_config
+from . import dequant, qgemm
+from .bodies import HEADER, MMA_HEADER, XKIND, fma_body, mma_body
+from .params import LinearParams
+
+POISON: float | None = None  # tests set NaN: every output element must then be written by the kernel
+
+_KERNELS: dict = {}
+
+
+def _kernel(P: int, epi: int):
+    key = (P, epi)
+    if key not in _KERNELS:
+        body = fma_body(P, epi)
+        ins = ["x"] + [f"{a}{i}" for i in range(P) for a in ("w", "s", "b")]
+        outs = ["y0"] if epi == 1 else [f"y{i}" for i in range(P)]
+        _KERNELS[key] = portable_kernel(
+            name=f"mtl_qmv_p{P}_e{epi}", input_names=ins, output_names=outs, body=body, header=HEADER,
+            examples=[_example(P, epi, dt, bits) for dt in (mx.bfloat16, mx.float32) for bits in (4, 8)],
+        )
+    return _KERNELS[key]
+
+
+def _mma_kernel(P: int, epi: int):
+    """The tensor-core variant; its portable body (Metal, compile check) is the FMA kernel's."""
+    key = ("mma", P, epi)
+    if key not in _KERNELS:
+        port = _kernel(P, epi)
+        cuda = mma_body(P, epi)
+        _KERNELS[key] = portable_kernel(
+            name=f"mtl_qmv_mma_p{P}_e{epi}", input_names=port.input_names, output_names=port.output_names,
+            body=port.body, cuda_body=cuda, header=HEADER + MMA_HEADER, examples=port.examples,
+            cuda_examples=[_mma_example(P, epi, dt) for dt in (mx.bfloat16, mx.float16)])
+    return _KERNELS[key]
+
+
+def _example(P: int, epi: int, dt, bits: int) -> KernelExample:
+    """A Qwen3.5-9B-like call (K=4096, g64) for the Metal compile check."""
+    wq = [(mx.uint32, (4096, 4096 * bits // 32)), (dt, (4096, 64)), (dt, (4096, 64))]
+    tmpl = [("T", dt), ("XK", XKIND[dt]), ("BITS", bits), ("GS", 64), ("MT", 4), ("R", 4), ("U", 1),
+            ("P", P), ("EPI", epi), ("PF", bits == 4), ("NP", bits == 4)]
+    return KernelExample(inputs=[(dt, (4, 4096))] + wq * P, outputs=[dt] * (1 if epi else P), template=tmpl)
+
+
+def _mma_example(P: int, epi: int, dt) -> KernelExample:
+    """The tensor-core body's template (as `_qmv_mma` launches it) for the CUDA compile check."""
+    ex = _example(P, epi, dt, 4)
+    return KernelExample(inputs=ex.inputs, outputs=ex.outputs,
+                         template=[("T", dt), ("XK", XKIND[dt]), ("GS", 64), ("UG", 256 // 64), ("NW", 8),
+                                   ("P", P), ("EPI", epi)])
+
+
+def row_bucket(M: int) -> int:
+    """MT, the template's row count a launch of M rows is compiled for (1, 2, 4 or 8)."""
+    return 1 if M == 1 else 2 if M == 2 else 4 if M <= 4 else 8
+
+
+def qmv_supported(x: mx.array, ps: list[LinearParams]) -> bool:
+    """Shapes and types the qmv kernel covers; the scales must share x's dtype unless x is fp32."""
+    p0 = ps[0]
+    if not (x.ndim == 2 and 1 <= x.shape[0] <= 8 and x.dtype in XKIND):
+        return False
+    return all(
+        p.quantized and p.bits in (4, 8) and p.group_size in (32, 64, 128)
+        and p.bits == p0.bits and p.group_size == p0.group_size and p.in_features == x.shape[1]
+        and (p.scales.dtype == x.dtype or x.dtype == mx.float32)
+        for p in ps
+    )
+
+
+def qmv(x: mx.array, ps: list[LinearParams], epi: int = 0, cfg: tuple[int, int] | None = None,
+        mma: bool | None = None) -> list[mx.array]:
+    """x [M, K], M <= 8 -> [y_p [M, N_p]] (epi 0) or [silu(x W_0^T) * (x W_1^T)] (epi 1).
+    `cfg` = (R, U[, PF]) overrides the FMA kernel's blocking (and prefetch); `mma` forces / forbids the
+    tensor-core variant."""
+    M, K = x.shape
+    p0 = ps[0]
+    if mma is None:
+        mma = cfg is None and 0 < SELECT["qmv_mma_min_rows"] <= M
+    if mma and gpu_backend() == "cuda" and p0.bits == 4 and x.dtype in (mx.bfloat16, mx.float16):
+        return _qmv_mma(x, ps, epi)
+    R, U = cfg[:2] if cfg is not None else qmv_config(row_bucket(M), K, p0.bits, swiglu=epi == 1, N=p0.out_features)
+    pf = cfg[2] if cfg is not None and len(cfg) > 2 else None
+    if epi == 1:
+        R *= 2  # gate and up rows share the activation loads
+    rp = R // 2 if epi == 1 else R
+    nblocks = sum((p.out_features + 4 * rp - 1) // (4 * rp) for p in ([p0] if epi == 1 else ps))
+    shapes = [(M, p0.out_features)] if epi == 1 else [(M, p.out_features) for p in ps]
+    return _kernel(len(ps), epi)(
+        gpu_backend(),
+        inputs=fma_inputs(x, ps),
+        output_shapes=shapes,
+        output_dtypes=[x.dtype] * len(shapes),
+        grid=(nblocks * 128, 1, 1),
+        threadgroup=(128, 1, 1),
+        template=fma_template(x, p0, R, U, len(ps), epi, pf),
+        init_value=POISON,
+    )
+
+
+def fma_inputs(x: mx.array, ps: list[LinearParams]) -> list[mx.array]:
+    """x, then (weight, scales, biases) per projection, scales in x's dtype (qmv_supported: they share it,
+    or x is fp32 and they are cast)."""
+    dt = x.dtype
+    return [x] + [a if a.dtype == dt or a is p.weight else a.astype(dt)
+                  for p in ps for a in (p.weight, p.scales, p.biases)]
+
+
+def fma_template(x: mx.array, p0: LinearParams, R: int, U: int, P: int, epi: int, pf: int | None) -> list:
+    """The FMA body's template constants (also residual.py's); pf None: the selection table's."""
+    pf = SELECT["qmv_prefetch"] if pf is None else pf
+    return [("T", x.dtype), ("XK", XKIND[x.dtype]), ("BITS", p0.bits), ("GS", p0.group_size), ("MT", row_bucket(x.shape[0])),
+            ("R", R), ("U", U), ("P", P), ("EPI", epi), ("PF", int(pf)),
+            ("NP", int(p0.bits == 4 and SELECT["qmv_nibble_pairs"] == 1))]
+
+
+def _qmv_mma(x: mx.array, ps: list[LinearParams], epi: int) -> list[mx.array]:
+    """Tensor-core qmv: 8 SIMD groups split K, 16 weight rows per threadgroup (8 under SwiGLU)."""
+    M = x.shape[0]
+    p0, dt = ps[0], x.dtype
+    rb = 8 if epi == 1 else 16
+    nblocks = sum((p.out_features + rb - 1) // rb for p in ([p0] if epi == 1 else ps))
+    inputs = [x] + [a for p in ps for a in (p.weight, p.scales, p.biases)]
+    shapes = [(M, p0.out_features)] if epi == 1 else [(M, p.out_features) for p in ps]
+    return _mma_kernel(len(ps), epi)(
+        "cuda", inputs=inputs, output_shapes=shapes, output_dtypes=[dt] * len(shapes),
+        grid=(nblocks * 256, 1, 1), threadgroup=(256, 1, 1),
+        template=[("T", dt), ("XK", XKIND[dt]), ("GS", p0.group_size), ("UG", 256 // p0.group_size),
+                  ("NW", 8), ("P", len(ps)), ("EPI", epi)],
+        init_value=POISON,
+    )
+
+
+def _flat(x: mx.array) -> tuple[mx.array, tuple]:
+    lead = x.shape[:-1]
+    # a reshape with -1 is a graph node even when nothing changes (host cost on every step)
+    return (x if x.ndim == 2 else x.reshape(-1, x.shape[-1])), lead
+
+
+def _use_qgemm(x2: mx.array, ps: list[LinearParams]) -> bool:
+    """More rows than the qmv takes, up to qgemm_max_rows, on CUDA: the tensor-core GEMM."""
+    return (qmv_rows_exceeded(x2) and x2.shape[0] <= SELECT["qgemm_max_rows"] and qgemm.available()
+            and qgemm.supported(x2, ps))
+
+
+def qmv_rows_exceeded(x2: mx.array) -> bool:
+    return x2.shape[0] > SELECT["qmv_max_rows"]
+
+
+def _big_m(x2: mx.array, p: LinearParams) -> mx.array:
+    """More rows than qmv takes: the tensor-core GEMM (CUDA), else MLX's quantized GEMM (None: the
+    reference) or dequantize + GEMM."""
+    M = x2.shape[0]
+    if _use_qgemm(x2, [p]):
+        return qgemm.qgemm(x2, [p])[0]
+    small_n = SELECT["small_n_dequant"] and p.out_features % 128 != 0
+    if (SELECT["dequant_gemm_min_rows"] <= M or small_n) and x2.dtype in (mx.bfloat16, mx.float16):
+        if SELECT["dequant_kernel"] and dequant.supported(p, x2.dtype):
+            return x2 @ dequant.dequantize(p, x2.dtype).T
+        return x2 @ p.dequantized().astype(x2.dtype).T
+    if M <= SELECT["qmv_loop_max_rows"]:  # a few qmv launches beat MLX's GEMM for small M
+        return mx.concatenate([qmv(x2[i:i + 8], [p])[0] for i in range(0, M, 8)], axis=0)
+    return None
+
+
+for _pe in ((1, 0), (2, 0), (3, 0), (2, 1)):  # declared at import so check_metal sees them
+    _kernel(*_pe)
+    _mma_kernel(*_pe)
+
+
+def mma_rows_to_mlx(M: int) -> bool:
+    """Rows for which the table picks the tensor-core variant (CUDA only) on another back-end, where
+    SELECT["qmv_mma_metal"] = 1 sends them to MLX's quantized matmul (the op's reference) instead of
+    the FMA kernel."""
+    return gpu_backend() != "cuda" and 0 < SELECT["qmv_mma_min_rows"] <= M and SELECT["qmv_mma_metal"] == 1
+
+
+def linear_kernel(x: mx.array, p: LinearParams):
+    if not p.quantized:
+        return None
+    x2, lead = _flat(x)
+    if not qmv_supported(x2 if x2.shape[0] <= 8 else x2[:8], [p]):
+        return None
+    M = x2.shape[0]
+    wide = M >= 8 and p.out_features >= SELECT["mlx_qmm_min_n_at_8_rows"]
+    if M <= SELECT["qmv_max_rows"] and not wide:
+        y = None if mma_rows_to_mlx(M) else qmv(x2, [p])[0]
+    else:
+        y = _big_m(x2, p)
+    return None if y is None else y.reshape(*lead, p.out_features)
+
+
+def linear_multi_kernel(x: mx.array, ps: list[LinearParams]):
+    x2, lead = _flat(x)
+    if len(ps) <= 4 and _use_qgemm(x2, ps):
+        return [y.reshape(*lead, p.out_features) for y, p in zip(qgemm.qgemm(x2, ps), ps)]
+    if (x2.shape[0] > SELECT["qmv_max_rows"] or len(ps) > 4 or mma_rows_to_mlx(x2.shape[0])
+            or not qmv_supported(x2, ps)):
+        return None
+    return [y.reshape(*lead, p.out_features) for y, p in zip(qmv(x2, ps), ps)]
+
+
+def swiglu_linear_kernel(x: mx.array, gate: LinearParams, up: LinearParams):
+    x2, lead = _flat(x)
+    if gate.out_features == up.out_features and _use_qgemm(x2, [gate, up]):
+        return qgemm.qgemm(x2, [gate, up], epi=1)[0].reshape(*lead, gate.out_features)
+    if (x2.shape[0] > SELECT["qmv_max_rows"] or gate.out_features != up.out_features
+            or mma_rows_to_mlx(x2.shape[0]) or not qmv_supported(x2, [gate, up])):
+        return None
+    return qmv(x2, [gate, up], epi=1)[0].reshape(*lead, gate.out_features)
