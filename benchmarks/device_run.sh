@@ -88,6 +88,10 @@ for arg in "$@"; do  # check every part before spending device time on the first
   a=${arg#+}; [ "$a" = wait ] && continue
   n=${a%%:*}; [[ "$a" == suite=* ]] && n=suite
   command_for "$n" x > /dev/null || { echo "unknown part '$arg' (see the header of $0)"; exit 2; }
+  if [ "$n" = suite ]; then limits=${a#suite=}; limits=${limits//,/ }; else limits=""; [ "$a" != "$n" ] && limits=$a; fi
+  for l in $limits; do
+    [[ "$l" =~ ^[a-z0-9-]+:[0-9]+$ ]] || { echo "'$l' in '$arg' is not NAME:SECONDS"; exit 2; }
+  done
 done
 for arg in "$@"; do
   case "$arg" in
