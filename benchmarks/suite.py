@@ -7,6 +7,8 @@ its own numbers. Each part is the script's own `main(argv)`; its JSON goes to --
 
     source .device/env.sh && python benchmarks/suite.py --out $OUT --parts check:60 e2e:240 runtime:90
 
+(`benchmarks/device_run.sh suite=check:60,e2e:240` runs it as one part of a device call.)
+
 Parts (NAME:SECONDS):
   check    the engine's greedy tokens with the compiled step, in-place state writes and fused decode
            launches against the uncompiled step without them (functional scatters, separate norms), and

@@ -1,7 +1,7 @@
 """Tiny random Qwen3.5 checkpoints in the official HF layout, plus HF reference logits.
 
 A plain helper module (not a conftest): tests import it explicitly. Everything here runs on CPU with
-transformers + torch; nothing is downloaded. See /work/shared/docs/qwen35-architecture.md §5 and §8.
+transformers + torch; nothing is downloaded. See docs/qwen35.md §5 and §8.
 
 Layout written by `write_tiny_checkpoint` (as in the published checkpoints):
   config.json                     model_type qwen3_5 / qwen3_5_moe, decoder fields under text_config

@@ -283,7 +283,7 @@ def test_packed_normed_reference(seed, lens, geom, fused, inplace):
 
 @pytest.mark.gpu
 @needs_gpu
-@settings(max_examples=n_examples(18), **GPU_SETTINGS)  # device_checks.sh runs a third of them
+@settings(max_examples=n_examples(18), **GPU_SETTINGS)  # device_run.sh runs a third of them
 @given(seed=st.integers(0, 2**31), lens=st.lists(st.one_of(st.integers(1, 4), st.integers(5, 64)), min_size=1,
                                                   max_size=4),
        geom=st.sampled_from(GEOMS), dtype=st.sampled_from([mx.float32, mx.bfloat16]),

@@ -178,7 +178,7 @@ def test_conv_kernel(seed, lens, C, xdt, pdt):
 
 @pytest.mark.gpu
 @needs_gpu
-@settings(GPU_SETTINGS, max_examples=n_examples(18))  # device_checks.sh runs it with a third of them
+@settings(GPU_SETTINGS, max_examples=n_examples(18))  # device_run.sh runs it with a third of them
 @given(seed=st.integers(0, 2**31), lens=st.lists(st.one_of(st.integers(1, 4), st.integers(5, 70)), min_size=1,
                                                   max_size=5),
        C=st.sampled_from([24, 416, 300]), K=st.sampled_from([2, 3, 4]), xdt=DTYPES, pdt=DTYPES)

@@ -3,7 +3,7 @@
 A plain helper module (not a conftest): tests import it explicitly. `build_qwen35_tokenizer_dir(dest)`
 writes tokenizer.json (~33 MB, never committed), tokenizer_config.json, chat_template.jinja (a
 Qwen3.5-style ChatML template written for these tests, not the official file) and
-generation_config.json. See /work/shared/docs/qwen35-architecture.md "Tokenizer without a download".
+generation_config.json. See docs/qwen35.md "Tokenizer without a download".
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def demo_config() -> Qwen35Config:
 
 
 def qwen35_9b_config() -> Qwen35Config:
-    """Qwen3.5-9B geometry (qwen35-architecture.md §1.3)."""
+    """Qwen3.5-9B geometry (docs/qwen35.md §1.3)."""
     return parse_config({
         "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 4096,
         "intermediate_size": 12288, "num_hidden_layers": 32, "num_attention_heads": 16,

@@ -1,7 +1,7 @@
 """Qwen3.5 configuration parsed from a Hugging Face `config.json`.
 
 Published checkpoints are vision-language: the decoder fields sit under `text_config`. A text-only
-config keeps them at the top level. Both are accepted (qwen35-architecture.md §1.1).
+config keeps them at the top level. Both are accepted (docs/qwen35.md §1.1).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class Qwen35Config:
     quantization: QuantSpec | None = None
     quant_overrides: dict[str, QuantSpec | None] = field(default_factory=dict)
 
-    # ---- derived geometry (names follow qwen35-architecture.md's notation)
+    # ---- derived geometry (names follow docs/qwen35.md's notation)
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0

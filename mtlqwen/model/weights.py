@@ -1,6 +1,6 @@
 """Checkpoint tensors -> mtlqwen's internal names and conventions, and the shape contract they must meet.
 
-Two layouts reach us (qwen35-architecture.md §5): official Hugging Face checkpoints
+Two layouts reach us (docs/qwen35.md §5): official Hugging Face checkpoints
 (`model.language_model.*`, raw zero-centred norms, conv [C, 1, K], fused MoE experts, `mtp.*` and
 vision tensors) and mlx-lm / mlx-community conversions (`language_model.model.*`, norms already +1,
 conv [C, K, 1], `switch_mlp.*`, maybe quantized). Internally: `model.*` / `lm_head.*`, conv [C, K],

@@ -70,7 +70,7 @@ def _paged_attention_traced(q, k_pool, v_pool, layout: SeqLayout, scale: float) 
 
 
 def paged_attention_gated_ref(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate: mx.array) -> mx.array:
-    """Attention, then the output gate of qwen35-architecture.md §3.6: o * sigmoid(gate), gate [T, nH*hd] or
+    """Attention, then the output gate of docs/qwen35.md §3.6: o * sigmoid(gate), gate [T, nH*hd] or
     the q|gate projection [T, nH, 2*hd] (gate = each head's second half)."""
     o = paged_attention_ref(q, k_pool, v_pool, layout, scale)
     if gate.ndim == 3 and gate.shape[-1] == 2 * q.shape[-1]:

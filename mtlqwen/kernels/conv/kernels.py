@@ -1,5 +1,5 @@
 """Causal depthwise conv1d + SiLU over the packed GDN qkv channels, with the K-1 row conv state
-(qwen35-architecture.md §2.2), as one portable kernel.
+(docs/qwen35.md §2.2), as one portable kernel.
 
 Grid rows (the flat grid is [rows, CHP]) 0..T-1 are output tokens; rows T..T+B(K-1)-1 write the new
 states, so one launch produces both outputs. A token finds its sequence by binary search over query_start_loc (B is small), and rows

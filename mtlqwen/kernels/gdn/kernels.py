@@ -1,4 +1,4 @@
-"""Gated DeltaNet kernels (qwen35-architecture.md §2.4-2.8), written once in portable tokens.
+"""Gated DeltaNet kernels (docs/qwen35.md §2.4-2.8), written once in portable tokens.
 
 Two kernels over a packed batch; both take the raw conv outputs q, k [T, Hk, dk], v [T, Hv, dv],
 the gate inputs a, b [T, Hv], A_log, dt_bias [Hv] and the fp32 state pool [S, Hv, dv, dk], and fuse

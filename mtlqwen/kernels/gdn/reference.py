@@ -2,7 +2,7 @@
 reference twins; kernels.py and normed.py are the GPU kernels, ops.py the dispatchers).
 
 State layout per sequence: [Hv, dv, dk] fp32 (a dv row is contiguous in dk, which suits kernels that
-put a SIMD group on one row). Math follows qwen35-architecture.md §2.4-2.8; the docstrings use its names.
+put a SIMD group on one row). Math follows docs/qwen35.md §2.4-2.8; the docstrings use its names.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""RMSNorm variants, computed in fp32 and cast back (qwen35-architecture.md §4, §2.9): the reference twins."""
+"""RMSNorm variants, computed in fp32 and cast back (docs/qwen35.md §4, §2.9): the reference twins."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ weights, with fused variants (several projections of one input in one launch, ga
 epilogue); larger M goes to MLX's quantized GEMM or dequantize-then-bf16-GEMM per `selection.py`.
 The kernel source lives in bodies.py; this module declares its instantiations and launches them.
 
-Math (qwen35-architecture.md §5.4): w = s*q + b per group of G input columns, so per group
+Math (docs/qwen35.md §5.4): w = s*q + b per group of G input columns, so per group
     y += s * sum(x*q) + b * sum(x).
 A 4-bit (8-bit) q becomes a float without a convert: OR-ing it under the exponent of 2^BITS gives the float
 2^BITS + q exactly. We accumulate sum(x*(2^BITS+q)) and fold the offset into the bias,
