@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Train the demo pair in one device call: target for TARGET_S seconds, then the drafter for DRAFTER_S
+# seconds (wall clock, each stage checkpoints at its end), and leave the results in $OUT as at most
+# 6 files of at most 15 MiB:
+#   target.tar.part-aa, -ab, ...  the HF-layout target checkpoint (tar split in 15 MiB parts)
+#   drafter.tar                   the drafter checkpoint (published DFlash layout)
+#   logs.tar                      target_log.json, drafter_log.json, env.json, both stages' stdout
+# Usage: OUT=/some/dir training/device_train.sh [--smoke]      (TARGET_S, DRAFTER_S, PYTHON override)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SMOKE=""
+if [[ "${1:-}" == "--smoke" ]]; then SMOKE="--smoke"; fi
+OUT="${OUT:?set OUT to the output directory}"
+TARGET_S="${TARGET_S:-300}"
+DRAFTER_S="${DRAFTER_S:-140}"
+PYTHON="${PYTHON:-python3}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+RUN="$(mktemp -d)"
+mkdir -p "$OUT"
+T0=$(date +%s)
+
+"$PYTHON" - > "$RUN/env.json" <<'PY'
+import json, platform, subprocess, sys, torch, transformers, tokenizers
+gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+print(json.dumps({"python": sys.version, "platform": platform.platform(), "torch": torch.__version__,
+                  "transformers": transformers.__version__, "tokenizers": tokenizers.__version__, "gpu": gpu,
+                  "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()}))
+PY
+
+pack_logs() {  # always leave the logs, whatever stage failed
+  tar -C "$RUN" -cf "$OUT/logs.tar" $(cd "$RUN" && ls *.json *.txt 2>/dev/null)
+}
+trap pack_logs EXIT
+
+"$PYTHON" -m training.train_target --out "$RUN" --budget-s "$TARGET_S" $SMOKE 2>&1 | sed "/falling back/d" | tee "$RUN/target_stdout.txt"
+tar -C "$RUN" -cf - checkpoint | split -b 15m -a 2 - "$OUT/target.tar.part-"
+echo "target done at $(( $(date +%s) - T0 )) s"
+
+"$PYTHON" -m training.train_drafter --target "$RUN/checkpoint" --out "$RUN" --budget-s "$DRAFTER_S" $SMOKE 2>&1 \
+  | sed "/falling back/d" | tee "$RUN/drafter_stdout.txt"
+tar -C "$RUN" -cf "$OUT/drafter.tar" drafter
+echo "drafter done at $(( $(date +%s) - T0 )) s"
+ls -la "$OUT"
