@@ -7,6 +7,7 @@ source files only (chat samples are all in train), so its loss is a property of 
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from pathlib import Path
 
@@ -27,23 +28,35 @@ def _stream(tok: Tokenizer, texts: list[str]) -> np.ndarray:
     return np.asarray(ids, dtype=np.int32)
 
 
-def load_streams(seed: int, tokenizer_dir: Path = TOKENIZER_DIR, corpus: Path = CORPUS,
+DOC_SHUFFLE_SEED = 0  # the train stream's document order (both stages read the same stream)
+
+
+def load_streams(cache: Path | None = None, tokenizer_dir: Path = TOKENIZER_DIR, corpus: Path = CORPUS,
                  limit_docs: int | None = None) -> dict:
     """{"train": int32 [N], "heldout": int32 [M], "corpus_sha256": ..., "docs": {...}}. limit_docs keeps
-    the first documents of each split (smoke runs)."""
+    the first documents of each split (smoke runs). `cache`: an .npz written on first use and read after
+    (tokenizing the corpus takes a while; the drafter stage reuses the target stage's streams)."""
+    if cache is not None and Path(cache).is_file():
+        z = np.load(cache)
+        return {"train": z["train"], "heldout": z["heldout"], "corpus_sha256": str(z["corpus_sha256"]),
+                "docs": json.loads(str(z["docs"]))}
     tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
     records = read_corpus(corpus)
     train = [r["text"] if r["kind"] == "file" else render_chat(r["messages"]) for r in records if r["split"] == "train"]
     held = [r["text"] for r in records if r["split"] == "heldout" and r["kind"] == "file"]
-    random.Random(seed).shuffle(train)
+    random.Random(DOC_SHUFFLE_SEED).shuffle(train)
     if limit_docs is not None:
         train, held = train[:limit_docs], held[: max(1, limit_docs // 8)]
-    return {
+    out = {
         "train": _stream(tok, train),
         "heldout": _stream(tok, held),
         "corpus_sha256": hashlib.sha256(Path(corpus).read_bytes()).hexdigest(),
         "docs": {"train": len(train), "heldout": len(held)},
     }
+    if cache is not None:
+        np.savez(cache, train=out["train"], heldout=out["heldout"], corpus_sha256=out["corpus_sha256"],
+                 docs=json.dumps(out["docs"]))
+    return out
 
 
 class WindowSampler:

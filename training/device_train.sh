@@ -5,7 +5,7 @@
 #   target.tar.part-aa, -ab, ...  the HF-layout target checkpoint (tar split in 15 MiB parts)
 #   drafter.tar                   the drafter checkpoint (published DFlash layout)
 #   logs.tar                      target_log.json, drafter_log.json, env.json, both stages' stdout
-# Usage: OUT=/some/dir training/device_train.sh [--smoke]      (TARGET_S, DRAFTER_S, PYTHON override)
+# Usage: OUT=/some/dir training/device_train.sh [--smoke]   (env TARGET_S, DRAFTER_S, TOTAL_S, PYTHON override)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SMOKE=""
@@ -13,6 +13,8 @@ if [[ "${1:-}" == "--smoke" ]]; then SMOKE="--smoke"; fi
 OUT="${OUT:?set OUT to the output directory}"
 TARGET_S="${TARGET_S:-300}"
 DRAFTER_S="${DRAFTER_S:-140}"
+TOTAL_S="${TOTAL_S:-520}"  # the whole call; the drafter's budget shrinks to fit it after the target stage
+RESERVE_S=45  # drafter stage's load, held-out evaluation and save
 PYTHON="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
 RUN="$(mktemp -d)"
@@ -34,7 +36,10 @@ trap pack_logs EXIT
 
 "$PYTHON" -m training.train_target --out "$RUN" --budget-s "$TARGET_S" $SMOKE 2>&1 | sed "/falling back/d" | tee "$RUN/target_stdout.txt"
 tar -C "$RUN" -cf - checkpoint | split -b 15m -a 2 - "$OUT/target.tar.part-"
-echo "target done at $(( $(date +%s) - T0 )) s"
+ELAPSED=$(( $(date +%s) - T0 ))
+echo "target done at $ELAPSED s"
+LEFT=$(( TOTAL_S - ELAPSED - RESERVE_S ))
+if (( LEFT < DRAFTER_S )); then DRAFTER_S=$(( LEFT > 10 ? LEFT : 10 )); echo "drafter budget cut to $DRAFTER_S s"; fi
 
 "$PYTHON" -m training.train_drafter --target "$RUN/checkpoint" --out "$RUN" --budget-s "$DRAFTER_S" $SMOKE 2>&1 \
   | sed "/falling back/d" | tee "$RUN/drafter_stdout.txt"

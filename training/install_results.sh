@@ -13,4 +13,4 @@ tar -xf "$SRC/drafter.tar" -C "$RUN"
 tar -xf "$SRC/logs.tar" -C "$RUN"
 python -m training.export_demo --target "$RUN/checkpoint" --drafter "$RUN/drafter" --dest "$DEST" --parity \
   --logs "$RUN/target_log.json" "$RUN/drafter_log.json"
-mkdir -p training/runs && cp "$RUN"/*.json training/runs/ && echo "logs copied to training/runs/"
+mkdir -p training/logs && cp "$RUN"/*.json training/logs/ && echo "logs copied to training/logs/"

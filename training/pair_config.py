@@ -70,7 +70,7 @@ def drafter_config(target: dict, smoke: bool = False) -> dict:
         "num_attention_heads": target["num_attention_heads"],
         "num_key_value_heads": 2,
         "head_dim": 64,
-        "intermediate_size": target["intermediate_size"],
+        "intermediate_size": target["intermediate_size"] if smoke else 768,
         "hidden_act": "silu",
         "vocab_size": target["vocab_size"],
         "rms_norm_eps": 1e-6,

@@ -30,7 +30,7 @@ def check_parity(target_dir: Path, drafter_dir: Path) -> dict:
 
     from .dflash_torch import DFlashDrafter
 
-    ids = [int(t) for t in load_streams(0, limit_docs=8)["heldout"][: P + 1]]
+    ids = [int(t) for t in load_streams(limit_docs=8)["heldout"][: P + 1]]
     ctx, anchor = ids[:P], ids[P]
     hf = tf.Qwen3_5ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     dcfg = json.loads((drafter_dir / "config.json").read_text())

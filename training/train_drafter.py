@@ -100,6 +100,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--heldout-tokens", type=int, default=32768)
     args = ap.parse_args(argv)
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     hp = smoke_drafter_hparams() if args.smoke else DrafterHParams()
     torch.manual_seed(hp.seed)
     device, autocast = device_and_autocast()
@@ -109,7 +110,7 @@ def main(argv=None) -> dict:
     drafter = DFlashDrafter(cfg).to(device).train()
     step_fn = DraftStep(target, drafter, hp)
 
-    streams = load_streams(hp.seed, limit_docs=40 if args.smoke else None)
+    streams = load_streams(out / ("streams-smoke.npz" if args.smoke else "streams.npz"), limit_docs=40 if args.smoke else None)
     sampler = WindowSampler(streams["train"], hp.seq_len - 1, hp.batch_size, hp.seed)
     held = heldout_windows(streams["heldout"], hp.seq_len - 1, 4 * hp.seq_len if args.smoke else args.heldout_tokens)
     gen = torch.Generator().manual_seed(hp.seed)

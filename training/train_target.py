@@ -104,7 +104,7 @@ def main(argv=None) -> dict:
     device, autocast = device_and_autocast()
 
     t_data = time.perf_counter()
-    streams = load_streams(hp.seed, limit_docs=40 if args.smoke else None)
+    streams = load_streams(out / ("streams-smoke.npz" if args.smoke else "streams.npz"), limit_docs=40 if args.smoke else None)
     sampler = WindowSampler(streams["train"], hp.seq_len, hp.batch_size, hp.seed)
     held = heldout_windows(streams["heldout"], hp.seq_len, 4 * hp.seq_len if args.smoke else args.heldout_tokens)
     t_data = time.perf_counter() - t_data
