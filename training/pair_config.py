@@ -34,8 +34,8 @@ def target_text_config(vocab_size: int, smoke: bool = False) -> dict:
 
 @dataclass
 class TargetHParams:
-    seq_len: int = 512
-    batch_size: int = 64
+    seq_len: int = 1024  # the demo generates prompt + a few hundred tokens: train at that context
+    batch_size: int = 32
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 200

@@ -30,8 +30,8 @@ from .train_target import device_and_autocast
 def load_target(path: Path, device):
     import transformers as tf
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = tf.Qwen3_5ForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    # fp32 weights (bf16 autocast on CUDA, as in training): A_log stays fp32 as mtlqwen runs it
+    model = tf.Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return model
