@@ -6,7 +6,7 @@ and each run records the values it used in its log JSON.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 
 from .tokenizer import SPECIALS
 
@@ -112,3 +112,17 @@ class DrafterHParams:
 
 def smoke_drafter_hparams() -> DrafterHParams:
     return DrafterHParams(seq_len=64, batch_size=2, anchors_per_seq=4, warmup_steps=2, max_steps=4)
+
+
+def override(hp, assignments: list[str]):
+    """hp with NAME=VALUE assignments applied (values parsed as the field's type)."""
+    types = {f.name: type(getattr(hp, f.name)) for f in fields(hp)}
+    changes = {}
+    for a in assignments:
+        name, sep, value = a.partition("=")
+        if not sep or name not in types:
+            raise SystemExit(f"--set {a!r}: expected NAME=VALUE with NAME one of {', '.join(types)}")
+        if types[name] is tuple:
+            raise SystemExit(f"--set {name}: tuples cannot be overridden")
+        changes[name] = types[name](value)
+    return replace(hp, **changes)

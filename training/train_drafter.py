@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from .data import heldout_windows, load_streams, WindowSampler
 from .dflash_torch import DFlashDrafter, block_inputs, block_loss, count_params, sample_anchors
-from .pair_config import DrafterHParams, drafter_config, smoke_drafter_hparams
+from .pair_config import DrafterHParams, drafter_config, override, smoke_drafter_hparams
 from .schedule import BudgetSchedule
 from .train_target import device_and_autocast
 
@@ -98,10 +98,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--budget-s", type=float, default=150.0)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--heldout-tokens", type=int, default=32768)
+    ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="override hyper-parameters (e.g. batch_size=2 seq_len=128 max_steps=3: the full-size "
+                         "model on a CPU for a few steps)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     hp = smoke_drafter_hparams() if args.smoke else DrafterHParams()
+    hp = override(hp, args.set)
     torch.manual_seed(hp.seed)
     device, autocast = device_and_autocast()
     target = load_target(Path(args.target), device)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .data import heldout_windows, load_streams, WindowSampler
-from .pair_config import TargetHParams, smoke_target_hparams, target_text_config
+from .pair_config import TargetHParams, override, smoke_target_hparams, target_text_config
 from .schedule import BudgetSchedule
 from .tokenizer import OUT as TOKENIZER_DIR
 
@@ -96,10 +96,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--smoke", action="store_true", help="tiny model, a few steps (CPU check of the pipeline)")
     ap.add_argument("--eval-every-s", type=float, default=60.0)
     ap.add_argument("--heldout-tokens", type=int, default=131072)
+    ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="override hyper-parameters (e.g. batch_size=2 seq_len=128 max_steps=3: the full-size "
+                         "model on a CPU for a few steps)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     hp = smoke_target_hparams() if args.smoke else TargetHParams()
+    hp = override(hp, args.set)
     torch.manual_seed(hp.seed)
     device, autocast = device_and_autocast()
 
