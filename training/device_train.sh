@@ -33,6 +33,7 @@ pack_logs() {  # always leave the logs, whatever stage failed
   tar -C "$RUN" -cf "$OUT/logs.tar" $(cd "$RUN" && ls *.json *.txt 2>/dev/null)
 }
 trap pack_logs EXIT
+if [[ -n "$SMOKE" ]]; then "$PYTHON" -m training.check_blocks; fi
 
 "$PYTHON" -m training.train_target --out "$RUN" --budget-s "$TARGET_S" $SMOKE 2>&1 | sed "/falling back/d" | tee "$RUN/target_stdout.txt"
 tar -C "$RUN" -cf - checkpoint | split -b 15m -a 2 - "$OUT/target.tar.part-"
