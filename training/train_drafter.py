@@ -137,7 +137,7 @@ def main(argv=None) -> dict:
         opt.step()
         step += 1
         if step % 25 == 0 or step <= 5 or args.smoke:
-            entry = {"step": step, "t": round(sched.elapsed(), 2), "loss": round(float(loss), 4), "lr": lr,
+            entry = {"step": step, "t": round(sched.elapsed(), 2), "loss": round(loss.item(), 4), "lr": lr,
                      "grad_norm": round(float(gnorm), 3), **{k: round(v, 4) for k, v in stats.items()}}
             curve.append(entry)
             print(json.dumps(entry), flush=True)

@@ -136,7 +136,7 @@ def main(argv=None) -> dict:
         step += 1
         tokens += batch[:, 1:].numel()
         if step % 25 == 0 or step <= 5 or args.smoke:
-            entry = {"step": step, "t": round(sched.elapsed(), 2), "loss": round(float(loss), 4),
+            entry = {"step": step, "t": round(sched.elapsed(), 2), "loss": round(loss.item(), 4),
                      "lr": lr, "grad_norm": round(float(gnorm), 3), "tokens": tokens}
             curve.append(entry)
             print(json.dumps(entry), flush=True)
