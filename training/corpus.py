@@ -17,7 +17,6 @@ import argparse
 import ast
 import hashlib
 import json
-import lzma
 import sys
 import sysconfig
 from pathlib import Path
@@ -82,6 +81,8 @@ def build(root: Path) -> dict:
     files = stdlib_files(root)
     CORPUS.parent.mkdir(parents=True, exist_ok=True)
     n_chat = 0
+    import lzma  # noqa: PLC0415
+
     with lzma.open(CORPUS, "wt", encoding="utf-8", preset=9) as f:
         for rel, text in files:
             split = split_of(rel)
@@ -101,6 +102,13 @@ def build(root: Path) -> dict:
 
 def read_corpus(path: Path = CORPUS) -> list[dict]:
     """Every record of the committed corpus, in file order."""
+    try:
+        import lzma  # noqa: PLC0415
+    except ImportError:  # a Python built without liblzma: the xz tool reads the same file
+        import subprocess  # noqa: PLC0415
+
+        text = subprocess.run(["xz", "-dc", str(path)], check=True, capture_output=True).stdout.decode("utf-8")
+        return [json.loads(line) for line in text.splitlines()]
     with lzma.open(path, "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f]
 

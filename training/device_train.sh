@@ -15,18 +15,24 @@ TARGET_S="${TARGET_S:-300}"
 DRAFTER_S="${DRAFTER_S:-140}"
 TOTAL_S="${TOTAL_S:-520}"  # the whole call; the drafter's budget shrinks to fit it after the target stage
 RESERVE_S=45  # drafter stage's load, held-out evaluation and save
-PYTHON="${PYTHON:-python3}"
+if [[ -z "${PYTHON:-}" ]]; then  # the interpreter that has torch
+  PYTHON=python3; if ! python3 -c "import torch" 2>/dev/null && command -v python >/dev/null; then PYTHON=python; fi
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
 RUN="$(mktemp -d)"
 mkdir -p "$OUT"
 T0=$(date +%s)
 
-"$PYTHON" - > "$RUN/env.json" <<'PY'
-import json, platform, subprocess, sys, torch, transformers, tokenizers
+"$PYTHON" - > "$RUN/env.json" <<'PY' || echo '{"error": "environment probe failed"}' > "$RUN/env.json"
+import json, os, platform, subprocess, sys, torch, transformers, tokenizers
+try:  # the device copy may have no git
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+except OSError:
+    commit = None
 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
 print(json.dumps({"python": sys.version, "platform": platform.platform(), "torch": torch.__version__,
                   "transformers": transformers.__version__, "tokenizers": tokenizers.__version__, "gpu": gpu,
-                  "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()}))
+                  "cpus": os.cpu_count(), "commit": commit}))
 PY
 
 pack_logs() {  # always leave the logs, whatever stage failed
