@@ -1,0 +1,74 @@
+"""The built-in models: `--model random` and the trained demo pair shipped in mtlqwen/demo/pair (or the
+pair at $MTLQWEN_DEMO_PAIR). The pair's held-out loss must match the value recorded when it was installed
+(training/export_demo.py), and its drafter must get drafts accepted on held-out text while leaving greedy
+output unchanged."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from mtlqwen import Engine, SamplingParams
+from mtlqwen.demo import PAIR_DIR, DemoPairMissing, heldout_loss, load_demo_pair, pair_dir
+from mtlqwen.model.builtin import BYTE_VOCAB, ByteTokenizer, is_builtin, load_builtin
+
+PAIR = Path(os.environ.get("MTLQWEN_DEMO_PAIR", PAIR_DIR))
+PACKAGE_BUDGET = 25 * 10**6  # bytes: the pair ships inside the wheel
+
+
+def test_random_builtin():
+    b = load_builtin("random")
+    assert isinstance(b.tokenizer, ByteTokenizer) and b.drafter is None
+    assert b.model.config.vocab_size == BYTE_VOCAB and "RANDOM" in b.note
+    assert is_builtin(None) and is_builtin("random") and not is_builtin("Qwen/Qwen3.5-9B")
+    with pytest.raises(ValueError, match="not a built-in model"):
+        load_builtin("Qwen/Qwen3.5-9B")
+
+
+def test_missing_pair_falls_back_to_random(tmp_path):
+    with pytest.raises(DemoPairMissing, match=r"missing target/config.json, drafter/config.json, demo.json"):
+        pair_dir(tmp_path)
+    b = load_builtin(None, pair_path=tmp_path)
+    assert isinstance(b.tokenizer, ByteTokenizer) and b.drafter is None
+    assert "no trained demo pair" in b.note and "RANDOM" in b.note
+
+
+@pytest.fixture(scope="module")
+def pair():
+    try:
+        pair_dir(PAIR)
+    except DemoPairMissing as e:
+        pytest.skip(f"demo pair not installed: {e}")
+    return load_demo_pair(PAIR)
+
+
+def test_heldout_loss_matches_record(pair):
+    ids = pair.tokenizer.encode(pair.heldout_text)
+    loss, n = heldout_loss(pair.model, ids)
+    assert n == pair.record["heldout_tokens"]
+    # the recorded value came from the same weights; backends differ only in rounding
+    assert loss == pytest.approx(pair.record["heldout_loss"], rel=5e-3)
+
+
+def test_drafter_accepts_on_heldout_text_and_keeps_greedy_output(pair):
+    tok = pair.tokenizer
+    prompt = tok.encode(pair.heldout_text)[:96]
+    sp = SamplingParams(temperature=0.0, max_tokens=48)
+    plain = Engine(pair.model, tokenizer=tok, slots=1).generate([prompt], sp)[0]
+    engine = Engine(pair.model, tokenizer=tok, slots=1, draft=pair.drafter)
+    spec = engine.generate([prompt], sp)[0]
+    assert spec.token_ids == plain.token_ids and len(plain.token_ids) > 0
+    stats = engine.spec.stats()
+    assert stats["spec_steps"] > 0
+    assert stats["mean_acceptance_length"] > 1.2  # tokens per speculative step: drafts do get accepted
+
+
+def test_builtin_default_is_the_pair(pair):
+    if PAIR != PAIR_DIR:
+        pytest.skip("MTLQWEN_DEMO_PAIR points elsewhere; the package default is the packaged pair")
+    b = load_builtin(None)
+    assert b.drafter is not None and b.tokenizer.eos_token_ids == pair.tokenizer.eos_token_ids
+    size = sum(p.stat().st_size for p in PAIR_DIR.rglob("*") if p.is_file())
+    assert size <= PACKAGE_BUDGET
