@@ -66,10 +66,8 @@ def _tmpl_value(v) -> str:
     return _TYPE[v]
 
 
-def metal_source(kern: PortableKernel, ex: KernelExample) -> str:
-    """The full Metal source MLX's metal_kernel generates for this call (see write_signature)."""
-    body = kern.source("metal")
-    header = render_header(kern.header, "metal")
+def kernel_name(kern: PortableKernel, ex: KernelExample) -> str:
+    """The host name MLX gives this instantiation (template values, then input and output dtypes)."""
     name = "custom_kernel_" + kern.unique_name("metal")
     if ex.template:
         name += "__" + "_".join(_tmpl_value(v) for _, v in ex.template)
@@ -79,31 +77,48 @@ def metal_source(kern: PortableKernel, ex: KernelExample) -> str:
             size *= d
         name += "_" + _TYPE[dt] + ("s" if len(shape) == 0 else "c" if size < CONSTANT_MAX else "")
     name += "".join("_" + _TYPE[dt] for dt in ex.outputs)
+    return name
 
-    src = header
-    if ex.template:
-        kinds = ["bool" if isinstance(v, bool) else "int" if isinstance(v, int) else "typename" for _, v in ex.template]
-        src += "template <" + ", ".join(f"{k} {n}" for k, (n, _) in zip(kinds, ex.template)) + ">\n"
+
+def signature(kern: PortableKernel, ex: KernelExample) -> list[tuple[str, str, int, str]]:
+    """The kernel's parameters as MLX writes them: [(kind, name, array index, declaration)], kind one of
+    input / scalar / shape / strides / ndim / output / attr (array index -1 for attributes)."""
+    body = kern.source("metal")
     params = []
     index = 0
-    for iname, (dt, shape) in zip(kern.input_names, ex.inputs):
+    for i, (iname, (dt, shape)) in enumerate(zip(kern.input_names, ex.inputs)):
         size = 1
         for d in shape:
             size *= d
         loc = "constant" if size < CONSTANT_MAX else "device"
         ref = "&" if len(shape) == 0 else "*"
-        params.append(f"  const {loc} {_TYPE[dt]}{ref} {iname} [[buffer({index})]]")
+        params.append(("scalar" if len(shape) == 0 else "input", iname, i,
+                       f"  const {loc} {_TYPE[dt]}{ref} {iname} [[buffer({index})]]"))
         index += 1
         if len(shape) > 0:
             for suffix, decl in (("_shape", "const constant int*"), ("_strides", "const constant int64_t*"),
                                  ("_ndim", "const constant int&")):
                 if iname + suffix in body:
-                    params.append(f"  {decl} {iname}{suffix} [[buffer({index})]]")
+                    params.append((suffix[1:], iname + suffix, i, f"  {decl} {iname}{suffix} [[buffer({index})]]"))
                     index += 1
-    for oname, dt in zip(kern.output_names, ex.outputs):
-        params.append(f"  device {_TYPE[dt]}* {oname} [[buffer({index})]]")
+    for j, (oname, dt) in enumerate(zip(kern.output_names, ex.outputs)):
+        params.append(("output", oname, len(ex.inputs) + j, f"  device {_TYPE[dt]}* {oname} [[buffer({index})]]"))
         index += 1
-    params += [f"  {t} {a} [[{a}]]" for a, t in METAL_ATTRIBUTES if a in body]
+    params += [("attr", a, -1, f"  {t} {a} [[{a}]]") for a, t in METAL_ATTRIBUTES if a in body]
+    return params
+
+
+def metal_source(kern: PortableKernel, ex: KernelExample, body: str | None = None) -> str:
+    """The full Metal source MLX's metal_kernel generates for this call (see write_signature); `body`
+    replaces the rendered body (the emulator's rewrite of its threadgroup declarations)."""
+    body = kern.source("metal") if body is None else body
+    header = render_header(kern.header, "metal")
+    name = kernel_name(kern, ex)
+    src = header
+    if ex.template:
+        kinds = ["bool" if isinstance(v, bool) else "int" if isinstance(v, int) else "typename" for _, v in ex.template]
+        src += "template <" + ", ".join(f"{k} {n}" for k, (n, _) in zip(kinds, ex.template)) + ">\n"
+    params = [decl for _, _, _, decl in signature(kern, ex)]
     src += f"[[kernel]] void {name}(\n" + ",\n".join(params) + ") {\n" + body + "\n}\n"
     if ex.template:
         inst = name + "<" + ", ".join(_tmpl_value(v) for _, v in ex.template) + ">"
