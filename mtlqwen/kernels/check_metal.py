@@ -20,6 +20,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
 import mlx.core as mx
 
 from .portable import REGISTRY, KernelExample, PortableKernel, render, render_header
@@ -163,10 +165,67 @@ def _load_all() -> None:
     from . import gpu  # noqa: F401,PLC0415  (every kernel module registers its kernels on import)
 
 
+def first_mismatch(got, want, tol: float) -> str | None:
+    """Where `got` first leaves `want` by more than tol x max|want| (tol 0: bit for bit; a non-finite
+    element where the reference is finite -- an unwritten, poisoned one -- always counts), or None."""
+    g = np.array(mx.array(got).astype(mx.float32))
+    w = np.array(mx.array(want).astype(mx.float32))
+    if g.shape != w.shape:
+        return f"shape {g.shape}, reference {w.shape}"
+    scale = float(np.abs(w[np.isfinite(w)]).max()) if np.isfinite(w).any() else 0.0
+    same = (g == w) | (np.isnan(g) & np.isnan(w))
+    bad = ~same & (~np.isfinite(g) | ~np.isfinite(w) | (np.abs(g - w) > tol * scale))
+    if not bad.any():
+        return None
+    i = tuple(int(v) for v in np.argwhere(bad)[0])
+    return (f"at {i}: {g[i]!r}, reference {w[i]!r} (tolerance {tol:g} x {scale:.4g}); "
+            f"{int(bad.sum())} of {bad.size} elements differ")
+
+
+def run_trials(names: list[str] | None = None, trials=None) -> tuple[list[tuple[str, bool, str]], list, list]:
+    """Execute the trials (metal_cases) on the emulator: ([(label, ok, message)], launches, limit violations).
+    A registered kernel (of `names`) that no trial launched is a failure too."""
+    from . import metal_cases, metal_emulator  # noqa: PLC0415
+
+    _load_all()
+    kernels = {n: REGISTRY[n] for n in names} if names else dict(REGISTRY)
+    trials = metal_cases.trials(names) if trials is None else trials
+    results = []
+    with metal_emulator.emulating() as launches:
+        for t in trials:
+            n0 = len(launches)
+            try:
+                want = t.ref()
+                with metal_emulator.substituted(t.substitute, launches):
+                    got = t.run()
+                if len(got) != len(want) or len(got) != len(t.tol):
+                    raise metal_emulator.EmulatorError(f"{len(got)} outputs, reference {len(want)}, {len(t.tol)} tolerances")
+                msgs = [f"output {i} {m}" for i, (g, w, tol) in enumerate(zip(got, want, t.tol))
+                        if (m := first_mismatch(g, w, tol)) is not None]
+                ran = {ln.kernel for ln in launches[n0:]}
+                missing = [k for k in t.kernels if k not in ran]
+                if missing:
+                    msgs.append(f"did not launch {missing} (launched {sorted(ran)})")
+                results.append((t.label, not msgs, "; ".join(msgs[:1]) if msgs else ""))
+            except Exception as e:  # noqa: BLE001  (an emulator failure is this trial's failure)
+                results.append((t.label, False, f"{type(e).__name__}: {e}"))
+    launched = {ln.kernel for ln in launches}
+    for name in kernels:
+        if name not in launched:
+            results.append((name, False, "no trial launched this kernel (add one to metal_cases.py)"))
+    return results, launches, metal_emulator.limit_violations(launches, kernels)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    run = "--run" in argv
+    names = [a for a in argv if a != "--run"]
     _load_all()
-    kernels = {n: REGISTRY[n] for n in argv} if argv else None
+    unknown = [n for n in names if n not in REGISTRY]
+    if unknown:
+        print(f"unknown kernels {unknown}; registered: {sorted(REGISTRY)}")
+        return 1
+    kernels = {n: REGISTRY[n] for n in names} if names else None
     results = check(kernels)
     failed = [r for r in results if not r[1]]
     for label, ok, msg in results:
@@ -174,7 +233,20 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:
             print(msg)
     print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
-    return 1 if failed else 0
+    if not run:
+        return 1 if failed else 0
+    runs, launches, violations = run_trials(names or None)
+    bad = [r for r in runs if not r[1]]
+    for label, ok, msg in runs:
+        print(f"{'ran ' if ok else 'MISMATCH'} {label}" + ("" if ok else f": {msg}"))
+    for v in violations:
+        print(f"LIMIT {v.what}")
+    exact = sum(1 for n, k in (kernels or REGISTRY).items() for ex in k.examples
+                if any(ln.kernel == n and ln.template == ex.template for ln in launches))
+    total = sum(len(k.examples) for k in (kernels or REGISTRY).values())
+    print(f"emulated: {len(runs) - len(bad)} passed, {len(bad)} failed, {len(launches)} launches, "
+          f"{exact} of {total} registered instantiations run as declared; {len(violations)} limit violations")
+    return 1 if failed or bad or violations else 0
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ struct Lane {
   ucontext_t ctx;
   State state;
   Thread t;
-  const void* site;  // where it waits: the collective's combine function, or the barrier call's address
+  const void* site;  // where it waits: the collective's combine function, or the barrier's source line
   int size, arg;
   const void* in;
   void* out;
@@ -117,11 +117,11 @@ __attribute__((noinline)) void collective(const void* in, void* out, int size, i
   rt::wait_here();
 }
 
-__attribute__((noinline)) void barrier() {
+void barrier(int line) {
   Lane* me = rt::current;
   if (!me) pl_fail("threadgroup_barrier outside a kernel", nullptr);
   me->state = AT_BARRIER;
-  me->site = __builtin_return_address(0);
+  me->site = (const void*)(intptr_t)(line + 1);
   rt::wait_here();
 }
 
@@ -191,7 +191,10 @@ void run_threadgroup(int n) {
       ++live;
       if (!site) site = lanes[i].site;
       if (lanes[i].site != site) {
-        pl_fail("threads of a threadgroup wait at different threadgroup_barrier calls", &lanes[i].t);
+        char msg[160];
+        snprintf(msg, sizeof msg, "threads of a threadgroup wait at different threadgroup_barrier calls (lines %d, %d)",
+                 (int)(intptr_t)site - 1, (int)(intptr_t)lanes[i].site - 1);
+        pl_fail(msg, &lanes[i].t);
       }
     }
     if (live == 0) return;

@@ -116,7 +116,7 @@ namespace pl {
 typedef void (*Combine)(const unsigned char* in, unsigned char* out, const int* args, const bool* active,
                         int size);
 void collective(const void* in, void* out, int size, int arg, Combine combine);
-void barrier();
+void barrier(int line);
 void simd_barrier();
 void tg_note(void* p, size_t bytes);
 
@@ -213,8 +213,10 @@ template <typename T> inline T run(T x, int arg, Combine c) {
 namespace metal {
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
 inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
-// always inlined: the barrier's call site in the kernel tells different barriers apart
-inline __attribute__((always_inline)) void threadgroup_barrier(mem_flags) { pl::barrier(); }
+// a macro: the source line tells different barriers apart (code addresses do not: the compiler may
+// duplicate a call on two paths)
+inline void threadgroup_barrier_at(mem_flags, int line) { pl::barrier(line); }
+#define threadgroup_barrier(flags) threadgroup_barrier_at(flags, __LINE__)
 inline void simdgroup_barrier(mem_flags) { pl::simd_barrier(); }
 
 template <typename T> T simd_sum(T x) { return pl::run(x, 0, &pl::c_sum<T>); }
