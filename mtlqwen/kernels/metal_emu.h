@@ -1,5 +1,6 @@
 // The Metal execution model on one CPU thread, for `python -m mtlqwen.kernels.check_metal --run`.
-// Every GPU thread of a threadgroup is a fiber (ucontext) with its own stack. A fiber runs until it
+// Every GPU thread of a threadgroup is a fiber with its own stack (a register-only switch on x86-64,
+// ucontext elsewhere: swapcontext's signal-mask syscall made the GDN kernels' millions of switches slow). A fiber runs until it
 // reaches a synchronisation point -- threadgroup_barrier, a SIMD-group collective -- or returns; the
 // scheduler then completes the collectives of each simdgroup among its waiting lanes (lanes that
 // returned, or wait elsewhere, are inactive, as under divergence on the GPU), and releases a barrier
@@ -21,6 +22,76 @@
 #include <unistd.h>
 
 namespace pl {
+
+// ---- fibers: start(f, stack, size, fn) prepares f to run fn on that stack; swap(from, to) ---------------------
+#if defined(__x86_64__)
+extern "C" void pl_swap(void** save_sp, void* load_sp);
+asm(R"(
+.text
+.globl pl_swap
+.type pl_swap,@function
+pl_swap:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+.size pl_swap,.-pl_swap
+)");
+struct Fiber {
+  void* sp;
+};
+inline void fiber_start(Fiber& f, unsigned char* stack, size_t size, void (*fn)()) {
+  uintptr_t top = ((uintptr_t)(stack + size)) & ~(uintptr_t)15;
+  uint64_t* sp = (uint64_t*)(top - 72);  // 8 slots popped by pl_swap + a fake return address: fn's entry ABI
+  uint32_t csr[2];
+  asm volatile("stmxcsr %0" : "=m"(csr[0]));
+  asm volatile("fnstcw %0" : "=m"(csr[1]));
+  memcpy(&sp[0], csr, 8);
+  for (int i = 1; i < 7; ++i) sp[i] = 0;  // r15 r14 r13 r12 rbx rbp
+  sp[7] = (uint64_t)(uintptr_t)fn;
+  sp[8] = 0;
+  f.sp = sp;
+}
+inline void fiber_swap(Fiber& from, Fiber& to) { pl_swap(&from.sp, to.sp); }
+#else
+struct Fiber {
+  ucontext_t ctx;
+};
+inline ucontext_t& fiber_proto() {
+  static ucontext_t p;
+  static bool done = false;
+  if (!done) {
+    getcontext(&p);
+    done = true;
+  }
+  return p;
+}
+inline void fiber_start(Fiber& f, unsigned char* stack, size_t size, void (*fn)()) {
+  f.ctx = fiber_proto();
+  f.ctx.uc_stack.ss_sp = stack;
+  f.ctx.uc_stack.ss_size = size;
+  f.ctx.uc_link = nullptr;
+  makecontext(&f.ctx, fn, 0);
+}
+inline void fiber_swap(Fiber& from, Fiber& to) { swapcontext(&from.ctx, &to.ctx); }
+#endif
 
 struct Thread {
   uint3 thread_position_in_grid, thread_position_in_threadgroup, threadgroup_position_in_grid;
@@ -44,7 +115,7 @@ enum State { READY, AT_SIMD, AT_BARRIER, DONE };
 enum { MAX_THREADS = 1024, STACK = 256 * 1024, SLOT = 64 };
 
 struct Lane {
-  ucontext_t ctx;
+  Fiber fiber;
   State state;
   Thread t;
   const void* site;  // where it waits: the collective's combine function, or the barrier's source line
@@ -73,7 +144,7 @@ namespace rt {
 Lane* lanes;
 int n_lanes;
 Lane* current;
-ucontext_t scheduler;
+Fiber scheduler;
 void (*entry)(const Thread&);
 struct Region {
   void* p;
@@ -86,13 +157,13 @@ size_t tg_bytes = 0;
 void wait_here() {
   if (!current) pl_fail("a synchronisation point outside a kernel", nullptr);
   Lane* me = current;
-  swapcontext(&me->ctx, &scheduler);
+  fiber_swap(me->fiber, scheduler);
 }
 void trampoline() {
   Lane* me = current;
   entry(me->t);
   me->state = DONE;
-  swapcontext(&me->ctx, &scheduler);
+  fiber_swap(me->fiber, scheduler);  // never resumed
 }
 }  // namespace rt
 
@@ -178,7 +249,7 @@ void run_threadgroup(int n) {
     for (int i = n - 1; i >= 0; --i) {  // reverse order: no thread may rely on lower ones running first
       if (lanes[i].state != READY) continue;
       current = &lanes[i];
-      swapcontext(&scheduler, &lanes[i].ctx);
+      fiber_swap(scheduler, lanes[i].fiber);
       current = nullptr;
     }
     bool any = false;
@@ -210,8 +281,6 @@ void launch(const uint* grid, const uint* group) {
   if (stacks == MAP_FAILED) pl_fail("cannot map the fiber stacks", nullptr);
   lanes = new Lane[tpt];
   for (uint i = 0; i < tpt; ++i) mprotect(stacks + (size_t)i * (STACK + 4096), 4096, PROT_NONE);  // overflow guard
-  ucontext_t proto;
-  getcontext(&proto);
   uint ngroups[3];
   for (int d = 0; d < 3; ++d) ngroups[d] = (grid[d] + group[d] - 1) / group[d];
   const long total = (long)ngroups[0] * ngroups[1] * ngroups[2];
@@ -248,11 +317,7 @@ void launch(const uint* grid, const uint* group) {
       t.dispatch_quadgroups_per_threadgroup = (tpt + 3) / 4;
       L.state = READY;
       L.site = nullptr;
-      L.ctx = proto;
-      L.ctx.uc_stack.ss_sp = stacks + (size_t)i * (STACK + 4096) + 4096;
-      L.ctx.uc_stack.ss_size = STACK;
-      L.ctx.uc_link = nullptr;
-      makecontext(&L.ctx, trampoline, 0);
+      fiber_start(L.fiber, stacks + (size_t)i * (STACK + 4096) + 4096, STACK, trampoline);
     }
     n_lanes = n;
     run_threadgroup(n);
