@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,9 +132,10 @@ def _fill(shape, dtype, init_value) -> mx.array:
 class EmulatedKernel:
     """Stands in for `mx.fast.metal_kernel(...)`'s callable of one PortableKernel."""
 
-    def __init__(self, kern: PortableKernel, on_launch=None):
+    def __init__(self, kern: PortableKernel, on_launch=None, sources: set | None = None):
         self.kern = kern
         self.on_launch = on_launch
+        self.sources = sources  # a dry run: collect the driver sources, run nothing (outputs stay poison)
 
     def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None,
                  init_value=None, verbose=False, stream=None):
@@ -151,6 +153,9 @@ class EmulatedKernel:
         outs = [_fill(tuple(s), dt, init_value) for s, dt in zip(output_shapes, output_dtypes)]
         ex = KernelExample([(a.dtype, tuple(a.shape)) for a in arrays], list(output_dtypes), list(template or []))
         launch = Launch(kern.name, list(template or []), tuple(grid), tuple(threadgroup))
+        if self.sources is not None:
+            self.sources.add(driver_source(kern, ex))
+            return outs
         exe = compile_driver(driver_source(kern, ex))
         views = [_bytes_of(a) for a in arrays + outs]
         with tempfile.TemporaryDirectory(dir=cache_dir()) as d:
@@ -183,14 +188,27 @@ class EmulatedKernel:
         return outs
 
 
+def precompile(sources: set, workers: int = 2) -> None:
+    """Build the executables of a dry run's sources, `workers` compilers at a time (errors surface again,
+    reported, when the launch itself compiles)."""
+    def build(src):
+        try:
+            compile_driver(src)
+        except EmulatorError:
+            pass
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        list(pool.map(build, sorted(sources)))
+
+
 def _describe(launch: Launch) -> str:
     return f"grid {launch.grid} threadgroup {launch.threadgroup} template {launch.template}"
 
 
 @contextlib.contextmanager
-def emulating(kernels: dict[str, PortableKernel] | None = None):
+def emulating(kernels: dict[str, PortableKernel] | None = None, sources: set | None = None):
     """Inside: `gpu_backend()` is 'metal' and every registered kernel's Metal build is its EmulatedKernel.
-    Yields the list the launches are appended to."""
+    Yields the list the launches are appended to. With `sources`, a dry run that only collects them."""
     from . import backend  # noqa: PLC0415
 
     kernels = REGISTRY if kernels is None else kernels
@@ -200,7 +218,7 @@ def emulating(kernels: dict[str, PortableKernel] | None = None):
     mx.metal.is_available = lambda: True
     backend.gpu_backend.cache_clear()
     for k in kernels.values():
-        k._built["metal"] = EmulatedKernel(k, launches.append)
+        k._built["metal"] = EmulatedKernel(k, launches.append, sources)
     try:
         yield launches
     finally:
@@ -214,7 +232,7 @@ def emulating(kernels: dict[str, PortableKernel] | None = None):
 
 
 @contextlib.contextmanager
-def substituted(sub: tuple[str, str] | None, launches: list):
+def substituted(sub: tuple[str, str] | None, launches: list, sources: set | None = None):
     """Inside `emulating`: launches of registered kernel sub[0] run sub[1]'s Metal rendering instead
     (recorded as forced: the harness chose that variant, no op did)."""
     if sub is None:
@@ -227,7 +245,7 @@ def substituted(sub: tuple[str, str] | None, launches: list):
         ln.forced = True
         launches.append(ln)
 
-    stand_in._built["metal"] = EmulatedKernel(variant, record)
+    stand_in._built["metal"] = EmulatedKernel(variant, record, sources)
     try:
         yield
     finally:
