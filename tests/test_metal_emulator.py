@@ -139,3 +139,14 @@ def test_limits_are_reported():
     assert "36000 bytes of threadgroup memory > 32768" in whats[0]
     assert "2048 threads per threadgroup > 1024" in whats[1]
     assert "CUDA-only variant selected on Metal" in whats[2]  # the forced (harness-chosen) one is not
+
+
+def test_threadgroup_declarations_are_shared_storage_or_an_error():
+    body = "threadgroup float a[4];  // per threadgroup\n  threadgroup int n;\n// a threadgroup\nconst int x = 1;"
+    out = metal_emulator.rewrite_threadgroup(body)
+    assert "static float a[4]; ::pl::tg_note((void*)&a, sizeof(a));" in out
+    assert "static int n; ::pl::tg_note((void*)&n, sizeof(n));" in out
+    assert "const int x = 1;" in out  # the comment's word is not a declaration
+    with pytest.raises(EmulatorError, match="cannot rewrite"):  # would silently be one per thread
+        metal_emulator.rewrite_threadgroup("threadgroup float a[4], b[4];")
+    assert metal_emulator.rewrite_threadgroup("p = (threadgroup float*)q;") == "p = (threadgroup float*)q;"

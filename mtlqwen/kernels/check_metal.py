@@ -7,7 +7,13 @@ body names, template instantiation), swap <metal_stdlib> for `metal_shim.h`, and
 `g++ -fsyntax-only -std=c++17`. Exit status 1 on any failure, with the compiler's message.
 
 What this proves: the body parses and type-checks as C++ against the Metal built-ins we declare, for
-those instantiations. What it cannot: address spaces, Metal-only restrictions, and running it.
+those instantiations. What it cannot: address spaces and Metal-only restrictions.
+
+`--run` then executes them: every trial of metal_cases.py launches kernels through their ops' GPU entries
+on the CPU emulator (metal_emulator.py, metal_emu.h: threadgroups of fibers, real barriers, SIMD-group
+functions in lockstep, outputs poisoned) and compares the outputs with the reference twins; every launch
+is checked against Apple's limits (32 KiB of threadgroup memory, 1024 threads a threadgroup, no CUDA-only
+variant). Exit status 1 names the kernel, the trial and the first mismatching element or violation.
 """
 
 from __future__ import annotations

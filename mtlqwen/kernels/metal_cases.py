@@ -12,6 +12,7 @@ rows, which must stay bit for bit). Op functions are looked up by name anywhere 
 from __future__ import annotations
 
 import importlib
+import inspect
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,24 +42,25 @@ class Trial:
         self.kernels = self.kernels or (self.substitute[1] if self.substitute else self.label.split("[")[0],)
 
 
-_FOUND: dict[str, object] = {}
+_INDEX: dict[str, list] = {}
 
 
 def _fn(name: str):
-    """The function / class `name` from whichever module under mtlqwen.kernels defines it."""
-    if name not in _FOUND:
+    """The function / class `name` from the one module under mtlqwen.kernels that defines it."""
+    if not _INDEX:
         pkg = importlib.import_module("mtlqwen.kernels")
         for info in pkgutil.walk_packages(pkg.__path__, "mtlqwen.kernels."):
             if info.name.rsplit(".", 1)[-1].startswith(("check_", "metal_")):
                 continue
             mod = importlib.import_module(info.name)
-            obj = getattr(mod, name, None)
-            if obj is not None and getattr(obj, "__module__", info.name) == info.name:
-                _FOUND[name] = obj
-                break
-        else:
-            raise LookupError(f"no module under mtlqwen.kernels defines {name}")
-    return _FOUND[name]
+            for attr, obj in vars(mod).items():
+                if (inspect.isfunction(obj) or inspect.isclass(obj)) and obj.__module__ == info.name:
+                    _INDEX.setdefault(attr, []).append(obj)
+    found = _INDEX.get(name, [])
+    if len(found) != 1:
+        raise LookupError(f"{len(found)} modules under mtlqwen.kernels define {name}: "
+                          f"{[f.__module__ for f in found]}")
+    return found[0]
 
 
 def _n(dt) -> str:

@@ -37,7 +37,8 @@ CXXFLAGS = ["-std=c++17", "-O1", "-w", "-fno-strict-aliasing"]
 
 # `threadgroup float part[32];` -> static storage shared by the threadgroup's fibers, registered (size, poison)
 _TG_DECL = re.compile(
-    r"(?m)^(\s*)threadgroup\s+((?:const\s+)?[A-Za-z_][\w:]*(?:<[^;>]*>)?)\s+([A-Za-z_]\w*)\s*((?:\[[^\]\n]+\])*)\s*;")
+    r"(?m)^([ \t]*)threadgroup[ \t]+((?:const[ \t]+)?[A-Za-z_][\w:]*(?:<[^;>\n]*>)?)[ \t]+([A-Za-z_]\w*)[ \t]*"
+    r"((?:\[[^\]\n]+\])*)[ \t]*;")
 
 
 class EmulatorError(RuntimeError):
@@ -54,9 +55,21 @@ class Launch:
     forced: bool = False  # a variant the harness substituted (metal_emulator.substituted), not an op's choice
 
 
+# what is left of a threadgroup variable declaration after the rewrite (not a pointer or a cast)
+_TG_LEFT = re.compile(r"\bthreadgroup[ \t]+(?:const[ \t]+)?[A-Za-z_][\w:]*(?:<[^;>]*>)?[ \t]+[A-Za-z_]\w*[ \t]*[\[;=]")
+RUN_TIMEOUT_S = 300
+
+
 def rewrite_threadgroup(body: str) -> str:
-    return _TG_DECL.sub(lambda m: f"{m.group(1)}static {m.group(2)} {m.group(3)}{m.group(4)}; "
+    """Threadgroup variables -> static storage (one instance, shared by the fibers of the running
+    threadgroup). A declaration the pattern does not recognise is an error, not a per-thread local."""
+    out = _TG_DECL.sub(lambda m: f"{m.group(1)}static {m.group(2)} {m.group(3)}{m.group(4)}; "
                                   f"::pl::tg_note((void*)&{m.group(3)}, sizeof({m.group(3)}));", body)
+    left = _TG_LEFT.search(re.sub(r"//[^\n]*", "", out))
+    if left:
+        raise EmulatorError(f"threadgroup declaration the emulator cannot rewrite: {left.group(0)!r} "
+                            "(declare one variable per statement, on its own line)")
+    return out
 
 
 def driver_source(kern: PortableKernel, ex: KernelExample) -> str:
@@ -168,7 +181,11 @@ class EmulatedKernel:
                     f.write(np.array([v.size], dtype=np.uint64).tobytes() + np.array([a.ndim], dtype=np.int32).tobytes()
                             + np.array(shape, dtype=np.int32).tobytes() + np.array(strides, dtype=np.int64).tobytes())
                     f.write(v.tobytes())
-            res = subprocess.run([str(exe), str(fin), str(fout)], capture_output=True, text=True)
+            try:
+                res = subprocess.run([str(exe), str(fin), str(fout)], capture_output=True, text=True,
+                                     timeout=RUN_TIMEOUT_S)
+            except subprocess.TimeoutExpired as e:  # threadgroups run in turn: a spin-wait on another never ends
+                raise EmulatorError(f"{kern.name} {_describe(launch)}: no end after {RUN_TIMEOUT_S} s") from e
             if res.returncode != 0:
                 why = res.stderr.strip() or f"exit status {res.returncode}"
                 if res.returncode < 0:
