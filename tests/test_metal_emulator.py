@@ -29,9 +29,10 @@ def test_every_registered_kernel_runs_on_the_emulator():
     launched = {ln.kernel for ln in launches}
     assert launched == set(portable.REGISTRY), set(portable.REGISTRY) - launched
     # most registered instantiations ran exactly as declared (same template values)
-    exact = [(n, i) for n, k in portable.REGISTRY.items() for i, ex in enumerate(k.examples)
-             if any(ln.kernel == n and ln.template == ex.template for ln in launches)]
-    assert len(exact) >= 50, exact
+    declared = [(n, i) for n, k in portable.REGISTRY.items() for i in range(len(k.examples))]
+    missed = sorted(set(declared) - set(check_metal.declared_ran(launches)))
+    # mtl_paged_attn_s0_g0's examples declare the q|gate row stride (GST 512) that no ungated launch uses
+    assert missed == [("mtl_paged_attn_s0_g0", 0), ("mtl_paged_attn_s0_g0", 1)], missed
 
 
 def _run(body: str, inputs, out_shape, out_dtype, grid, group, template=(), header=""):

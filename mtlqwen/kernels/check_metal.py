@@ -188,6 +188,17 @@ def first_mismatch(got, want, tol: float) -> str | None:
             f"{int(bad.sum())} of {bad.size} elements differ")
 
 
+def declared_ran(launches, kernels: dict[str, PortableKernel] | None = None) -> list[tuple[str, int]]:
+    """(kernel, example index) of the registered examples some launch ran with the same template values
+    (a bool and the int MLX writes for it count as the same)."""
+    def norm(tmpl):
+        return [(n, int(v) if isinstance(v, bool) else v) for n, v in tmpl]
+
+    kernels = REGISTRY if kernels is None else kernels
+    ran = {(ln.kernel, repr(norm(ln.template))) for ln in launches}
+    return [(n, i) for n, k in kernels.items() for i, ex in enumerate(k.examples) if (n, repr(norm(ex.template))) in ran]
+
+
 def run_trials(names: list[str] | None = None, trials=None) -> tuple[list[tuple[str, bool, str]], list, list]:
     """Execute the trials (metal_cases) on the emulator: ([(label, ok, message)], launches, limit violations).
     A registered kernel (of `names`) that no trial launched is a failure too."""
@@ -258,8 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'ran ' if ok else 'MISMATCH'} {label}" + ("" if ok else f": {msg}"))
     for v in violations:
         print(f"LIMIT {v.what}")
-    exact = sum(1 for n, k in (kernels or REGISTRY).items() for ex in k.examples
-                if any(ln.kernel == n and ln.template == ex.template for ln in launches))
+    exact = len(declared_ran(launches, kernels))
     total = sum(len(k.examples) for k in (kernels or REGISTRY).values())
     print(f"emulated: {len(runs) - len(bad)} passed, {len(bad)} failed, {len(launches)} launches, "
           f"{exact} of {total} registered instantiations run as declared; {len(violations)} limit violations")

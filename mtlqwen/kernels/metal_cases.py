@@ -261,15 +261,17 @@ def _attn_trials() -> list[Trial]:
         rng = np.random.default_rng(3)
         q, kp, vp, layout = _attn_batch(rng, dt, past=[130, 37], qlens=[2, 2])
         scale = 256 ** -0.5
-        gate = mx.concatenate([_rand(rng, *q.shape, dtype=dt), _rand(rng, *q.shape, dtype=dt)], axis=-1)
+        packed = mx.concatenate([_rand(rng, *q.shape, dtype=dt), _rand(rng, *q.shape, dtype=dt)], axis=-1)
+        compact = _rand(rng, q.shape[0], q.shape[1] * q.shape[2], dtype=dt)
         for splits in (1, 3):
-            s = "split" if splits > 1 else "single"
             ks = ("mtl_paged_attn_s1_g0", "mtl_paged_attn_merge_g0") if splits > 1 else ("mtl_paged_attn_s0_g0",)
             out.append(Trial(
-                f"paged_attention[{_n(dt)} {s}]",
+                f"paged_attention[{_n(dt)} {'split' if splits > 1 else 'single'}]",
                 lambda q=q, k=kp, v=vp, L=layout, n=splits: [_fn("paged_attention_gpu")(q, k, v, L, scale, splits=n)],
                 lambda q=q, k=kp, v=vp, L=layout: [_cpu(_fn("paged_attention_ref"), q, k, v, L, scale)], [TOL[dt]],
                 kernels=ks))
+        for splits, gate in ((1, packed), (3, packed), (3, compact)):  # the gate read in place, or compact rows
+            s = ("split" if splits > 1 else "single") + (" q|gate" if gate is packed else " compact gate")
             ks = ("mtl_paged_attn_s1_g0", "mtl_paged_attn_merge_g1") if splits > 1 else ("mtl_paged_attn_s0_g1",)
             out.append(Trial(
                 f"paged_attention_gated[{_n(dt)} {s}]",
@@ -322,8 +324,8 @@ def _qmv_trials() -> list[Trial]:
             for P, epi in ((1, 0), (2, 0), (3, 0), (2, 1)):
                 name = f"mtl_qmv_p{P}_e{epi}"
 
-                def run(x=x, ps=ps[:P], e=epi, pf=pf):
-                    return list(_fn("qmv")(x, ps, epi=e, cfg=(4, 1, int(pf))))
+                def run(x=x, ps=ps[:P], e=epi, pf=pf):  # the examples' R = 4 rows (SwiGLU: 2 gate + 2 up)
+                    return list(_fn("qmv")(x, ps, epi=e, cfg=(2 if e else 4, 1, int(pf))))
 
                 def ref(x=x, ps=ps[:P], e=epi):
                     ys = [_linear32(x, p) for p in ps]
@@ -337,10 +339,10 @@ def _qmv_trials() -> list[Trial]:
                 out.append(Trial(f"{mma}[{tag}]", run, ref, [TOL[dt]] * (1 if epi else P), substitute=(name, mma)))
             for p_bits in (bits,):
                 rng = np.random.default_rng(10 + p_bits)
-                x2 = _rand(rng, 2, 768, dtype=dt)
-                p = _linear(rng, 256, 768, p_bits, dt)
-                h = _rand(rng, 2, 256, dtype=dt)
-                nw = 1 + _rand(rng, 256, dtype=dt, scale=0.2)
+                x2 = _rand(rng, 2, 256, dtype=dt)  # N = 4096: the examples' NBLK / EPT, short K
+                p = _linear(rng, 4096, 256, p_bits, dt)
+                h = _rand(rng, 2, 4096, dtype=dt)
+                nw = 1 + _rand(rng, 4096, dtype=dt, scale=0.2)
 
                 def run(x=x2, p=p, h=h, nw=nw):
                     return list(_fn("qmv_add_rms")(x, p, h, nw, 1e-6, pf=1))
