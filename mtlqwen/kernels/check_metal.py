@@ -234,7 +234,8 @@ def run_trials(names: list[str] | None = None, trials=None) -> tuple[list[tuple[
                 missing = [k for k in t.kernels if k not in ran]
                 if missing:
                     msgs.append(f"did not launch {missing} (launched {sorted(ran)})")
-                results.append((t.label, not msgs, "; ".join(msgs[:1]) if msgs else ""))
+                where = "; ".join(f"{ln.kernel} template {ln.template}" for ln in launches[n0:])
+                results.append((t.label, not msgs, f"{msgs[0]} [launched: {where}]" if msgs else ""))
             except Exception as e:  # noqa: BLE001  (an emulator failure is this trial's failure)
                 results.append((t.label, False, f"{type(e).__name__}: {e}"))
     launched = {ln.kernel for ln in launches}

@@ -344,14 +344,15 @@ def _qmv_trials() -> list[Trial]:
                 h = _rand(rng, 2, 4096, dtype=dt)
                 nw = 1 + _rand(rng, 4096, dtype=dt, scale=0.2)
 
-                def run(x=x2, p=p, h=h, nw=nw):
-                    return list(_fn("qmv_add_rms")(x, p, h, nw, 1e-6, pf=1))
+                def run(x=x2, p=p, h=h, nw=nw):  # + the arrival counter: the last threadgroup resets it
+                    hs, y = _fn("qmv_add_rms")(x, p, h, nw, 1e-6, pf=1)
+                    return [hs, y, _fn("_counter")(p) + 0]
 
                 def ref(x=x2, p=p, h=h, nw=nw):
                     d = _linear32(x, p).astype(x.dtype)
-                    return list(_cpu(_fn("add_rms_norm_ref"), h, d, nw, 1e-6))
+                    return list(_cpu(_fn("add_rms_norm_ref"), h, d, nw, 1e-6)) + [mx.zeros((8,), dtype=mx.uint32)]
 
-                out.append(Trial(f"mtl_qmv_add_rms[{tag}]", run, ref, [TOL[dt], TOL[dt]]))
+                out.append(Trial(f"mtl_qmv_add_rms[{tag}]", run, ref, [TOL[dt], TOL[dt], 0.0]))
     return out
 
 
