@@ -35,6 +35,16 @@ def test_every_registered_kernel_runs_on_the_emulator():
     assert missed == [("mtl_paged_attn_s0_g0", 0), ("mtl_paged_attn_s0_g0", 1)], missed
 
 
+def test_run_exits_zero_and_counts_the_declared_instantiations():
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        rc = check_metal.main(["--run", "rope_tables"])
+    out = buf.getvalue()
+    assert rc == 0, out
+    assert "ran  rope_tables[bfloat16 H=16]" in out
+    assert "emulated: 2 passed, 0 failed, 2 launches, 2 of 2 registered instantiations run as declared" in out
+
+
 def _run(body: str, inputs, out_shape, out_dtype, grid, group, template=(), header=""):
     names = [f"in{i}" for i in range(len(inputs))]
     k = PortableKernel(name="pl_emu_probe", input_names=names, output_names=["out"], body=body, header=header)

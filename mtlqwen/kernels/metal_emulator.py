@@ -39,6 +39,9 @@ CXXFLAGS = ["-std=c++17", "-O1", "-w", "-fno-strict-aliasing"]
 _TG_DECL = re.compile(
     r"(?m)^([ \t]*)threadgroup[ \t]+((?:const[ \t]+)?[A-Za-z_][\w:]*(?:<[^;>\n]*>)?)[ \t]+([A-Za-z_]\w*)[ \t]*"
     r"((?:\[[^\]\n]+\])*)[ \t]*;")
+# what is left of a threadgroup variable declaration after the rewrite (not a pointer or a cast)
+_TG_LEFT = re.compile(r"\bthreadgroup[ \t]+(?:const[ \t]+)?[A-Za-z_][\w:]*(?:<[^;>]*>)?[ \t]+[A-Za-z_]\w*[ \t]*[\[;=]")
+RUN_TIMEOUT_S = 300
 
 
 class EmulatorError(RuntimeError):
@@ -53,11 +56,6 @@ class Launch:
     threadgroup: tuple
     threadgroup_memory: int = 0  # bytes of threadgroup variables the launch declared
     forced: bool = False  # a variant the harness substituted (metal_emulator.substituted), not an op's choice
-
-
-# what is left of a threadgroup variable declaration after the rewrite (not a pointer or a cast)
-_TG_LEFT = re.compile(r"\bthreadgroup[ \t]+(?:const[ \t]+)?[A-Za-z_][\w:]*(?:<[^;>]*>)?[ \t]+[A-Za-z_]\w*[ \t]*[\[;=]")
-RUN_TIMEOUT_S = 300
 
 
 def rewrite_threadgroup(body: str) -> str:
