@@ -96,6 +96,8 @@ def test_faults_and_divergent_barriers_are_errors():
     with pytest.raises(EmulatorError, match="different threadgroup_barrier"):
         _run("if (TID_X < 8) {\n  BARRIER;\n} else {\n  BARRIER;\n}\nout[GID_X] = 0.0f;", [x], (16,), mx.float32,
              (16, 1, 1), (16, 1, 1))
+    with pytest.raises(EmulatorError, match="returned before reaching"):  # MSL: all threads reach a barrier
+        _run("if (TID_X < 8) return;\nBARRIER;\nout[GID_X] = 0.0f;", [x], (16,), mx.float32, (16, 1, 1), (16, 1, 1))
 
 
 def _broken_copy(name: str, old: str, new: str) -> PortableKernel:

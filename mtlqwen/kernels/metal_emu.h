@@ -1,14 +1,15 @@
 // The Metal execution model on one CPU thread, for `python -m mtlqwen.kernels.check_metal --run`.
 // Every GPU thread of a threadgroup is a fiber with its own stack (a register-only switch on x86-64,
-// ucontext elsewhere: swapcontext's signal-mask syscall made the GDN kernels' millions of switches slow). A fiber runs until it
-// reaches a synchronisation point -- threadgroup_barrier, a SIMD-group collective -- or returns; the
-// scheduler then completes the collectives of each simdgroup among its waiting lanes (lanes that
-// returned, or wait elsewhere, are inactive, as under divergence on the GPU), and releases a barrier
-// once every live thread of the threadgroup waits at that same barrier. Threadgroups run one after
-// another, in reverse order (nothing may depend on their order). Threadgroup memory is static storage
-// (the Python side rewrites the declarations to call tg_note), poisoned with 0xFF before each
-// threadgroup. Device buffers end at a page followed by an inaccessible one: a read or write past a
-// buffer's end faults instead of passing silently.
+// ucontext elsewhere: swapcontext's signal-mask syscall made millions of switches slow). A fiber runs
+// until it reaches a synchronisation point -- threadgroup_barrier, a SIMD-group function -- or returns;
+// the scheduler then completes the SIMD-group functions of each simdgroup among its waiting lanes (lanes
+// that returned, or wait elsewhere, are inactive, as under divergence on the GPU), and releases a barrier
+// once every thread of the threadgroup waits at that same barrier (one that returned instead, or waits
+// at another barrier, is an error: MSL requires them all). Threadgroups run one after
+// another, last first (nothing may depend on their order); their threads run highest first in every
+// other one. Threadgroup memory is static storage (the Python side rewrites the declarations to call
+// tg_note), poisoned with 0xFF before each threadgroup. Device buffers end at a page followed by an
+// inaccessible one: a read or write past a buffer's end faults instead of passing silently.
 //
 // The driver (written by metal_emulator.py) includes this header, the kernel source, and defines
 // `pl_thread(const pl::Thread&)`, which calls the kernel with the buffers in `pl::buffers` and the thread's
@@ -243,10 +244,13 @@ bool resolve_simdgroup(int first, int count) {
   }
 }
 
-void run_threadgroup(int n) {
+// `reverse`: highest thread first. Threadgroups alternate the order, so that a thread reading threadgroup
+// memory another wrote without a barrier between reads poison in one order or the other.
+void run_threadgroup(int n, bool reverse) {
   for (int i = 0; i < n_tg; ++i) memset(tg[i].p, 0xff, tg[i].bytes);
   for (;;) {
-    for (int i = n - 1; i >= 0; --i) {  // reverse order: no thread may rely on lower ones running first
+    for (int j = 0; j < n; ++j) {
+      const int i = reverse ? n - 1 - j : j;
       if (lanes[i].state != READY) continue;
       current = &lanes[i];
       fiber_swap(scheduler, lanes[i].fiber);
@@ -269,6 +273,11 @@ void run_threadgroup(int n) {
       }
     }
     if (live == 0) return;
+    if (live < n) {  // MSL: every thread of the threadgroup must execute the barrier
+      for (int i = 0; i < n; ++i) {
+        if (lanes[i].state == DONE) pl_fail("a threadgroup_barrier this thread returned before reaching", &lanes[i].t);
+      }
+    }
     for (int i = 0; i < n; ++i) if (lanes[i].state == AT_BARRIER) lanes[i].state = READY;
   }
 }
@@ -320,7 +329,7 @@ void launch(const uint* grid, const uint* group) {
       fiber_start(L.fiber, stacks + (size_t)i * (STACK + 4096) + 4096, STACK, trampoline);
     }
     n_lanes = n;
-    run_threadgroup(n);
+    run_threadgroup(n, g % 2 == 0);
   }
   delete[] lanes;
   munmap(stacks, (size_t)tpt * (STACK + 4096));
