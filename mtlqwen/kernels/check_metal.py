@@ -141,7 +141,9 @@ def compile_source(src: str, compiler: str | None = None) -> tuple[bool, str]:
         Path(d, "metal_stdlib").write_text(f'#include "{SHIM}"\n')
         f = Path(d, "kernel.cpp")
         f.write_text(src)
-        cmd = [cxx, "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-Wno-unknown-pragmas", "-I", d, str(f)]
+        # -fno-asm: `asm` is no keyword (Metal has no inline assembly: CUDA's must sit behind #if __CUDACC__)
+        cmd = [cxx, "-std=c++17", "-fsyntax-only", "-fno-asm", "-Wno-attributes", "-Wno-unknown-pragmas",
+               "-I", d, str(f)]
         res = subprocess.run(cmd, capture_output=True, text=True)
     return res.returncode == 0, res.stderr
 

@@ -27,7 +27,7 @@ namespace pl {
 // ---- fibers: start(f, stack, size, fn) prepares f to run fn on that stack; swap(from, to) ---------------------
 #if defined(__x86_64__)
 extern "C" void pl_swap(void** save_sp, void* load_sp);
-asm(R"(
+__asm__(R"(
 .text
 .globl pl_swap
 .type pl_swap,@function
@@ -62,8 +62,8 @@ inline void fiber_start(Fiber& f, unsigned char* stack, size_t size, void (*fn)(
   uintptr_t top = ((uintptr_t)(stack + size)) & ~(uintptr_t)15;
   uint64_t* sp = (uint64_t*)(top - 72);  // 8 slots popped by pl_swap + a fake return address: fn's entry ABI
   uint32_t csr[2];
-  asm volatile("stmxcsr %0" : "=m"(csr[0]));
-  asm volatile("fnstcw %0" : "=m"(csr[1]));
+  __asm__ volatile("stmxcsr %0" : "=m"(csr[0]));
+  __asm__ volatile("fnstcw %0" : "=m"(csr[1]));
   memcpy(&sp[0], csr, 8);
   for (int i = 1; i < 7; ++i) sp[i] = 0;  // r15 r14 r13 r12 rbx rbp
   sp[7] = (uint64_t)(uintptr_t)fn;
