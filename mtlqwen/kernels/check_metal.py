@@ -229,7 +229,8 @@ def run_trials(names: list[str] | None = None, trials=None) -> tuple[list[tuple[
                 with metal_emulator.substituted(t.substitute, launches):
                     got = t.run()
                 if len(got) != len(want) or len(got) != len(t.tol):
-                    raise metal_emulator.EmulatorError(f"{len(got)} outputs, reference {len(want)}, {len(t.tol)} tolerances")
+                    raise metal_emulator.EmulatorError(
+                        f"{len(got)} outputs, reference {len(want)}, {len(t.tol)} tolerances")
                 msgs = [f"output {i} {m}" for i, (g, w, tol) in enumerate(zip(got, want, t.tol))
                         if (m := first_mismatch(g, w, tol)) is not None]
                 ran = {ln.kernel for ln in launches[n0:]}
@@ -240,6 +241,8 @@ def run_trials(names: list[str] | None = None, trials=None) -> tuple[list[tuple[
                 results.append((t.label, not msgs, f"{msgs[0]} [launched: {where}]" if msgs else ""))
             except Exception as e:  # noqa: BLE001  (an emulator failure is this trial's failure)
                 results.append((t.label, False, f"{type(e).__name__}: {e}"))
+            for ln in launches[n0:]:
+                ln.trial = t.label
     launched = {ln.kernel for ln in launches}
     for name in kernels:
         if name not in launched:

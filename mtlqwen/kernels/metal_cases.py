@@ -356,7 +356,31 @@ def _qmv_trials() -> list[Trial]:
     return out
 
 
-def trials(names=None) -> list[Trial]:
-    """Every trial, or those launching one of the kernels `names`."""
-    out = _row_trials() + _conv_trials() + _gdn_trials() + _attn_trials() + _qmv_trials()
+def edge_trials() -> list[Trial]:
+    """Shapes past the registered examples that an op still says it covers: the widest head paged
+    attention accepts (512) with 16 query rows a threadgroup (4 tokens x GQA 4)."""
+    rng = np.random.default_rng(4)
+    q, kp, vp, layout = _attn_batch(rng, BF16, past=[40], qlens=[4], nkv=1, rep=4, hd=512, bt=16)
+    scale = 512 ** -0.5
+    return [Trial("paged_attention[bfloat16 hd=512 16 rows]",
+                  lambda: [_fn("paged_attention_gpu")(q, kp, vp, layout, scale, splits=1)],
+                  lambda: [_cpu(_fn("paged_attention_ref"), q, kp, vp, layout, scale)], [TOL[BF16]],
+                  kernels=("mtl_paged_attn_s0_g0",))]
+
+
+def _selection_trials() -> list[Trial]:
+    """Ops at the selection table's defaults, at shapes where CUDA would take a CUDA-only variant (the
+    tensor-core qmv from SELECT["qmv_mma_min_rows"] rows): on Metal the portable kernel must run instead
+    (a CUDA-only launch is a limit violation)."""
+    rng = np.random.default_rng(21)
+    x = _rand(rng, 6, 512, dtype=BF16)
+    p = _linear(rng, 64, 512, 4, BF16)
+    return [Trial("linear[bfloat16 4-bit M=6, default selection]", lambda: [_fn("linear_kernel")(x, p)],
+                  lambda: [_linear32(x, p).astype(BF16)], [TOL[BF16]], kernels=("mtl_qmv_p1_e0",))]
+
+
+def trials(names=None, edges: bool = True) -> list[Trial]:
+    """Every trial (edges: with the shapes past the examples), or those launching one of the kernels `names`."""
+    out = _row_trials() + _conv_trials() + _gdn_trials() + _attn_trials() + _qmv_trials() + _selection_trials()
+    out += edge_trials() if edges else []
     return out if not names else [t for t in out if set(t.kernels) & set(names)]

@@ -55,6 +55,7 @@ class Launch:
     grid: tuple
     threadgroup: tuple
     threadgroup_memory: int = 0  # bytes of threadgroup variables the launch declared
+    trial: str = ""  # the check_metal --run trial that made it
     forced: bool = False  # a variant the harness substituted (metal_emulator.substituted), not an op's choice
 
 
@@ -284,7 +285,7 @@ def limit_violations(launches: list[Launch], kernels: dict[str, PortableKernel] 
     out = []
     for ln in launches:
         threads = int(np.prod(ln.threadgroup))
-        where = f"{ln.kernel} {_describe(ln)}"
+        where = f"{ln.kernel} {_describe(ln)}" + (f" (trial {ln.trial})" if ln.trial else "")
         if threads > MAX_THREADS_PER_THREADGROUP:
             out.append(LimitViolation(ln.kernel, f"{where}: {threads} threads per threadgroup > "
                                                  f"{MAX_THREADS_PER_THREADGROUP}"))
