@@ -78,12 +78,12 @@ def _cpu(fn, *a, **kw):
     return out
 
 
-def _layout(lens, S, rng, **kw):
-    seqs = _fn("SeqLayout")
+def _layout(lens, S, rng):
+    """Packed sequences of lengths `lens` whose state rows are a random subset of S pool rows."""
     B = len(lens)
     rows = [int(x) for x in rng.permutation(S)[:B]]
-    return seqs(query_start_loc=[0] + [int(x) for x in np.cumsum(lens)], kv_valid=kw.pop("kv_valid", [0] * B),
-                block_tables=kw.pop("block_tables", [[0]] * B), state_rows=rows, **kw)
+    return _fn("SeqLayout")(query_start_loc=[0] + [int(x) for x in np.cumsum(lens)], kv_valid=[0] * B,
+                            block_tables=[[0]] * B, state_rows=rows)
 
 
 def _pool_rows(pool, rows):
@@ -118,7 +118,7 @@ def _row_trials() -> list[Trial]:
         pos = mx.array(rng.integers(0, 64, 3).astype(np.int32))
         out.append(Trial(f"rope_tables[{_n(dt)} H={H}]", lambda x=x, p=pos, t=tables: [_fn("rope_kernel")(x, p, t)],
                          lambda x=x, p=pos, t=tables: [_cpu(_fn("apply_rope_ref"), x, p, t)], [TOL[dt]]))
-    for dt, H, RS in ((BF16, 16, 512), (F32, 4, 256)):  # RS = 2 * D: q read in place from the q|gate rows
+    for dt, H, RS in ((BF16, 16, 512), (F32, 4, 256)):  # row stride RS = 2 * D: q inside the q|gate rows
         rng = np.random.default_rng(RS)
         tables = _fn("RopeTables")(64, 1e7, initial=64)
         x, w = _rand(rng, 3, H, RS, dtype=dt), 1 + _rand(rng, 256, dtype=dt, scale=0.2)
