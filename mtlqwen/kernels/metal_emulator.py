@@ -7,7 +7,8 @@ output_shapes, output_dtypes, grid in threads, threadgroup, template, init_value
 outputs; kernels that write through an input pointer (the in-place pools) change that input, as on the
 GPU. Outputs without an init_value start as 0xFF bytes (NaN), so an element the kernel never writes shows.
 `emulating()` makes the ops launch their kernels on this emulator as if on Metal and records each launch
-(`Launch`) for the limits check. Executables are cached per source hash under $TMPDIR.
+(`Launch`) for the limits check. Executables are cached per source hash under $TMPDIR
+(MTLQWEN_EMU_CACHE overrides the directory).
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def driver_source(kern: PortableKernel, ex: KernelExample) -> str:
 
 
 def cache_dir() -> Path:
-    d = Path(os.environ.get("MTLQWEN_EMU_CACHE") or Path(tempfile.gettempdir()) / "mtlqwen-metal-emu")
+    user = os.getuid() if hasattr(os, "getuid") else 0  # one per user: another's directory may not be writable
+    d = Path(os.environ.get("MTLQWEN_EMU_CACHE") or Path(tempfile.gettempdir()) / f"mtlqwen-metal-emu-{user}")
     d.mkdir(parents=True, exist_ok=True)
     return d
 
