@@ -9,6 +9,12 @@ GPU. Outputs without an init_value start as 0xFF bytes (NaN), so an element the 
 `emulating()` makes the ops launch their kernels on this emulator as if on Metal and records each launch
 (`Launch`) for the limits check. Executables are cached per source hash under $TMPDIR
 (MTLQWEN_EMU_CACHE overrides the directory).
+
+What it cannot show: races between threadgroups (they run one at a time, so a missing device fence or a
+wrong "last threadgroup" count passes), and 16-bit arithmetic (it goes through float; the kernels keep
+float arithmetic anyway). It is stricter than the GPU in one way: lanes of a simdgroup run one after
+another between SIMD-group functions, so code that relies on their implicit lockstep through threadgroup
+memory, without a barrier, fails here. Reads before a buffer's start are not caught (past its end are).
 """
 
 from __future__ import annotations
