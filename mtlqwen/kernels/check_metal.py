@@ -186,7 +186,7 @@ def first_mismatch(got, want, tol: float) -> str | None:
     if not bad.any():
         return None
     i = tuple(int(v) for v in np.argwhere(bad)[0])
-    return (f"at {i}: {g[i]!r}, reference {w[i]!r} (tolerance {tol:g} x {scale:.4g}); "
+    return (f"at {i}: {float(g[i]):.7g}, reference {float(w[i]):.7g} (tolerance {tol:g} x {scale:.4g}); "
             f"{int(bad.sum())} of {bad.size} elements differ")
 
 
