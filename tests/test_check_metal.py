@@ -61,6 +61,7 @@ def test_a_good_test_kernel_passes(monkeypatch):
         (GOOD_BODY.replace("acc = SIMD_SUM(acc);", "acc = SIMD_SUM(acc)"), "expected"),  # syntax error
         (GOOD_BODY.replace("float acc = TO_FLOAT(x[i]);", "float acc = x;"), "cannot convert"),  # pointer to float
         (GOOD_BODY.replace("acc = SIMD_SUM(acc);", "acc = simd_summ(acc);"), "not declared"),  # unknown built-in
+        (GOOD_BODY + 'asm volatile("nop");', "not declared"),  # inline assembly (asm: no keyword here)
     ],
 )
 def test_broken_kernels_fail(monkeypatch, broken, message):

@@ -7,7 +7,13 @@ body names, template instantiation), swap <metal_stdlib> for `metal_shim.h`, and
 `g++ -fsyntax-only -std=c++17`. Exit status 1 on any failure, with the compiler's message.
 
 What this proves: the body parses and type-checks as C++ against the Metal built-ins we declare, for
-those instantiations. What it cannot: address spaces, Metal-only restrictions, and running it.
+those instantiations. What it cannot: address spaces and Metal-only restrictions.
+
+`--run` then executes them: every trial of metal_cases.py launches kernels through their ops' GPU entries
+on the CPU emulator (metal_emulator.py, metal_emu.h: threadgroups of fibers, real barriers, SIMD-group
+functions in lockstep, outputs poisoned) and compares the outputs with the reference twins; every launch
+is checked against Apple's limits (32 KiB of threadgroup memory, 1024 threads a threadgroup, no CUDA-only
+variant). Exit status 1 names the kernel, the trial and the first mismatching element or violation.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import numpy as np
 
 import mlx.core as mx
 
@@ -66,10 +74,8 @@ def _tmpl_value(v) -> str:
     return _TYPE[v]
 
 
-def metal_source(kern: PortableKernel, ex: KernelExample) -> str:
-    """The full Metal source MLX's metal_kernel generates for this call (see write_signature)."""
-    body = kern.source("metal")
-    header = render_header(kern.header, "metal")
+def kernel_name(kern: PortableKernel, ex: KernelExample) -> str:
+    """The host name MLX gives this instantiation (template values, then input and output dtypes)."""
     name = "custom_kernel_" + kern.unique_name("metal")
     if ex.template:
         name += "__" + "_".join(_tmpl_value(v) for _, v in ex.template)
@@ -79,31 +85,48 @@ def metal_source(kern: PortableKernel, ex: KernelExample) -> str:
             size *= d
         name += "_" + _TYPE[dt] + ("s" if len(shape) == 0 else "c" if size < CONSTANT_MAX else "")
     name += "".join("_" + _TYPE[dt] for dt in ex.outputs)
+    return name
 
-    src = header
-    if ex.template:
-        kinds = ["bool" if isinstance(v, bool) else "int" if isinstance(v, int) else "typename" for _, v in ex.template]
-        src += "template <" + ", ".join(f"{k} {n}" for k, (n, _) in zip(kinds, ex.template)) + ">\n"
+
+def signature(kern: PortableKernel, ex: KernelExample) -> list[tuple[str, str, int, str]]:
+    """The kernel's parameters as MLX writes them: [(kind, name, array index, declaration)], kind one of
+    input / scalar / shape / strides / ndim / output / attr (array index -1 for attributes)."""
+    body = kern.source("metal")
     params = []
     index = 0
-    for iname, (dt, shape) in zip(kern.input_names, ex.inputs):
+    for i, (iname, (dt, shape)) in enumerate(zip(kern.input_names, ex.inputs)):
         size = 1
         for d in shape:
             size *= d
         loc = "constant" if size < CONSTANT_MAX else "device"
         ref = "&" if len(shape) == 0 else "*"
-        params.append(f"  const {loc} {_TYPE[dt]}{ref} {iname} [[buffer({index})]]")
+        params.append(("scalar" if len(shape) == 0 else "input", iname, i,
+                       f"  const {loc} {_TYPE[dt]}{ref} {iname} [[buffer({index})]]"))
         index += 1
         if len(shape) > 0:
             for suffix, decl in (("_shape", "const constant int*"), ("_strides", "const constant int64_t*"),
                                  ("_ndim", "const constant int&")):
                 if iname + suffix in body:
-                    params.append(f"  {decl} {iname}{suffix} [[buffer({index})]]")
+                    params.append((suffix[1:], iname + suffix, i, f"  {decl} {iname}{suffix} [[buffer({index})]]"))
                     index += 1
-    for oname, dt in zip(kern.output_names, ex.outputs):
-        params.append(f"  device {_TYPE[dt]}* {oname} [[buffer({index})]]")
+    for j, (oname, dt) in enumerate(zip(kern.output_names, ex.outputs)):
+        params.append(("output", oname, len(ex.inputs) + j, f"  device {_TYPE[dt]}* {oname} [[buffer({index})]]"))
         index += 1
-    params += [f"  {t} {a} [[{a}]]" for a, t in METAL_ATTRIBUTES if a in body]
+    params += [("attr", a, -1, f"  {t} {a} [[{a}]]") for a, t in METAL_ATTRIBUTES if a in body]
+    return params
+
+
+def metal_source(kern: PortableKernel, ex: KernelExample, body: str | None = None) -> str:
+    """The full Metal source MLX's metal_kernel generates for this call (see write_signature); `body`
+    replaces the rendered body (the emulator's rewrite of its threadgroup declarations)."""
+    body = kern.source("metal") if body is None else body
+    header = render_header(kern.header, "metal")
+    name = kernel_name(kern, ex)
+    src = header
+    if ex.template:
+        kinds = ["bool" if isinstance(v, bool) else "int" if isinstance(v, int) else "typename" for _, v in ex.template]
+        src += "template <" + ", ".join(f"{k} {n}" for k, (n, _) in zip(kinds, ex.template)) + ">\n"
+    params = [decl for _, _, _, decl in signature(kern, ex)]
     src += f"[[kernel]] void {name}(\n" + ",\n".join(params) + ") {\n" + body + "\n}\n"
     if ex.template:
         inst = name + "<" + ", ".join(_tmpl_value(v) for _, v in ex.template) + ">"
@@ -118,7 +141,9 @@ def compile_source(src: str, compiler: str | None = None) -> tuple[bool, str]:
         Path(d, "metal_stdlib").write_text(f'#include "{SHIM}"\n')
         f = Path(d, "kernel.cpp")
         f.write_text(src)
-        cmd = [cxx, "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-Wno-unknown-pragmas", "-I", d, str(f)]
+        # -fno-asm: `asm` is no keyword (Metal has no inline assembly: CUDA's must sit behind #if __CUDACC__)
+        cmd = [cxx, "-std=c++17", "-fsyntax-only", "-fno-asm", "-Wno-attributes", "-Wno-unknown-pragmas",
+               "-I", d, str(f)]
         res = subprocess.run(cmd, capture_output=True, text=True)
     return res.returncode == 0, res.stderr
 
@@ -148,10 +173,93 @@ def _load_all() -> None:
     from . import gpu  # noqa: F401,PLC0415  (every kernel module registers its kernels on import)
 
 
+def first_mismatch(got, want, tol: float) -> str | None:
+    """Where `got` first leaves `want` by more than tol x max|want| (tol 0: bit for bit; a non-finite
+    element where the reference is finite -- an unwritten, poisoned one -- always counts), or None."""
+    g = np.array(mx.array(got).astype(mx.float32))
+    w = np.array(mx.array(want).astype(mx.float32))
+    if g.shape != w.shape:
+        return f"shape {g.shape}, reference {w.shape}"
+    scale = float(np.abs(w[np.isfinite(w)]).max()) if np.isfinite(w).any() else 0.0
+    same = (g == w) | (np.isnan(g) & np.isnan(w))
+    bad = ~same & (~np.isfinite(g) | ~np.isfinite(w) | (np.abs(g - w) > tol * scale))
+    if not bad.any():
+        return None
+    i = tuple(int(v) for v in np.argwhere(bad)[0])
+    return (f"at {i}: {float(g[i]):.7g}, reference {float(w[i]):.7g} (tolerance {tol:g} x {scale:.4g}); "
+            f"{int(bad.sum())} of {bad.size} elements differ")
+
+
+def declared_ran(launches, kernels: dict[str, PortableKernel] | None = None) -> list[tuple[str, int]]:
+    """(kernel, example index) of the registered examples some launch ran with the same template values
+    (a bool and the int MLX writes for it count as the same)."""
+    def norm(tmpl):
+        return [(n, int(v) if isinstance(v, bool) else v) for n, v in tmpl]
+
+    kernels = REGISTRY if kernels is None else kernels
+    ran = {(ln.kernel, repr(norm(ln.template))) for ln in launches}
+    return [(n, i) for n, k in kernels.items() for i, ex in enumerate(k.examples) if (n, repr(norm(ex.template))) in ran]
+
+
+def run_trials(names: list[str] | None = None, trials=None) -> tuple[list[tuple[str, bool, str]], list, list]:
+    """Execute the trials (metal_cases) on the emulator: ([(label, ok, message)], launches, limit violations).
+    A registered kernel (of `names`) that no trial launched is a failure too."""
+    from . import metal_cases, metal_emulator  # noqa: PLC0415
+
+    _load_all()
+    kernels = {n: REGISTRY[n] for n in names} if names else dict(REGISTRY)
+    trials = metal_cases.trials(names) if trials is None else trials
+    # a dry pass collects every launch's source (outputs stay poison: no launch depends on another's
+    # values for its source), so that g++ runs two at a time, not one per launch in turn
+    sources: set = set()
+    with metal_emulator.emulating(sources=sources) as dry:
+        for t in trials:
+            try:
+                with metal_emulator.substituted(t.substitute, dry, sources):
+                    t.run()
+            except Exception:  # noqa: BLE001,S112  (the real pass reports it)
+                continue
+    metal_emulator.precompile(sources, workers=min(2, os.cpu_count() or 1))
+    results = []
+    with metal_emulator.emulating() as launches:
+        for t in trials:
+            n0 = len(launches)
+            try:
+                want = t.ref()
+                with metal_emulator.substituted(t.substitute, launches):
+                    got = t.run()
+                if len(got) != len(want) or len(got) != len(t.tol):
+                    raise metal_emulator.EmulatorError(
+                        f"{len(got)} outputs, reference {len(want)}, {len(t.tol)} tolerances")
+                msgs = [f"output {i} {m}" for i, (g, w, tol) in enumerate(zip(got, want, t.tol))
+                        if (m := first_mismatch(g, w, tol)) is not None]
+                ran = {ln.kernel for ln in launches[n0:]}
+                missing = [k for k in t.kernels if k not in ran]
+                if missing:
+                    msgs.append(f"did not launch {missing} (launched {sorted(ran)})")
+                where = "; ".join(f"{ln.kernel} template {ln.template}" for ln in launches[n0:])
+                results.append((t.label, not msgs, f"{msgs[0]} [launched: {where}]" if msgs else ""))
+            except Exception as e:  # noqa: BLE001  (an emulator failure is this trial's failure)
+                results.append((t.label, False, f"{type(e).__name__}: {e}"))
+            for ln in launches[n0:]:
+                ln.trial = t.label
+    launched = {ln.kernel for ln in launches}
+    for name in kernels:
+        if name not in launched:
+            results.append((name, False, "no trial launched this kernel (add one to metal_cases.py)"))
+    return results, launches, metal_emulator.limit_violations(launches, kernels)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    run = "--run" in argv
+    names = [a for a in argv if a != "--run"]
     _load_all()
-    kernels = {n: REGISTRY[n] for n in argv} if argv else None
+    unknown = [n for n in names if n not in REGISTRY]
+    if unknown:
+        print(f"unknown kernels {unknown}; registered: {sorted(REGISTRY)}")
+        return 1
+    kernels = {n: REGISTRY[n] for n in names} if names else None
     results = check(kernels)
     failed = [r for r in results if not r[1]]
     for label, ok, msg in results:
@@ -159,7 +267,19 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:
             print(msg)
     print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
-    return 1 if failed else 0
+    if not run:
+        return 1 if failed else 0
+    runs, launches, violations = run_trials(names or None)
+    bad = [r for r in runs if not r[1]]
+    for label, ok, msg in runs:
+        print(f"{'ran ' if ok else 'MISMATCH'} {label}" + ("" if ok else f": {msg}"))
+    for v in violations:
+        print(f"LIMIT {v.what}")
+    exact = len(declared_ran(launches, kernels))
+    total = sum(len(k.examples) for k in (kernels or REGISTRY).values())
+    print(f"emulated: {len(runs) - len(bad)} passed, {len(bad)} failed, {len(launches)} launches, "
+          f"{exact} of {total} registered instantiations run as declared; {len(violations)} limit violations")
+    return 1 if failed or bad or violations else 0
 
 
 if __name__ == "__main__":

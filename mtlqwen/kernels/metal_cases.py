@@ -1,0 +1,386 @@
+"""What `check_metal --run` executes: for every registered kernel, launches through its op's GPU entry on
+the Metal emulator (inputs shaped as the kernel's registered examples, with the examples' template values:
+the same instantiations check_metal compiles) and the plain-MLX reference twin on the CPU.
+
+A `Trial` gives outputs to compare: the kernel's (run under `metal_emulator.emulating`) and the
+reference's, with a tolerance each (relative to the reference's largest magnitude; 0 = bit for bit). For
+kernels that write a pool in place, the outputs are the pool rows after the launch (and the untouched
+rows, which must stay bit for bit). Op functions are looked up by name anywhere under mtlqwen.kernels
+(`_fn`), so moving an op into a subpackage does not break the table.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+import mlx.core as mx
+
+F32, BF16 = mx.float32, mx.bfloat16
+TOL = {F32: 1e-4, BF16: 1.5e-2}  # bf16: one rounding of the output and some slack
+STATE_TOL = {F32: 1e-4, BF16: 1e-3}  # fp32 states whatever the activation dtype
+
+
+@dataclass
+class Trial:
+    label: str
+    run: Callable[[], list]  # the kernel's outputs, under emulating()
+    ref: Callable[[], list]  # the reference's outputs, on the CPU
+    tol: list[float]
+    # while it runs, the registered kernel `substitute[0]` launches `substitute[1]`'s Metal rendering (a
+    # variant no op selects on Metal, run with the geometry of the kernel it stands in for)
+    substitute: tuple[str, str] | None = None
+    # the registered kernels it launches (default: the label's name)
+    kernels: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        self.kernels = self.kernels or (self.substitute[1] if self.substitute else self.label.split("[")[0],)
+
+
+_INDEX: dict[str, list] = {}
+
+
+def _fn(name: str):
+    """The function / class `name` from the one module under mtlqwen.kernels that defines it."""
+    if not _INDEX:
+        pkg = importlib.import_module("mtlqwen.kernels")
+        for info in pkgutil.walk_packages(pkg.__path__, "mtlqwen.kernels."):
+            if info.name.rsplit(".", 1)[-1].startswith(("check_", "metal_")):
+                continue
+            mod = importlib.import_module(info.name)
+            for attr, obj in vars(mod).items():
+                if (inspect.isfunction(obj) or inspect.isclass(obj)) and obj.__module__ == info.name:
+                    _INDEX.setdefault(attr, []).append(obj)
+    found = _INDEX.get(name, [])
+    if len(found) != 1:
+        raise LookupError(f"{len(found)} modules under mtlqwen.kernels define {name}: "
+                          f"{[f.__module__ for f in found]}")
+    return found[0]
+
+
+def _n(dt) -> str:
+    return str(dt).rsplit(".", 1)[-1]
+
+
+def _rand(rng, *shape, dtype=F32, scale=1.0):
+    return mx.array((scale * rng.standard_normal(shape)).astype(np.float32)).astype(dtype)
+
+
+def _cpu(fn, *a, **kw):
+    with mx.stream(mx.cpu):
+        out = fn(*a, **kw)
+        mx.eval(out)
+    return out
+
+
+def _layout(lens, S, rng):
+    """Packed sequences of lengths `lens` whose state rows are a random subset of S pool rows."""
+    B = len(lens)
+    rows = [int(x) for x in rng.permutation(S)[:B]]
+    return _fn("SeqLayout")(query_start_loc=[0] + [int(x) for x in np.cumsum(lens)], kv_valid=[0] * B,
+                            block_tables=[[0]] * B, state_rows=rows)
+
+
+def _pool_rows(pool, rows):
+    """(rows of the pool, the other rows), fp32 copies taken now."""
+    p = np.array(pool.astype(F32))
+    others = [i for i in range(p.shape[0]) if i not in rows]
+    return [mx.array(p[rows]), mx.array(p[others])]
+
+
+# ---- rows: RMSNorm, gated RMSNorm, add + RMSNorm, RoPE, q/k norm + RoPE -------------------------------------
+
+
+def _row_trials() -> list[Trial]:
+    out = []
+    for dt, D in ((BF16, 4096), (F32, 48)):
+        rng = np.random.default_rng(D)
+        x, z, d = (_rand(rng, 5, D, dtype=dt) for _ in range(3))
+        w = 1 + _rand(rng, D, dtype=dt, scale=0.2)
+        tag = f"{_n(dt)} D={D}"
+        out += [
+            Trial(f"rms_norm[{tag}]", lambda x=x, w=w: [_fn("rms_norm_kernel")(x, w, 1e-6)],
+                  lambda x=x, w=w: [_cpu(_fn("rms_norm_ref"), x, w, 1e-6)], [TOL[dt]]),
+            Trial(f"gated_rms_norm[{tag}]", lambda x=x, z=z, w=w: [_fn("gated_rms_norm_kernel")(x, z, w, 1e-5)],
+                  lambda x=x, z=z, w=w: [_cpu(_fn("gated_rms_norm_ref"), x, z, w, 1e-5)], [TOL[dt]]),
+            Trial(f"add_rms_norm[{tag}]", lambda x=x, d=d, w=w: list(_fn("add_rms_norm_kernel")(x, d, w, 1e-6)),
+                  lambda x=x, d=d, w=w: list(_cpu(_fn("add_rms_norm_ref"), x, d, w, 1e-6)), [0.0, TOL[dt]]),
+        ]
+    for dt, H in ((BF16, 16), (F32, 3)):
+        rng = np.random.default_rng(H)
+        tables = _fn("RopeTables")(64, 1e7, initial=64)
+        x = _rand(rng, 3, H, 256, dtype=dt)
+        pos = mx.array(rng.integers(0, 64, 3).astype(np.int32))
+        out.append(Trial(f"rope_tables[{_n(dt)} H={H}]", lambda x=x, p=pos, t=tables: [_fn("rope_kernel")(x, p, t)],
+                         lambda x=x, p=pos, t=tables: [_cpu(_fn("apply_rope_ref"), x, p, t)], [TOL[dt]]))
+    for dt, H, RS in ((BF16, 16, 512), (F32, 4, 256)):  # row stride RS = 2 * D: q inside the q|gate rows
+        rng = np.random.default_rng(RS)
+        tables = _fn("RopeTables")(64, 1e7, initial=64)
+        x, w = _rand(rng, 3, H, RS, dtype=dt), 1 + _rand(rng, 256, dtype=dt, scale=0.2)
+        pos = mx.array(rng.integers(0, 64, 3).astype(np.int32))
+        out.append(Trial(
+            f"head_norm_rope[{_n(dt)} H={H} RS={RS}]",
+            lambda x=x, w=w, p=pos, t=tables: [_fn("head_norm_rope_kernel")(x, w, 1e-6, p, t, 256)],
+            lambda x=x, w=w, p=pos, t=tables: [_cpu(_fn("head_norm_rope_ref"), x, w, 1e-6, p, t, 256)], [TOL[dt]]))
+    return out
+
+
+# ---- causal conv1d + SiLU ------------------------------------------------------------------------------------
+
+
+def _conv_trials() -> list[Trial]:
+    out = []
+    for xt, pt, lens, CH, S, K in ((BF16, BF16, [5, 3], 8192, 4, 4), (F32, F32, [1, 6, 2], 416, 5, 4),
+                                   (BF16, F32, [4, 1], 300, 3, 2)):
+        rng = np.random.default_rng(CH)
+        layout = _layout(lens, S, rng)
+        x, w = _rand(rng, sum(lens), CH, dtype=xt), _rand(rng, CH, K, dtype=xt)
+        pool = _rand(rng, S, K - 1, CH, dtype=pt)
+        tag = f"{_n(xt)}/{_n(pt)} CH={CH} K={K}"
+        if K == 4:
+            out.append(Trial(f"causal_conv1d_silu[{tag}]",
+                             lambda x=x, w=w, p=pool, L=layout: list(_fn("run_conv")(x, w, p, L)),
+                             lambda x=x, w=w, p=pool, L=layout: list(_cpu(_fn("causal_conv1d_ref"), x, w, p, L)),
+                             [TOL[xt], 0.0]))
+        pool2 = _rand(rng, S, K - 1, CH, dtype=pt)
+
+        def run(x=x, w=w, p=pool2, L=layout):
+            y, done = _fn("run_conv")(x, w, p, L, inplace=True)
+            return [y, done] + _pool_rows(p, L.state_rows)
+
+        def ref(x=x, w=w, p=pool2, L=layout):
+            before = _pool_rows(p, L.state_rows)
+            y, states = _cpu(_fn("causal_conv1d_ref"), x, w, p + 0, L)
+            return [y, mx.array([1], dtype=mx.int32), states.astype(F32), before[1]]
+
+        out.append(Trial(f"causal_conv1d_silu_inplace[{tag}]", run, ref, [TOL[xt], 0.0, 0.0, 0.0]))
+    return out
+
+
+# ---- GDN: recurrent, chunked, candidates, in place, fused gated norm -----------------------------------------------
+
+
+def _gdn_args(seed, lens, Hk, Hv, dk, dv, dt):
+    rng = np.random.default_rng(seed)
+    T, B = sum(lens), len(lens)
+    S = B + 1
+    layout = _layout(lens, S, rng)
+    args = dict(q=_rand(rng, T, Hk, dk, dtype=dt), k=_rand(rng, T, Hk, dk, dtype=dt), v=_rand(rng, T, Hv, dv, dtype=dt),
+                a=_rand(rng, T, Hv, dtype=dt), b=_rand(rng, T, Hv, dtype=dt),
+                A_log=mx.array(np.log(rng.uniform(1, 16, Hv)).astype(np.float32)),
+                dt_bias=_rand(rng, Hv, dtype=dt, scale=0.5), state_pool=_rand(rng, S, Hv, dv, dk, scale=0.1))
+    return args, layout, rng
+
+
+def _packed(args):
+    q, k, v = args["q"], args["k"], args["v"]
+    T, Hk, dk = q.shape
+    y = mx.concatenate([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], axis=1)
+    return y, (Hk, dk, v.shape[1], v.shape[2])
+
+
+def _gdn_trials() -> list[Trial]:
+    out = []
+    geoms = ((BF16, 16, 32, 128, 128, [5, 3]), (F32, 2, 6, 32, 48, [4, 3]))
+    for dt, Hk, Hv, dk, dv, lens in geoms:
+        tag = f"{_n(dt)} Hk={Hk} Hv={Hv} dk={dk} dv={dv}"
+        tol = [TOL[dt], STATE_TOL[dt]]
+        for chunk, name in ((False, "gdn_recurrent"), (True, "gdn_chunk")):
+            args, layout, _ = _gdn_args(dk + chunk, lens, Hk, Hv, dk, dv, dt)
+            out.append(Trial(f"{name}[{tag}]",
+                             lambda a=args, L=layout, c=chunk: list(_fn("run_gdn")(**a, layout=L, chunk=c)),
+                             lambda a=args, L=layout: list(_cpu(_fn("gated_delta_ref"), **a, layout=L)), tol))
+            args, layout, _ = _gdn_args(dk + chunk + 2, lens, Hk, Hv, dk, dv, dt)
+
+            def run(a=args, L=layout, c=chunk):
+                o, done = _fn("run_gdn")(**a, layout=L, chunk=c, inplace=True)
+                return [o, done] + _pool_rows(a["state_pool"], L.state_rows)
+
+            def ref(a=args, L=layout):
+                before = _pool_rows(a["state_pool"], L.state_rows)
+                o, states = _cpu(_fn("gated_delta_ref"), **{**a, "state_pool": a["state_pool"] + 0}, layout=L)
+                return [o, mx.array([1], dtype=mx.int32), states, before[1]]
+
+            out.append(Trial(f"{name}_inplace[{tag}]", run, ref, [TOL[dt], 0.0, STATE_TOL[dt], 0.0]))
+        args, layout, _ = _gdn_args(dk + 5, lens, Hk, Hv, dk, dv, dt)
+        out.append(Trial(f"gdn_recurrent_cand[{tag}]",
+                         lambda a=args, L=layout: list(_fn("run_gdn")(**a, layout=L, candidates=True)),
+                         lambda a=args, L=layout: list(_cpu(_fn("gated_delta_candidates_ref"), **a, layout=L)),
+                         tol + [STATE_TOL[dt]]))
+        for inplace in (False, True):
+            args, layout, rng = _gdn_args(dk + 7 + inplace, lens, Hk, Hv, dk, dv, dt)
+            y, heads = _packed(args)
+            T = y.shape[0]
+            z = _rand(rng, T, Hv * dv, dtype=dt)
+            nw = 1 + _rand(rng, dv, scale=0.2)
+            rest = {n: args[n] for n in ("a", "b", "A_log", "dt_bias")}
+            pool = args["state_pool"]
+
+            def run(y=y, z=z, nw=nw, r=rest, p=pool, L=layout, h=heads, ip=inplace):
+                o, s = _fn("run_gdn_normed")(y, z, nw, 1e-6, **r, state_pool=p, layout=L, heads=h, inplace=ip)
+                return [o, s] + (_pool_rows(p, L.state_rows) if ip else [])
+
+            def ref(y=y, z=z, nw=nw, r=rest, p=pool, L=layout, h=heads, ip=inplace):
+                before = _pool_rows(p, L.state_rows)
+                o, s = _cpu(_fn("gated_delta_packed_normed_ref"), y, z, nw, 1e-6, **r, state_pool=p + 0, layout=L,
+                            heads=h)
+                return [o, mx.array([1], dtype=mx.int32), s, before[1]] if ip else [o, s]
+
+            out.append(Trial(f"gdn_recurrent_normed{'_inplace' if inplace else ''}[{tag}]", run, ref,
+                             [TOL[dt], 0.0, STATE_TOL[dt], 0.0] if inplace else tol))
+    return out
+
+
+# ---- paged attention and the in-place KV write -----------------------------------------------------------------
+
+
+def _attn_batch(rng, dt, past, qlens, nkv=4, rep=4, hd=256, bt=128):
+    need = [(p + t + bt - 1) // bt for p, t in zip(past, qlens)]
+    nblocks = sum(need) + 2  # two garbage blocks no table names
+    ids = rng.permutation(nblocks).tolist()
+    tables, o = [], 0
+    for n in need:
+        tables.append(ids[o:o + n])
+        o += n
+    kp, vp = (_rand(rng, nblocks, bt, nkv, hd, dtype=dt) for _ in range(2))
+    qsl = [0] + [int(x) for x in np.cumsum(qlens)]
+    layout = _fn("SeqLayout")(query_start_loc=qsl, kv_valid=list(past), block_tables=tables,
+                              state_rows=list(range(len(past))), block_tokens=bt)
+    q = _rand(rng, qsl[-1], nkv * rep, hd, dtype=dt)
+    return q, kp, vp, layout
+
+
+def _attn_trials() -> list[Trial]:
+    out = []
+    for dt in (BF16, F32):
+        rng = np.random.default_rng(3)
+        q, kp, vp, layout = _attn_batch(rng, dt, past=[130, 37], qlens=[2, 2])
+        scale = 256 ** -0.5
+        packed = mx.concatenate([_rand(rng, *q.shape, dtype=dt), _rand(rng, *q.shape, dtype=dt)], axis=-1)
+        compact = _rand(rng, q.shape[0], q.shape[1] * q.shape[2], dtype=dt)
+        for splits in (1, 3):
+            ks = ("mtl_paged_attn_s1_g0", "mtl_paged_attn_merge_g0") if splits > 1 else ("mtl_paged_attn_s0_g0",)
+            out.append(Trial(
+                f"paged_attention[{_n(dt)} {'split' if splits > 1 else 'single'}]",
+                lambda q=q, k=kp, v=vp, L=layout, n=splits: [_fn("paged_attention_gpu")(q, k, v, L, scale, splits=n)],
+                lambda q=q, k=kp, v=vp, L=layout: [_cpu(_fn("paged_attention_ref"), q, k, v, L, scale)], [TOL[dt]],
+                kernels=ks))
+        for splits, gate in ((1, packed), (3, packed), (3, compact)):  # the gate read in place, or compact rows
+            s = ("split" if splits > 1 else "single") + (" q|gate" if gate is packed else " compact gate")
+            ks = ("mtl_paged_attn_s1_g0", "mtl_paged_attn_merge_g1") if splits > 1 else ("mtl_paged_attn_s0_g1",)
+            out.append(Trial(
+                f"paged_attention_gated[{_n(dt)} {s}]",
+                lambda q=q, k=kp, v=vp, L=layout, n=splits, g=gate: [
+                    _fn("paged_attention_gpu")(q, k, v, L, scale, gate=g, splits=n)],
+                lambda q=q, k=kp, v=vp, L=layout, g=gate: [
+                    _cpu(_fn("paged_attention_gated_ref"), q, k, v, L, scale, g)], [TOL[dt]], kernels=ks))
+    for pt, kt in ((BF16, BF16), (F32, BF16)):
+        rng = np.random.default_rng(5)
+        _, kp, vp, layout = _attn_batch(rng, pt, past=[126, 3], qlens=[4, 5])
+        k, v = (_rand(rng, 9, 4, 256, dtype=kt) for _ in range(2))
+
+        def run(kp=kp, vp=vp, k=k, v=v, L=layout):
+            done = _fn("write_kv_inplace_kernel")(kp, vp, k, v, L)
+            return [done, kp.astype(F32) + 0, vp.astype(F32) + 0]
+
+        def ref(kp=kp, vp=vp, k=k, v=v, L=layout):
+            rk, rv = _cpu(_fn("write_kv"), kp + 0, vp + 0, k, v, L)
+            return [mx.array([1], dtype=mx.int32), rk.astype(F32), rv.astype(F32)]
+
+        out.append(Trial(f"mtl_kv_write_inplace[{_n(pt)} pool, {_n(kt)} k/v]", run, ref, [0.0, 0.0, 0.0]))
+    return out
+
+
+# ---- quantized GEMV (one to three projections, SwiGLU epilogue, residual + RMSNorm epilogue) ------------------
+
+
+def _linear(rng, N, K, bits, dt):
+    w = _rand(rng, N, K, scale=0.05)
+    wq, s, b = mx.quantize(w, group_size=64, bits=bits)
+    return _fn("LinearParams")(wq, s.astype(dt), b.astype(dt), bits=bits, group_size=64)
+
+
+def _linear32(x, p):
+    """The twin evaluated in fp32 (MLX's CPU quantized_matmul keeps 16-bit inputs' precision), x's dtype out."""
+    p32 = _fn("LinearParams")(p.weight, p.scales.astype(F32), p.biases.astype(F32), bits=p.bits,
+                              group_size=p.group_size)
+    return _cpu(_fn("linear_ref"), x.astype(F32), p32)
+
+
+def _qmv_trials() -> list[Trial]:
+    out = []
+    for dt in (BF16, F32):
+        for bits in (4, 8):
+            pf = bits == 4
+            rng = np.random.default_rng(bits)
+            x = _rand(rng, 4, 512, dtype=dt)  # M = 4: the examples' MT
+            ps = [_linear(rng, 64, 512, bits, dt) for _ in range(3)]
+            tag = f"{_n(dt)} {bits}-bit"
+            for P, epi in ((1, 0), (2, 0), (3, 0), (2, 1)):
+                name = f"mtl_qmv_p{P}_e{epi}"
+
+                def run(x=x, ps=ps[:P], e=epi, pf=pf):  # the examples' R = 4 rows (SwiGLU: 2 gate + 2 up)
+                    return list(_fn("qmv")(x, ps, epi=e, cfg=(2 if e else 4, 1, int(pf))))
+
+                def ref(x=x, ps=ps[:P], e=epi):
+                    ys = [_linear32(x, p) for p in ps]
+                    if e == 1:
+                        g, u = ys
+                        return [_cpu(lambda: (g * mx.sigmoid(g) * u).astype(x.dtype))]
+                    return [y.astype(x.dtype) for y in ys]
+
+                out.append(Trial(f"{name}[{tag}]", run, ref, [TOL[dt]] * (1 if epi else P)))
+                mma = f"mtl_qmv_mma_p{P}_e{epi}"
+                out.append(Trial(f"{mma}[{tag}]", run, ref, [TOL[dt]] * (1 if epi else P), substitute=(name, mma)))
+            for p_bits in (bits,):
+                rng = np.random.default_rng(10 + p_bits)
+                x2 = _rand(rng, 2, 256, dtype=dt)  # N = 4096: the examples' NBLK / EPT, short K
+                p = _linear(rng, 4096, 256, p_bits, dt)
+                h = _rand(rng, 2, 4096, dtype=dt)
+                nw = 1 + _rand(rng, 4096, dtype=dt, scale=0.2)
+
+                def run(x=x2, p=p, h=h, nw=nw):  # + the arrival counter: the last threadgroup resets it
+                    hs, y = _fn("qmv_add_rms")(x, p, h, nw, 1e-6, pf=1)
+                    return [hs, y, _fn("_counter")(p) + 0]
+
+                def ref(x=x2, p=p, h=h, nw=nw):
+                    d = _linear32(x, p).astype(x.dtype)
+                    return list(_cpu(_fn("add_rms_norm_ref"), h, d, nw, 1e-6)) + [mx.zeros((8,), dtype=mx.uint32)]
+
+                out.append(Trial(f"mtl_qmv_add_rms[{tag}]", run, ref, [TOL[dt], TOL[dt], 0.0]))
+    return out
+
+
+def edge_trials() -> list[Trial]:
+    """Shapes past the registered examples that an op still says it covers: the widest head paged
+    attention accepts (512) with 16 query rows a threadgroup (4 tokens x GQA 4)."""
+    rng = np.random.default_rng(4)
+    q, kp, vp, layout = _attn_batch(rng, BF16, past=[40], qlens=[4], nkv=1, rep=4, hd=512, bt=16)
+    scale = 512 ** -0.5
+    return [Trial("paged_attention[bfloat16 hd=512 16 rows]",
+                  lambda: [_fn("paged_attention_gpu")(q, kp, vp, layout, scale, splits=1)],
+                  lambda: [_cpu(_fn("paged_attention_ref"), q, kp, vp, layout, scale)], [TOL[BF16]],
+                  kernels=("mtl_paged_attn_s0_g0",))]
+
+
+def _selection_trials() -> list[Trial]:
+    """Ops at the selection table's defaults, at shapes where CUDA would take a CUDA-only variant (the
+    tensor-core qmv from SELECT["qmv_mma_min_rows"] rows): on Metal the portable kernel must run instead
+    (a CUDA-only launch is a limit violation)."""
+    rng = np.random.default_rng(21)
+    x = _rand(rng, 6, 512, dtype=BF16)
+    p = _linear(rng, 64, 512, 4, BF16)
+    return [Trial("linear[bfloat16 4-bit M=6, default selection]", lambda: [_fn("linear_kernel")(x, p)],
+                  lambda: [_linear32(x, p).astype(BF16)], [TOL[BF16]], kernels=("mtl_qmv_p1_e0",))]
+
+
+def trials(names=None, edges: bool = True) -> list[Trial]:
+    """Every trial (edges: with the shapes past the examples), or those launching one of the kernels `names`."""
+    out = _row_trials() + _conv_trials() + _gdn_trials() + _attn_trials() + _qmv_trials() + _selection_trials()
+    out += edge_trials() if edges else []
+    return out if not names else [t for t in out if set(t.kernels) & set(names)]
