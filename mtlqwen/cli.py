@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fast, property-tested inference for the Qwen3.5 family on MLX (Metal, CUDA, CPU).",
     )
     parser.add_argument("--version", action="version", version=_version(), help="print the version and exit")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", help="run `mtlqwen COMMAND --help` for its flags")
     from .frontends import chat, generate, server  # noqa: PLC0415  each registers its own subcommand
 
     generate.register(sub)

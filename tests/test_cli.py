@@ -1,16 +1,24 @@
-"""The `mtlqwen` command line: the README's first command, generate on a checkpoint, convert, errors."""
+"""The `mtlqwen` command line: the README's first command, generate on a checkpoint, convert, errors
+(one format, before any banner; flags that cannot apply), the context rule, what generate prints
+(control characters made visible, special tokens hidden), --version and help for every flag."""
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
 import mtlqwen
-from frontend_fixtures import subprocess_env, write_tiny_chat_checkpoint
-from mtlqwen.cli import main
+from frontend_fixtures import SPECIALS, VOCAB, subprocess_env, write_tiny_chat_checkpoint
+from mtlqwen.cli import build_parser, main
+from mtlqwen.runtime import Engine, SamplingParams
+
+BANNER = "=" * 10
+CONTEXT = 2048  # the tiny checkpoint's max_position_embeddings
 
 
 def run_cli(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -38,6 +46,7 @@ def test_generate_on_a_checkpoint_applies_the_chat_template(ckpt):
     prompt_tokens = lambda out: int(out.split("Prompt: ")[1].split()[0])  # noqa: E731
     # the template wraps the message in role markers, so the templated prompt is longer
     assert prompt_tokens(r.stdout) > prompt_tokens(plain.stdout) == len("Hi there")
+    assert r.stderr == ""  # standard error is not a terminal: no progress bars
 
 
 def test_convert_then_generate_same_greedy_tokens(ckpt, tmp_path):
@@ -51,16 +60,107 @@ def test_convert_then_generate_same_greedy_tokens(ckpt, tmp_path):
     assert main(["convert", str(ckpt), str(out)]) == 1  # refuses to overwrite
 
 
+LONG = "a" * 2030  # 2030 byte tokens without the template: 18 left of the 2048-token context
+
+
 @pytest.mark.parametrize("args,msg", [
     (["generate", "--model", "/no/such/dir"], "no checkpoint directory"),
     (["generate", "--quantize", "3bit", "--model", "{ckpt}"], "unsupported quantization"),
+    (["generate", "--quantize", "3bit"], "--quantize needs --model"),
+    (["generate", "--quantize", "4bit"], "--quantize needs --model"),
+    (["chat", "--quantize", "8bit"], "--quantize needs --model"),
     (["generate", "--temp", "-1"], "temperature"),
+    (["chat", "--top-p", "0"], "top_p"),
     (["generate", "--model", "{ckpt}", "--chat-template-args", "{bad"], "not valid JSON"),
+    (["generate", "--model", "{ckpt}", "--ignore-chat-template", "--chat-template-args", "{bad"],
+     "--chat-template-args does not apply with --ignore-chat-template"),
+    (["generate", "--model", "{ckpt}", "--ignore-chat-template", "--system-prompt", "Be brief."],
+     "--system-prompt does not apply with --ignore-chat-template"),
+    (["generate", "--system-prompt", "Be brief."], "--system-prompt does not apply: this tokenizer has no chat template"),
+    (["generate", "--model", "{ckpt}", "-m", "3000"],
+     "--max-tokens 3000 does not fit the model's context of 2048 tokens (the prompt and the reply share it): "
+     "use --max-tokens 2047 or less"),
+    (["generate", "--model", "{ckpt}", "--ignore-chat-template", "-p", "b" * 2048],
+     "the prompt (2048 tokens) fills the model's context of 2048 tokens: shorten the prompt"),
+    (["chat", "--debug-token-log", "/no/such/dir/log.jsonl"], "No such file or directory"),
 ])
-def test_errors_are_one_line(args, msg, ckpt):
+def test_errors_are_one_line_before_any_banner(args, msg, ckpt):
     r = run_cli(*[a.replace("{ckpt}", str(ckpt)) for a in args])
-    assert r.returncode == 1
-    assert msg in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    command = args[0]
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith(f"mtlqwen {command}: error: ")]
+    assert len(errors) == 1 and msg in errors[0], r.stderr
+    assert "Traceback" not in r.stderr
+    assert BANNER not in r.stdout and "commands:" not in r.stdout  # nothing was started
+
+
+def test_reply_budget_is_trimmed_to_the_context(tmp_path):
+    endless = write_tiny_chat_checkpoint(tmp_path / "endless", eos_reachable=False)
+    r = run_cli("generate", "--model", str(endless), "--ignore-chat-template", "-p", LONG, "-m", "100")
+    assert r.returncode == 0, r.stderr
+    assert ("mtlqwen generate: note: reply limited to 18 tokens: the prompt (2030 tokens) and the reply share "
+            "the model's context of 2048 tokens") in r.stderr
+    assert "Prompt: 2030 tokens" in r.stdout and "Generation: 18 tokens" in r.stdout
+
+
+BEL, RESERVED = 7, VOCAB - 2  # byte 0x07 and <|reserved_3|>
+
+
+@pytest.fixture(scope="module")
+def noisy_ckpt(tmp_path_factory):
+    """A checkpoint whose lm_head has two non-zero rows, w for <|reserved_3|> and -w for BEL: every
+    greedy token is one of the two (whichever side of w the hidden state is on)."""
+    path = write_tiny_chat_checkpoint(tmp_path_factory.mktemp("noisy"), eos_reachable=False)
+    f = str(path / "model.safetensors")
+    w = mx.load(f)
+    head = mx.zeros_like(w["language_model.lm_head.weight"])
+    row = mx.random.normal((head.shape[1],), key=mx.random.key(3))
+    head[RESERVED] = row
+    head[BEL] = -row
+    w["language_model.lm_head.weight"] = head
+    mx.save_safetensors(f, w, metadata={"format": "mlx"})
+    return path
+
+
+def _completion(stdout: str) -> str:
+    return stdout.split(BANNER + "\n", 1)[1].rsplit("\n" + BANNER, 1)[0]
+
+
+def test_generate_escapes_control_characters_and_hides_special_tokens(noisy_ckpt):
+    assert SPECIALS[RESERVED - 256] == "<|reserved_3|>"
+    engine = Engine(mtlqwen.load(noisy_ckpt), slots=1)
+    (out,) = engine.generate([list(b"Hi")], SamplingParams(max_tokens=16))
+    bells, reserved = out.token_ids.count(BEL), out.token_ids.count(RESERVED)
+    assert bells + reserved == 16 and bells > 0 and reserved > 0  # the fixture makes both kinds
+
+    args = ("generate", "--model", str(noisy_ckpt), "--ignore-chat-template", "-p", "Hi", "-m", "16")
+    r = subprocess.run([sys.executable, "-m", "mtlqwen", *args], capture_output=True, timeout=180,
+                       env=subprocess_env())
+    assert r.returncode == 0, r.stderr
+    assert b"\x07" not in r.stdout  # the bell is shown as U+2407, never sent to the terminal
+    assert _completion(r.stdout.decode()) == "\u2407" * bells
+
+    shown = run_cli(*args, "--show-special-tokens")
+    assert shown.returncode == 0, shown.stderr
+    text = _completion(shown.stdout)
+    assert text.count("<|reserved_3|>") == reserved and text.count("\u2407") == bells
+    assert len(text) == bells + reserved * len("<|reserved_3|>")
+
+
+def test_version():
+    r = run_cli("--version")
+    assert r.returncode == 0
+    assert r.stdout.strip() == f"mtlqwen {mtlqwen.__version__} (mlx {mx.__version__})"
+
+
+def test_every_flag_has_help():
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = [f"{name} {a.dest}" for name, p in sub.choices.items() for a in p._actions
+               if not a.help and not isinstance(a, argparse._HelpAction)]
+    assert sorted(sub.choices) == ["chat", "convert", "generate", "serve"]
+    assert missing == []
+    assert all(a.help for a in parser._actions)
 
 
 def test_help_lists_commands():
