@@ -42,21 +42,22 @@ class Bar:
         self.desc, self.unit, self.enabled = desc, unit, enabled
         self.bar = None
 
-    def update(self, done: int, total: int, postfix: str | None = None) -> None:
+    def update(self, done: int, total: int) -> None:
         if not self.enabled:
             return
         if self.bar is None:
             from tqdm import tqdm  # noqa: PLC0415
 
             scale = self.unit == "B"
+            n_unit, total_unit = ("B", "B") if scale else ("", " " + self.unit)
+            fmt = ("{desc}: {percentage:3.0f}%|{bar}| {n_fmt}" + n_unit + "/{total_fmt}" + total_unit
+                   + " [{elapsed}<{remaining}, {rate_fmt}]")
             self.bar = tqdm(total=total, desc=self.desc, unit=self.unit, unit_scale=scale,
                             unit_divisor=1024 if scale else 1000, file=sys.stderr, leave=False,
-                            dynamic_ncols=True)
+                            dynamic_ncols=True, bar_format=fmt)
         self.bar.total = total
-        self.bar.n = min(done, total)
-        if postfix is not None:
-            self.bar.set_postfix_str(postfix, refresh=False)
-        self.bar.refresh()
+        self.bar.update(min(done, total) - self.bar.n)  # by increments, so tqdm's rate is right
+        self.bar.refresh()  # callers update rarely (every 256 MiB, every 0.25 s): show each one
 
     def close(self) -> None:
         if self.bar is not None:
@@ -97,7 +98,7 @@ class PromptProgress:
         self.engine, self.total = engine, prompt_tokens
         self.on = enabled and prompt_tokens > engine.step_tokens
         self.base = engine.counters["prefill_tokens"]
-        self.t0 = self.last = time.perf_counter()
+        self.last = time.perf_counter()
         self.bar = Bar("prompt", unit="tok", enabled=self.on)
 
     def update(self) -> None:
@@ -108,8 +109,7 @@ class PromptProgress:
 
         mx.synchronize()
         self.last = time.perf_counter()
-        done = min(self.engine.counters["prefill_tokens"] - self.base, self.total)
-        self.bar.update(done, self.total, f"{done / max(self.last - self.t0, 1e-9):.0f} tok/s")
+        self.bar.update(self.engine.counters["prefill_tokens"] - self.base, self.total)
 
     def close(self) -> None:
         self.on = False
