@@ -83,13 +83,14 @@ LONG = "a" * 2030  # 2030 byte tokens without the template: 18 left of the 2048-
     (["generate", "--model", "{ckpt}", "--ignore-chat-template", "-p", "b" * 2048],
      "the prompt (2048 tokens) fills the model's context of 2048 tokens: shorten the prompt"),
     (["chat", "--debug-token-log", "/no/such/dir/log.jsonl"], "No such file or directory"),
+    (["chat", "--prefix-interval", "-1"], "--prefix-interval must be >= 0"),
 ])
 def test_errors_are_one_line_before_any_banner(args, msg, ckpt):
     r = run_cli(*[a.replace("{ckpt}", str(ckpt)) for a in args])
     assert r.returncode == 1, (r.stdout, r.stderr)
     command = args[0]
-    errors = [ln for ln in r.stderr.splitlines() if ln.startswith(f"mtlqwen {command}: error: ")]
-    assert len(errors) == 1 and msg in errors[0], r.stderr
+    (error,) = r.stderr.splitlines()  # the error is the only line: no note, no progress
+    assert error.startswith(f"mtlqwen {command}: error: ") and msg in error, r.stderr
     assert "Traceback" not in r.stderr
     assert BANNER not in r.stdout and "commands:" not in r.stdout  # nothing was started
 

@@ -13,7 +13,6 @@ Ctrl-C or Ctrl-D at the prompt exits.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import re
 import sys
@@ -148,14 +147,9 @@ def _generate(engine, ids, sampling, printer: _Printer, bars: bool):
 
 
 def _engine_kwargs(args) -> dict:
-    from ..runtime import Engine  # noqa: PLC0415
-
-    kw = {"slots": 1}
-    if args.prefix_interval is not None:
-        if "prefix_interval" not in inspect.signature(Engine.__init__).parameters:
-            raise ValueError("prefix caching not available in this build (--prefix-interval)")
-        kw["prefix_interval"] = args.prefix_interval
-    return kw
+    if args.prefix_interval is not None and args.prefix_interval < 0:
+        raise ValueError(f"--prefix-interval must be >= 0 (0 turns the prefix cache off), got {args.prefix_interval}")
+    return {"slots": 1} if args.prefix_interval is None else {"slots": 1, "prefix_interval": args.prefix_interval}
 
 
 def _command(text: str, convo: Conversation, thinking_switch: bool) -> bool | None:
@@ -195,8 +189,6 @@ def cmd_chat(args) -> int:
         model, tok, note = load_model_and_tokenizer(args, progress=load_bar.update)
     finally:
         load_bar.close()
-    if note:
-        print(note, file=sys.stderr)
     engine = Engine(model, tokenizer=tok, **engine_kw)
     context = engine.max_model_len
     check_max_tokens(sampling.max_tokens, context)
@@ -204,6 +196,8 @@ def cmd_chat(args) -> int:
     convo = Conversation(tok, args.system_prompt, kwargs, eos)
     thinking_switch = bool(getattr(tok, "has_thinking", False))
     log = open(args.debug_token_log, "a", encoding="utf-8") if args.debug_token_log else None
+    if note:  # printed once nothing can fail any more: an error is the only line
+        print(note, file=sys.stderr)
     if not has_chat_template(tok):
         print("(no chat template in this tokenizer: using plain ChatML)", file=sys.stderr)
     try:

@@ -76,8 +76,6 @@ def cmd_generate(args) -> int:
         model, tok, note = load_model_and_tokenizer(args, progress=load_bar.update)
     finally:
         load_bar.close()
-    if note:
-        print(note, file=sys.stderr)
     ids = _prompt_ids(args, tok, prompt, template_kwargs)
     engine = Engine(model, tokenizer=tok, slots=1)
     check_max_tokens(sampling.max_tokens, engine.max_model_len)
@@ -86,6 +84,8 @@ def cmd_generate(args) -> int:
     if trimmed:
         print(f"mtlqwen generate: note: {trimmed}", file=sys.stderr)
     rid = engine.submit(ids, dataclasses.replace(sampling, max_tokens=max_tokens))
+    if note:  # printed once nothing can fail any more: an error is the only line
+        print(note, file=sys.stderr)
 
     stream = text_stream(tok, args.show_special_tokens)
     prompt_bar = PromptProgress(engine, len(ids), bars)
