@@ -12,8 +12,10 @@ import sys
 import pexpect
 import pytest
 
+from cli_fixtures import BEL, RESERVED, write_noisy_checkpoint
 from frontend_fixtures import IM_END, REPO, subprocess_env, write_tiny_chat_checkpoint
 from mtlqwen import load_tokenizer
+from mtlqwen.frontends.chat import DIM, RESET
 from mtlqwen.frontends.metrics import PREFIX_HIT_KEYS, first_stat
 from mtlqwen.runtime import Engine
 
@@ -189,3 +191,24 @@ def test_a_conversation_that_outgrows_the_context(endless_ckpt, tmp_path):
     assert len(t1["prompt_ids"]) == prompt_tokens and room == 2048 - prompt_tokens < 100
     assert len(t1["completion_ids"]) == room and t1["finish_reason"] == "length"
     assert t2["prompt_ids"] == t1["prompt_ids"] and t2["turn"] == 2
+
+
+def test_replies_show_control_characters_and_hide_special_tokens(tmp_path):
+    noisy = write_noisy_checkpoint(tmp_path / "noisy")
+    log = tmp_path / "turns.jsonl"
+    child = spawn("--model", str(noisy), "--max-tokens", "16", "--debug-token-log", str(log))
+    try:
+        child.expect_exact(PROMPT)
+        child.sendline("hi")
+        child.expect_exact("hi\r\n")  # the terminal's echo of the line
+        child.expect_exact(PROMPT)
+        reply = child.before
+        child.sendline("/exit")
+        assert finish(child) == 0
+    finally:
+        child.terminate(force=True)
+    (t1,) = read_log(log)
+    bells, reserved = t1["completion_ids"].count(BEL), t1["completion_ids"].count(RESERVED)
+    assert bells + reserved == 16 and bells > 0 and reserved > 0
+    assert "\x07" not in reply and "reserved" not in reply
+    assert reply.replace(DIM, "").replace(RESET, "").strip() == "\u2407" * bells

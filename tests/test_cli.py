@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import mtlqwen
-from frontend_fixtures import SPECIALS, VOCAB, subprocess_env, write_tiny_chat_checkpoint
+from cli_fixtures import BEL, RESERVED, write_noisy_checkpoint
+from frontend_fixtures import SPECIALS, subprocess_env, write_tiny_chat_checkpoint
 from mtlqwen.cli import build_parser, main
 from mtlqwen.runtime import Engine, SamplingParams
 
@@ -84,6 +85,8 @@ LONG = "a" * 2030  # 2030 byte tokens without the template: 18 left of the 2048-
      "the prompt (2048 tokens) fills the model's context of 2048 tokens: shorten the prompt"),
     (["chat", "--debug-token-log", "/no/such/dir/log.jsonl"], "No such file or directory"),
     (["chat", "--prefix-interval", "-1"], "--prefix-interval must be >= 0"),
+    (["chat", "--model", "{ckpt}", "--top-k", "300"], "top_k must be <= the vocabulary size 272"),
+    (["generate", "--model", "{ckpt}", "--top-k", "300"], "top_k must be <= the vocabulary size 272"),
 ])
 def test_errors_are_one_line_before_any_banner(args, msg, ckpt):
     r = run_cli(*[a.replace("{ckpt}", str(ckpt)) for a in args])
@@ -104,23 +107,9 @@ def test_reply_budget_is_trimmed_to_the_context(tmp_path):
     assert "Prompt: 2030 tokens" in r.stdout and "Generation: 18 tokens" in r.stdout
 
 
-BEL, RESERVED = 7, VOCAB - 2  # byte 0x07 and <|reserved_3|>
-
-
 @pytest.fixture(scope="module")
 def noisy_ckpt(tmp_path_factory):
-    """A checkpoint whose lm_head has two non-zero rows, w for <|reserved_3|> and -w for BEL: every
-    greedy token is one of the two (whichever side of w the hidden state is on)."""
-    path = write_tiny_chat_checkpoint(tmp_path_factory.mktemp("noisy"), eos_reachable=False)
-    f = str(path / "model.safetensors")
-    w = mx.load(f)
-    head = mx.zeros_like(w["language_model.lm_head.weight"])
-    row = mx.random.normal((head.shape[1],), key=mx.random.key(3))
-    head[RESERVED] = row
-    head[BEL] = -row
-    w["language_model.lm_head.weight"] = head
-    mx.save_safetensors(f, w, metadata={"format": "mlx"})
-    return path
+    return write_noisy_checkpoint(tmp_path_factory.mktemp("noisy"))
 
 
 def _completion(stdout: str) -> str:
@@ -193,3 +182,25 @@ def test_repo_id_goes_through_snapshot_download(monkeypatch, ckpt):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", failing)
     with pytest.raises(FileNotFoundError, match="someone/missing.*Repository Not Found"):
         mtlqwen.load("someone/missing")
+
+
+def test_no_frontend_imports_the_cli_module():
+    """cli.py assembles the parser from the front-ends; they share flags through frontends/args.py."""
+    import ast  # noqa: PLC0415
+    import pathlib  # noqa: PLC0415
+
+    frontends = pathlib.Path(mtlqwen.__file__).parent / "frontends"
+    package = ["mtlqwen", "frontends"]
+    imported = {}
+    for f in sorted(frontends.glob("*.py")):
+        names = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):  # resolve relative imports against mtlqwen.frontends
+                base = ".".join(package[: len(package) - node.level + 1] if node.level else [])
+                module = ".".join(p for p in (base, node.module or "") if p)
+                names |= {module} | {f"{module}.{a.name}" for a in node.names}
+        imported[f.name] = names
+    assert "mtlqwen.frontends.args.add_model_args" in imported["chat.py"]  # the resolution works
+    assert [name for name, names in imported.items() if "mtlqwen.cli" in names] == []

@@ -192,6 +192,7 @@ def cmd_chat(args) -> int:
     engine = Engine(model, tokenizer=tok, **engine_kw)
     context = engine.max_model_len
     check_max_tokens(sampling.max_tokens, context)
+    sampling.check_vocab(engine.config.vocab_size)  # e.g. --top-k: refused now, not at every turn
     eos = set(getattr(engine, "eos", ())) | set(getattr(tok, "eos_token_ids", ()) or ())
     convo = Conversation(tok, args.system_prompt, kwargs, eos)
     thinking_switch = bool(getattr(tok, "has_thinking", False))
