@@ -79,3 +79,21 @@ def test_ctrl_c_stops_generate_with_a_summary(endless_ckpt):
         child.terminate(force=True)
     assert 0 < generated < 2000 - 17  # stopped well before the end (2000 at ~3 ms a token is seconds away)
     assert stopped_after < 5, stopped_after  # one engine step, not the rest of the completion
+
+
+def test_ctrl_c_during_a_long_prompt():
+    """Interrupted while the prompt is processed (the built-in model: 6000 tokens take many seconds on
+    the CPU): the summary says how much of the prompt was done."""
+    child = spawn("generate", "-p", "y" * 6000, "-m", "8")
+    try:
+        child.expect(r"prompt: +\d+%", timeout=90)  # the prompt bar is up: processing has begun
+        child.sendintr()
+        child.expect(r"Prompt: (\d+) of 6000 tokens", timeout=30)
+        done = int(child.match.group(1))
+        child.expect_exact("Generation: 0 tokens")
+        child.expect(pexpect.EOF, timeout=30)
+        child.close()
+        assert child.exitstatus == 130
+    finally:
+        child.terminate(force=True)
+    assert 0 < done < 6000 and done % 128 == 0  # whole engine steps of 128 tokens
