@@ -204,3 +204,19 @@ def test_no_frontend_imports_the_cli_module():
         imported[f.name] = names
     assert "mtlqwen.frontends.args.add_model_args" in imported["chat.py"]  # the resolution works
     assert [name for name, names in imported.items() if "mtlqwen.cli" in names] == []
+
+
+def test_load_reports_progress_in_bytes(ckpt, monkeypatch):
+    """load(progress=) reports (done, total) bytes after each chunk of tensors; the weights are those of
+    a load without it."""
+    from mtlqwen.model import loading  # noqa: PLC0415
+
+    monkeypatch.setattr(loading, "EVAL_CHUNK_BYTES", 64 * 1024)  # the tiny checkpoint is ~0.9 MB: many chunks
+    calls = []
+    model = mtlqwen.load(ckpt, progress=lambda done, total: calls.append((done, total)))
+    total = sum(v.nbytes for v in model.weights.values())
+    assert calls[0] == (0, total) and calls[-1] == (total, total) and len(calls) > 5
+    assert all(t == total for _, t in calls) and [d for d, _ in calls] == sorted({d for d, _ in calls})
+    plain = mtlqwen.load(ckpt)
+    assert sorted(plain.weights) == sorted(model.weights)
+    assert all(np.array_equal(np.asarray(plain.weights[k]), np.asarray(model.weights[k])) for k in plain.weights)
