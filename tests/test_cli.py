@@ -70,8 +70,9 @@ LONG = "a" * 2030  # 2030 byte tokens without the template: 18 left of the 2048-
     (["generate", "--quantize", "3bit"], "--quantize needs --model"),
     (["generate", "--quantize", "4bit"], "--quantize needs --model"),
     (["chat", "--quantize", "8bit"], "--quantize needs --model"),
-    (["generate", "--temp", "-1"], "temperature"),
-    (["chat", "--top-p", "0"], "top_p"),
+    (["generate", "--temp", "-1"], "--temp: temperature must be 0 (greedy) or in [0.01, inf), got -1.0"),
+    (["chat", "--top-p", "0"], "--top-p: top_p must be in (0, 1], got 0.0"),
+    (["generate", "-m", "0"], "--max-tokens: max_tokens must be >= 1, got 0"),
     (["generate", "--model", "{ckpt}", "--chat-template-args", "{bad"], "not valid JSON"),
     (["generate", "--model", "{ckpt}", "--ignore-chat-template", "--chat-template-args", "{bad"],
      "--chat-template-args does not apply with --ignore-chat-template"),
@@ -220,3 +221,18 @@ def test_load_reports_progress_in_bytes(ckpt, monkeypatch):
     plain = mtlqwen.load(ckpt)
     assert sorted(plain.weights) == sorted(model.weights)
     assert all(np.array_equal(np.asarray(plain.weights[k]), np.asarray(model.weights[k])) for k in plain.weights)
+
+
+def test_first_ctrl_c_is_a_flag_the_second_interrupts():
+    import os  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+
+    from mtlqwen.frontends.terminal import Interrupt  # noqa: PLC0415
+
+    before = signal.getsignal(signal.SIGINT)
+    with Interrupt() as intr:
+        os.kill(os.getpid(), signal.SIGINT)  # the handler runs before kill() returns to Python code
+        assert intr.hit
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before  # the previous handler is back

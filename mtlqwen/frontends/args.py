@@ -61,12 +61,21 @@ def parse_template_args(text: str | None) -> dict:
     return kwargs
 
 
+SAMPLING_FLAGS = {"temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
+                  "max_tokens": "--max-tokens", "seed": "--seed"}
+
+
 def sampling_from_args(args):
-    """SamplingParams from the flags; a value out of range fails here, before the model loads."""
+    """SamplingParams from the flags; a value out of range fails here, before the model loads, and
+    the error names the flag as well as the field."""
     from ..runtime import SamplingParams  # noqa: PLC0415
 
-    return SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          max_tokens=args.max_tokens, seed=args.seed)
+    try:
+        return SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                              max_tokens=args.max_tokens, seed=args.seed)
+    except ValueError as e:
+        flag = SAMPLING_FLAGS.get(str(e).split(maxsplit=1)[0])
+        raise ValueError(f"{flag}: {e}" if flag else str(e)) from None
 
 
 def load_model_and_tokenizer(args, progress=None):
