@@ -10,7 +10,8 @@ import time
 
 # C0 controls (except newline and tab) and DEL shown as visible symbols, C1 controls dropped: model
 # text must not drive the terminal (bell, escape sequences, cursor moves).
-_CONTROL = {c: 0x2400 + c for c in range(32) if c not in (9, 10)} | {0x7F: 0x2421} | {c: None for c in range(0x80, 0xA0)}
+_CONTROL = ({c: 0x2400 + c for c in range(32) if c not in (9, 10)} | {0x7F: 0x2421}
+            | {c: None for c in range(0x80, 0xA0)})
 
 
 def printable(text: str) -> str:
