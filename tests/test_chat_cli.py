@@ -1,5 +1,6 @@
 """`mtlqwen chat` driven through a pseudo-terminal (pexpect): two turns whose token history only grows
-at the end (what a prefix cache needs), Ctrl-C cancelling a reply, Ctrl-C / Ctrl-D exiting.
+at the end (what a prefix cache needs), Ctrl-C cancelling a reply, Ctrl-C / Ctrl-D exiting, unknown
+commands, and the context rule (a reply budget trimmed to the room left, a full conversation refused).
 Tiny random model on CPU; every expect has a timeout."""
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import sys
 import pexpect
 import pytest
 
+from cli_fixtures import BEL, RESERVED, write_noisy_checkpoint
 from frontend_fixtures import IM_END, REPO, subprocess_env, write_tiny_chat_checkpoint
 from mtlqwen import load_tokenizer
+from mtlqwen.frontends.chat import DIM, RESET
 from mtlqwen.frontends.metrics import PREFIX_HIT_KEYS, first_stat
 from mtlqwen.runtime import Engine
 
@@ -119,3 +122,93 @@ def test_ctrl_c_cancels_the_reply_then_exits(endless_ckpt, tmp_path):
     assert len(turns) == 1 and turns[0]["turn"] == 1
     text = load_tokenizer(endless_ckpt).decode(turns[0]["prompt_ids"])
     assert text == "<|im_start|>user\nshort one<|im_end|>\n<|im_start|>assistant\n<think>\n"
+
+
+def test_unknown_commands_do_not_reach_the_model(ckpt, tmp_path):
+    log = tmp_path / "turns.jsonl"
+    child = spawn("--model", str(ckpt), "--max-tokens", "4", "--debug-token-log", str(log))
+    try:
+        child.expect(r"loading: +100%")  # the load's progress bar, on a terminal
+        child.expect_exact(PROMPT)
+        child.sendline("/bogus")
+        child.expect_exact("(unknown command '/bogus'; /help lists them)")
+        child.expect_exact(PROMPT)
+        child.sendline("/reset please")
+        child.expect_exact("(/reset takes no arguments; /help lists the commands)")
+        child.expect_exact(PROMPT)
+        child.sendline("//etc is a message")  # a leading // sends a message that starts with /
+        child.expect_exact(PROMPT)
+        child.sendline("/exit")
+        assert finish(child) == 0
+    finally:
+        child.terminate(force=True)
+    (t1,) = read_log(log)  # only the // line reached the model
+    text = load_tokenizer(ckpt).decode(t1["prompt_ids"])
+    assert text == "<|im_start|>user\n/etc is a message<|im_end|>\n<|im_start|>assistant\n<think>\n"
+
+
+def test_a_reply_budget_beyond_the_context_is_refused_at_start(ckpt):
+    child = spawn("--model", str(ckpt), "-m", "3000")
+    try:
+        assert finish(child) == 1
+    finally:
+        child.terminate(force=True)
+    out = child.before
+    assert ("mtlqwen chat: error: --max-tokens 3000 does not fit the model's context of 2048 tokens (the prompt "
+            "and the reply share it): use --max-tokens 2047 or less") in out
+    assert "commands:" not in out and PROMPT not in out  # refused before the banner
+
+
+def test_a_conversation_that_outgrows_the_context(endless_ckpt, tmp_path):
+    """The reply budget is trimmed to the room left (and says so); a conversation that fills the
+    context is refused with what to do (/reset), and after /reset the chat goes on."""
+    log = tmp_path / "turns.jsonl"
+    system = "s" * 1950
+    child = spawn("--model", str(endless_ckpt), "-m", "100", "--system-prompt", system, "--debug-token-log", str(log))
+    try:
+        child.expect_exact(PROMPT)
+        child.sendline("hi")
+        child.expect(r"\(reply limited to (\d+) tokens: the prompt \((\d+) tokens\) and the reply share the model's "
+                     r"context of 2048 tokens; /reset starts a new conversation\)")
+        room, prompt_tokens = int(child.match.group(1)), int(child.match.group(2))
+        child.expect_exact(PROMPT, timeout=60)
+        child.sendline("more")
+        child.expect(r"\(the prompt \((\d+) tokens\) fills the model's context of 2048 tokens: "
+                     r"/reset starts a new conversation\)")
+        assert int(child.match.group(1)) > 2048
+        child.expect_exact(PROMPT)
+        child.sendline("/reset")
+        child.expect_exact("(conversation cleared)")
+        child.expect_exact(PROMPT)
+        child.sendline("hi")
+        child.expect_exact("(reply limited to")
+        child.expect_exact(PROMPT, timeout=60)
+        child.sendline("/exit")
+        assert finish(child) == 0
+    finally:
+        child.terminate(force=True)
+    t1, t2 = read_log(log)  # the refused turn ran nothing
+    assert len(t1["prompt_ids"]) == prompt_tokens and room == 2048 - prompt_tokens < 100
+    assert len(t1["completion_ids"]) == room and t1["finish_reason"] == "length"
+    assert t2["prompt_ids"] == t1["prompt_ids"] and t2["turn"] == 2
+
+
+def test_replies_show_control_characters_and_hide_special_tokens(tmp_path):
+    noisy = write_noisy_checkpoint(tmp_path / "noisy")
+    log = tmp_path / "turns.jsonl"
+    child = spawn("--model", str(noisy), "--max-tokens", "16", "--debug-token-log", str(log))
+    try:
+        child.expect_exact(PROMPT)
+        child.sendline("hi")
+        child.expect_exact("hi\r\n")  # the terminal's echo of the line
+        child.expect_exact(PROMPT)
+        reply = child.before
+        child.sendline("/exit")
+        assert finish(child) == 0
+    finally:
+        child.terminate(force=True)
+    (t1,) = read_log(log)
+    bells, reserved = t1["completion_ids"].count(BEL), t1["completion_ids"].count(RESERVED)
+    assert bells + reserved == 16 and bells > 0 and reserved > 0
+    assert "\x07" not in reply and "reserved" not in reply
+    assert reply.replace(DIM, "").replace(RESET, "").strip() == "\u2407" * bells

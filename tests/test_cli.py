@@ -1,16 +1,25 @@
-"""The `mtlqwen` command line: the README's first command, generate on a checkpoint, convert, errors."""
+"""The `mtlqwen` command line: the README's first command, generate on a checkpoint, convert, errors
+(one format, before any banner; flags that cannot apply), the context rule, what generate prints
+(control characters made visible, special tokens hidden), --version and help for every flag."""
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
 import mtlqwen
-from frontend_fixtures import subprocess_env, write_tiny_chat_checkpoint
-from mtlqwen.cli import main
+from cli_fixtures import BEL, RESERVED, write_noisy_checkpoint
+from frontend_fixtures import SPECIALS, subprocess_env, write_tiny_chat_checkpoint
+from mtlqwen.cli import build_parser, main
+from mtlqwen.runtime import Engine, SamplingParams
+
+BANNER = "=" * 10
+CONTEXT = 2048  # the tiny checkpoint's max_position_embeddings
 
 
 def run_cli(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -38,6 +47,7 @@ def test_generate_on_a_checkpoint_applies_the_chat_template(ckpt):
     prompt_tokens = lambda out: int(out.split("Prompt: ")[1].split()[0])  # noqa: E731
     # the template wraps the message in role markers, so the templated prompt is longer
     assert prompt_tokens(r.stdout) > prompt_tokens(plain.stdout) == len("Hi there")
+    assert r.stderr == ""  # standard error is not a terminal: no progress bars
 
 
 def test_convert_then_generate_same_greedy_tokens(ckpt, tmp_path):
@@ -51,16 +61,97 @@ def test_convert_then_generate_same_greedy_tokens(ckpt, tmp_path):
     assert main(["convert", str(ckpt), str(out)]) == 1  # refuses to overwrite
 
 
+LONG = "a" * 2030  # 2030 byte tokens without the template: 18 left of the 2048-token context
+
+
 @pytest.mark.parametrize("args,msg", [
     (["generate", "--model", "/no/such/dir"], "no checkpoint directory"),
     (["generate", "--quantize", "3bit", "--model", "{ckpt}"], "unsupported quantization"),
-    (["generate", "--temp", "-1"], "temperature"),
+    (["generate", "--quantize", "3bit"], "--quantize needs --model"),
+    (["generate", "--quantize", "4bit"], "--quantize needs --model"),
+    (["chat", "--quantize", "8bit"], "--quantize needs --model"),
+    (["generate", "--temp", "-1"], "--temp: temperature must be 0 (greedy) or in [0.01, inf), got -1.0"),
+    (["chat", "--top-p", "0"], "--top-p: top_p must be in (0, 1], got 0.0"),
+    (["generate", "-m", "0"], "--max-tokens: max_tokens must be >= 1, got 0"),
     (["generate", "--model", "{ckpt}", "--chat-template-args", "{bad"], "not valid JSON"),
+    (["generate", "--model", "{ckpt}", "--ignore-chat-template", "--chat-template-args", "{bad"],
+     "--chat-template-args does not apply with --ignore-chat-template"),
+    (["generate", "--model", "{ckpt}", "--ignore-chat-template", "--system-prompt", "Be brief."],
+     "--system-prompt does not apply with --ignore-chat-template"),
+    (["generate", "--system-prompt", "Be brief."], "--system-prompt does not apply: this tokenizer has no chat template"),
+    (["generate", "--model", "{ckpt}", "-m", "3000"],
+     "--max-tokens 3000 does not fit the model's context of 2048 tokens (the prompt and the reply share it): "
+     "use --max-tokens 2047 or less"),
+    (["generate", "--model", "{ckpt}", "--ignore-chat-template", "-p", "b" * 2048],
+     "the prompt (2048 tokens) fills the model's context of 2048 tokens: shorten the prompt"),
+    (["chat", "--debug-token-log", "/no/such/dir/log.jsonl"], "No such file or directory"),
+    (["chat", "--prefix-interval", "-1"], "--prefix-interval must be >= 0"),
+    (["chat", "--model", "{ckpt}", "--top-k", "300"], "top_k must be <= the vocabulary size 272"),
+    (["generate", "--model", "{ckpt}", "--top-k", "300"], "top_k must be <= the vocabulary size 272"),
 ])
-def test_errors_are_one_line(args, msg, ckpt):
+def test_errors_are_one_line_before_any_banner(args, msg, ckpt):
     r = run_cli(*[a.replace("{ckpt}", str(ckpt)) for a in args])
-    assert r.returncode == 1
-    assert msg in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    command = args[0]
+    (error,) = r.stderr.splitlines()  # the error is the only line: no note, no progress
+    assert error.startswith(f"mtlqwen {command}: error: ") and msg in error, r.stderr
+    assert "Traceback" not in r.stderr
+    assert BANNER not in r.stdout and "commands:" not in r.stdout  # nothing was started
+
+
+def test_reply_budget_is_trimmed_to_the_context(tmp_path):
+    endless = write_tiny_chat_checkpoint(tmp_path / "endless", eos_reachable=False)
+    r = run_cli("generate", "--model", str(endless), "--ignore-chat-template", "-p", LONG, "-m", "100")
+    assert r.returncode == 0, r.stderr
+    assert ("mtlqwen generate: note: reply limited to 18 tokens: the prompt (2030 tokens) and the reply share "
+            "the model's context of 2048 tokens") in r.stderr
+    assert "Prompt: 2030 tokens" in r.stdout and "Generation: 18 tokens" in r.stdout
+
+
+@pytest.fixture(scope="module")
+def noisy_ckpt(tmp_path_factory):
+    return write_noisy_checkpoint(tmp_path_factory.mktemp("noisy"))
+
+
+def _completion(stdout: str) -> str:
+    return stdout.split(BANNER + "\n", 1)[1].rsplit("\n" + BANNER, 1)[0]
+
+
+def test_generate_escapes_control_characters_and_hides_special_tokens(noisy_ckpt):
+    assert SPECIALS[RESERVED - 256] == "<|reserved_3|>"
+    engine = Engine(mtlqwen.load(noisy_ckpt), slots=1)
+    (out,) = engine.generate([list(b"Hi")], SamplingParams(max_tokens=16))
+    bells, reserved = out.token_ids.count(BEL), out.token_ids.count(RESERVED)
+    assert bells + reserved == 16 and bells > 0 and reserved > 0  # the fixture makes both kinds
+
+    args = ("generate", "--model", str(noisy_ckpt), "--ignore-chat-template", "-p", "Hi", "-m", "16")
+    r = subprocess.run([sys.executable, "-m", "mtlqwen", *args], capture_output=True, timeout=180,
+                       env=subprocess_env())
+    assert r.returncode == 0, r.stderr
+    assert b"\x07" not in r.stdout  # the bell is shown as U+2407, never sent to the terminal
+    assert _completion(r.stdout.decode()) == "\u2407" * bells
+
+    shown = run_cli(*args, "--show-special-tokens")
+    assert shown.returncode == 0, shown.stderr
+    text = _completion(shown.stdout)
+    assert text.count("<|reserved_3|>") == reserved and text.count("\u2407") == bells
+    assert len(text) == bells + reserved * len("<|reserved_3|>")
+
+
+def test_version():
+    r = run_cli("--version")
+    assert r.returncode == 0
+    assert r.stdout.strip() == f"mtlqwen {mtlqwen.__version__} (mlx {mx.__version__})"
+
+
+def test_every_flag_has_help():
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = [f"{name} {a.dest}" for name, p in sub.choices.items() for a in p._actions
+               if not a.help and not isinstance(a, argparse._HelpAction)]
+    assert sorted(sub.choices) == ["chat", "convert", "generate", "serve"]
+    assert missing == []
+    assert all(a.help for a in parser._actions)
 
 
 def test_help_lists_commands():
@@ -92,3 +183,56 @@ def test_repo_id_goes_through_snapshot_download(monkeypatch, ckpt):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", failing)
     with pytest.raises(FileNotFoundError, match="someone/missing.*Repository Not Found"):
         mtlqwen.load("someone/missing")
+
+
+def test_no_frontend_imports_the_cli_module():
+    """cli.py assembles the parser from the front-ends; they share flags through frontends/args.py."""
+    import ast  # noqa: PLC0415
+    import pathlib  # noqa: PLC0415
+
+    frontends = pathlib.Path(mtlqwen.__file__).parent / "frontends"
+    package = ["mtlqwen", "frontends"]
+    imported = {}
+    for f in sorted(frontends.glob("*.py")):
+        names = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):  # resolve relative imports against mtlqwen.frontends
+                base = ".".join(package[: len(package) - node.level + 1] if node.level else [])
+                module = ".".join(p for p in (base, node.module or "") if p)
+                names |= {module} | {f"{module}.{a.name}" for a in node.names}
+        imported[f.name] = names
+    assert "mtlqwen.frontends.args.add_model_args" in imported["chat.py"]  # the resolution works
+    assert [name for name, names in imported.items() if "mtlqwen.cli" in names] == []
+
+
+def test_load_reports_progress_in_bytes(ckpt, monkeypatch):
+    """load(progress=) reports (done, total) bytes after each chunk of tensors; the weights are those of
+    a load without it."""
+    from mtlqwen.model import loading  # noqa: PLC0415
+
+    monkeypatch.setattr(loading, "EVAL_CHUNK_BYTES", 64 * 1024)  # the tiny checkpoint is ~0.9 MB: many chunks
+    calls = []
+    model = mtlqwen.load(ckpt, progress=lambda done, total: calls.append((done, total)))
+    total = sum(v.nbytes for v in model.weights.values())
+    assert calls[0] == (0, total) and calls[-1] == (total, total) and len(calls) > 5
+    assert all(t == total for _, t in calls) and [d for d, _ in calls] == sorted({d for d, _ in calls})
+    plain = mtlqwen.load(ckpt)
+    assert sorted(plain.weights) == sorted(model.weights)
+    assert all(np.array_equal(np.asarray(plain.weights[k]), np.asarray(model.weights[k])) for k in plain.weights)
+
+
+def test_first_ctrl_c_is_a_flag_the_second_interrupts():
+    import os  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+
+    from mtlqwen.frontends.terminal import Interrupt  # noqa: PLC0415
+
+    before = signal.getsignal(signal.SIGINT)
+    with Interrupt() as intr:
+        os.kill(os.getpid(), signal.SIGINT)  # the handler runs before kill() returns to Python code
+        assert intr.hit
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before  # the previous handler is back

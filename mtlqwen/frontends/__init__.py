@@ -1,2 +1,3 @@
-"""User-facing front-ends over the engine: `mtlqwen chat` (terminal chat) and `mtlqwen serve`
-(OpenAI-compatible HTTP server). Each module registers its subcommand with mtlqwen.cli."""
+"""User-facing front-ends over the engine: `mtlqwen generate` (one completion), `mtlqwen chat`
+(terminal chat) and `mtlqwen serve` (OpenAI-compatible HTTP server). Each module registers its
+subcommand with mtlqwen.cli; the flags they share are in args.py, terminal output in terminal.py."""

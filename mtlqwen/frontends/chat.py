@@ -12,22 +12,28 @@ Ctrl-C or Ctrl-D at the prompt exits.
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import json
-import signal
+import re
 import sys
 import time
 
-from ..cli import add_model_args, add_sampling_args, load_model_and_tokenizer, parse_template_args, sampling_from_args
+from .args import (
+    add_model_args, add_quiet_arg, add_sampling_args, check_max_tokens, check_model_args, fit_reply,
+    load_model_and_tokenizer, parse_template_args, sampling_from_args,
+)
 from .prompting import continuation, has_chat_template, render
-from .reasoning import ReasoningSplitter, prompt_opens_thinking
+from .reasoning import CLOSE, OPEN, ReasoningSplitter, prompt_opens_thinking
+from .terminal import Bar, Interrupt, PromptProgress, printable, progress_enabled, text_stream
 
 PROMPT = ">> "
 HELP = ("commands: /think and /no_think switch thinking for the next replies, /reset clears the "
-        "conversation, /help shows this, /exit (or Ctrl-D) quits; Ctrl-C stops a reply")
-# C0 controls (except newline and tab) and DEL shown as visible symbols: model text must not drive the terminal.
-_CONTROL = {c: 0x2400 + c for c in range(32) if c not in (9, 10)} | {0x7F: 0x2421}
+        "conversation, /help shows this, /exit (or Ctrl-D) quits; Ctrl-C stops a reply; "
+        "start a message with // to send one that begins with /")
+COMMANDS = ("/exit", "/quit", "/help", "/reset", "/think", "/no_think")
+COMMAND_LIKE = re.compile(r"/[A-Za-z_]+")  # a line whose first word looks like this is a command, not a message
 DIM, RESET = "\x1b[2m", "\x1b[0m"
+RESET_HINT = "/reset starts a new conversation"
 
 
 def register(subparsers) -> None:
@@ -45,6 +51,9 @@ def register(subparsers) -> None:
     c.add_argument("--verbose", "-v", action="store_true", help="print token counts and speed after each reply")
     c.add_argument("--debug-token-log", default=None, metavar="PATH",
                    help="debugging aid: append each turn's prompt and completion token ids (JSON lines) to PATH")
+    c.add_argument("--show-special-tokens", action="store_true",
+                   help="print special tokens (<|im_end|>, ...) in replies; hidden by default")
+    add_quiet_arg(c)
     c.set_defaults(func=cmd_chat)
 
 
@@ -83,32 +92,18 @@ class Conversation:
         self.end_text = self.tok.decode([last]) if last in self.eos_ids else ""
 
 
-class _Interrupt:
-    """SIGINT sets a flag while a reply streams (the engine is stepped to a safe point, never torn)."""
-
-    def __init__(self):
-        self.hit = False
-
-    def __enter__(self):
-        self.old = signal.signal(signal.SIGINT, self._on)
-        return self
-
-    def _on(self, *_):
-        self.hit = True
-
-    def __exit__(self, *exc):
-        signal.signal(signal.SIGINT, self.old)
-
-
 class _Printer:
-    """Streams reply text; thinking is dimmed on a terminal."""
+    """Streams reply tokens as text (special tokens hidden but for the thinking tags, unless asked
+    for); thinking is dimmed on a terminal."""
 
-    def __init__(self, out, in_reasoning: bool):
+    def __init__(self, out, in_reasoning: bool, stream):
         self.out, self.tty = out, out.isatty()
         self.split = ReasoningSplitter(in_reasoning)
+        self.stream = stream
         self.dim = False
 
-    def write(self, text: str, final: bool = False) -> None:
+    def write(self, token_ids: list[int], final: bool = False) -> None:
+        text = "".join(self.stream.add(t) for t in token_ids) + (self.stream.finish() if final else "")
         r, c = self.split.feed(text)
         if final:
             r2, c2 = self.split.finish()
@@ -125,55 +120,87 @@ class _Printer:
         if self.tty and reasoning != self.dim:
             self.out.write(DIM if reasoning else RESET)
         self.dim = reasoning
-        self.out.write(s.translate(_CONTROL))
+        self.out.write(printable(s))
 
 
-def _generate(engine, ids, sampling, printer: _Printer):
+def _generate(engine, ids, sampling, printer: _Printer, bars: bool):
     """Run one reply; returns (Output or None when cancelled by Ctrl-C)."""
-    with _Interrupt() as intr:
+    prompt_bar = PromptProgress(engine, len(ids), bars)
+    with Interrupt() as intr:
         rid = engine.submit(ids, sampling)
         while True:
             if intr.hit:
                 engine.cancel(rid)
                 while engine.has_work():  # let the in-flight step land; its tokens are dropped
                     engine.step()
-                printer.write("", final=True)
+                prompt_bar.close()
+                printer.write([], final=True)
                 return None
             for d in engine.step():
                 if d.request_id != rid:
                     continue
-                printer.write(d.text, final=d.finished)
+                prompt_bar.close()
+                printer.write(d.token_ids, final=d.finished)
                 if d.finished:
                     return d.output
+            prompt_bar.update()
 
 
 def _engine_kwargs(args) -> dict:
-    from ..runtime import Engine  # noqa: PLC0415
+    if args.prefix_interval is not None and args.prefix_interval < 0:
+        raise ValueError(f"--prefix-interval must be >= 0 (0 turns the prefix cache off), got {args.prefix_interval}")
+    return {"slots": 1} if args.prefix_interval is None else {"slots": 1, "prefix_interval": args.prefix_interval}
 
-    kw = {"slots": 1}
-    if args.prefix_interval is not None:
-        if "prefix_interval" not in inspect.signature(Engine.__init__).parameters:
-            raise ValueError("prefix caching not available in this build (--prefix-interval)")
-        kw["prefix_interval"] = args.prefix_interval
-    return kw
+
+def _command(text: str, convo: Conversation, thinking_switch: bool) -> bool | None:
+    """Run a /command line: True to quit, False when handled, None when the line is a message."""
+    word = text.split(maxsplit=1)[0]
+    if not COMMAND_LIKE.fullmatch(word):
+        return None
+    if word not in COMMANDS or word != text:
+        print(f"(unknown command {text!r:.40}; /help lists them)" if word not in COMMANDS
+              else f"({word} takes no arguments; /help lists the commands)")
+        return False
+    if text in ("/exit", "/quit"):
+        return True
+    if text == "/help":
+        print(HELP)
+    elif text == "/reset":
+        convo.reset()
+        print("(conversation cleared)")
+    elif not thinking_switch:
+        print("(this model's template has no thinking switch)")
+    else:
+        convo.kwargs["enable_thinking"] = text == "/think"
+        print(f"(thinking {'on' if text == '/think' else 'off'})")
+    return False
 
 
 def cmd_chat(args) -> int:
     from ..runtime import Engine  # noqa: PLC0415
 
+    check_model_args(args)
     kwargs = parse_template_args(args.chat_template_args)
     sampling = sampling_from_args(args)
     engine_kw = _engine_kwargs(args)
-    model, tok, note = load_model_and_tokenizer(args)
-    if note:
-        print(note, file=sys.stderr)
+    bars = progress_enabled(args.quiet)
+    load_bar = Bar("loading", enabled=bars)
+    try:
+        model, tok, note = load_model_and_tokenizer(args, progress=load_bar.update)
+    finally:
+        load_bar.close()
     engine = Engine(model, tokenizer=tok, **engine_kw)
+    context = engine.max_model_len
+    check_max_tokens(sampling.max_tokens, context)
+    sampling.check_vocab(engine.config.vocab_size)  # e.g. --top-k: refused now, not at every turn
     eos = set(getattr(engine, "eos", ())) | set(getattr(tok, "eos_token_ids", ()) or ())
     convo = Conversation(tok, args.system_prompt, kwargs, eos)
     thinking_switch = bool(getattr(tok, "has_thinking", False))
+    log = open(args.debug_token_log, "a", encoding="utf-8") if args.debug_token_log else None
+    if note:  # printed once nothing can fail any more: an error is the only line
+        print(note, file=sys.stderr)
     if not has_chat_template(tok):
         print("(no chat template in this tokenizer: using plain ChatML)", file=sys.stderr)
-    log = open(args.debug_token_log, "a", encoding="utf-8") if args.debug_token_log else None
     try:
         import readline  # noqa: F401,PLC0415  line editing and history for input()
     except ImportError:
@@ -190,29 +217,29 @@ def cmd_chat(args) -> int:
             text = line.strip()
             if not text:
                 continue
-            if text in ("/exit", "/quit"):
-                return 0
-            if text == "/help":
-                print(HELP)
-                continue
-            if text == "/reset":
-                convo.reset()
-                print("(conversation cleared)")
-                continue
-            if text in ("/think", "/no_think"):
-                if not thinking_switch:
-                    print("(this model's template has no thinking switch)")
+            if text.startswith("//"):  # a message that begins with "/"
+                line = line.lstrip()[1:]
+            else:
+                quit_now = _command(text, convo, thinking_switch)
+                if quit_now is not None:
+                    if quit_now:
+                        return 0
                     continue
-                convo.kwargs["enable_thinking"] = text == "/think"
-                print(f"(thinking {'on' if text == '/think' else 'off'})")
-                continue
             ids, new_text = convo.prompt_for(line)
-            printer = _Printer(sys.stdout, prompt_opens_thinking(new_text))
+            try:
+                max_tokens, trimmed = fit_reply(len(ids), sampling.max_tokens, context, RESET_HINT)
+            except ValueError as e:  # the conversation outgrew the context: the turn is not run
+                print(f"({e})")
+                continue
+            if trimmed:
+                print(f"({trimmed}; {RESET_HINT})")
+            stream = text_stream(tok, args.show_special_tokens, keep=(OPEN, CLOSE))
+            printer = _Printer(sys.stdout, prompt_opens_thinking(new_text), stream)
             t0 = time.perf_counter()
             try:
-                out = _generate(engine, ids, sampling, printer)
-            except ValueError as e:  # e.g. the conversation outgrew the context
-                print(f"\n(error: {e}; /reset starts a new conversation)")
+                out = _generate(engine, ids, dataclasses.replace(sampling, max_tokens=max_tokens), printer, bars)
+            except ValueError as e:  # a request the engine refuses (e.g. the KV pool is too small for it)
+                print(f"\n(error: {e})")
                 continue
             print()
             if out is None:

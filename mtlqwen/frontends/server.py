@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..cli import add_model_args, add_sampling_args, load_model_and_tokenizer, parse_template_args
+from .args import add_model_args, add_sampling_args, load_model_and_tokenizer, parse_template_args
 
 DEFAULT_PORT = 8080
 
@@ -43,7 +43,8 @@ def register(subparsers) -> None:
                    help='default chat template arguments, e.g. \'{"enable_thinking": false}\' '
                         "(a request's chat_template_kwargs override them)")
     add_sampling_args(s, max_tokens=512)  # defaults for requests that leave a field out
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="server and access log verbosity (default info)")
     s.add_argument("--debug-load-delay", type=float, default=0.0, metavar="SECONDS",
                    help="debugging aid: wait this long before loading the model (shows /health 'loading')")
     s.set_defaults(func=cmd_serve)

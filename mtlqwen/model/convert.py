@@ -38,30 +38,33 @@ def _shards(weights: dict[str, mx.array]) -> list[dict[str, mx.array]]:
     return shards
 
 
-def convert(src, dst, quantize=None, progress: bool = True) -> Path:
-    """Load `src` (directory or repo id), optionally quantize, and write an MLX checkpoint to `dst`."""
+def convert(src, dst, quantize=None, progress=None) -> Path:
+    """Load `src` (directory or repo id), optionally quantize, and write an MLX checkpoint to `dst`.
+    progress: called as progress(stage, done_bytes, total_bytes), stage "loading" then "writing"."""
     src_dir = resolve_model_path(src)
     dst = Path(dst)
     if dst.exists() and any(dst.iterdir()):
         raise FileExistsError(f"{dst} exists and is not empty; choose a new output directory")
-    model = load_model_dir(src_dir, quantize=quantize)
+    stage = (lambda name: (lambda done, total: progress(name, done, total))) if progress else (lambda name: None)
+    model = load_model_dir(src_dir, quantize=quantize, progress=stage("loading"))
     c = model.config
     dst.mkdir(parents=True, exist_ok=True)
     weights = dict(_external(k, v) for k, v in model.weights.items())
     shards = _shards(weights)
     n = len(shards)
-    weight_map = {}
-    it = enumerate(shards)
-    if progress and n > 1:
-        from tqdm import tqdm  # noqa: PLC0415
-
-        it = tqdm(it, total=n, desc="writing shards")
-    for i, shard in it:
+    total = sum(v.nbytes for v in weights.values())
+    weight_map, written = {}, 0
+    report = stage("writing")
+    if report:
+        report(0, total)
+    for i, shard in enumerate(shards):
         fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         mx.save_safetensors(str(dst / fname), shard, metadata={"format": "mlx"})
         weight_map.update({k: fname for k in shard})
+        written += sum(v.nbytes for v in shard.values())
+        if report:
+            report(written, total)
     if n > 1:
-        total = sum(v.nbytes for v in weights.values())
         (dst / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
         )

@@ -67,7 +67,31 @@ def _internal_overrides(config: Qwen35Config) -> None:
     config.quant_overrides = fixed
 
 
-def load_model_dir(model_dir: Path, quantize=None) -> Qwen35Model:
+EVAL_CHUNK_BYTES = 256 * 1024**2  # tensors materialised per mx.eval: a progress update every ~256 MiB
+
+
+def evaluate(weights: dict[str, mx.array], progress=None) -> None:
+    """mx.eval the (lazily loaded) tensors; with `progress`, in chunks, calling progress(done_bytes,
+    total_bytes) after each. Dict order keeps the halves of a split tensor in the same chunk."""
+    if progress is None:
+        mx.eval(weights)
+        return
+    total = sum(v.nbytes for v in weights.values())
+    done, chunk, size = 0, [], 0
+    progress(0, total)
+    for v in weights.values():
+        chunk.append(v)
+        size += v.nbytes
+        if size >= EVAL_CHUNK_BYTES:
+            mx.eval(chunk)
+            done, chunk, size = done + size, [], 0
+            progress(done, total)
+    if chunk:
+        mx.eval(chunk)
+        progress(total, total)
+
+
+def load_model_dir(model_dir: Path, quantize=None, progress=None) -> Qwen35Model:
     config = load_config(model_dir)
     _internal_overrides(config)
     weights = sanitize(read_safetensors(model_dir), config)
@@ -78,13 +102,14 @@ def load_model_dir(model_dir: Path, quantize=None) -> Qwen35Model:
         if config.quantization is not None:
             raise ConfigError("this checkpoint is already quantized; load it without quantize=")
         weights = quantize_weights(weights, config, parse_quantize_arg(quantize))
-    mx.eval(weights)
+    evaluate(weights, progress)
     return Qwen35Model(config, weights)
 
 
-def load(path_or_repo: str | Path, quantize=None) -> Qwen35Model:
+def load(path_or_repo: str | Path, quantize=None, progress=None) -> Qwen35Model:
     """Load a Qwen3.5 / 3.6 checkpoint: official Hugging Face layout or an mlx-lm conversion (possibly
-    quantized). `quantize="4bit"` / `"8bit"` / `(bits, group_size)` quantizes a float checkpoint at load."""
-    model = load_model_dir(resolve_model_path(path_or_repo), quantize=quantize)
+    quantized). `quantize="4bit"` / `"8bit"` / `(bits, group_size)` quantizes a float checkpoint at load.
+    progress: called as progress(done_bytes, total_bytes) while the tensors are read (see `evaluate`)."""
+    model = load_model_dir(resolve_model_path(path_or_repo), quantize=quantize, progress=progress)
     model.source = str(path_or_repo)
     return model

@@ -1,0 +1,113 @@
+"""Command-line arguments the front-ends share (generate, chat, serve): the model, quantization and
+sampling flags, their validation before anything is loaded, loading the model they name, and the
+context rule every front-end applies to a prompt and its reply budget.
+
+Front-ends import this module, never mtlqwen/cli.py (which only assembles the parser).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+MODEL_HELP = (
+    "a local checkpoint directory or a Hugging Face repo id (official Qwen3.5/3.6 layout or an "
+    "mlx-lm/mlx-community conversion, float or 4/8-bit)"
+)
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+    """The sampling flags shared by generate and chat (mlx-lm's names)."""
+    p.add_argument("--max-tokens", "-m", type=int, default=max_tokens, help=f"tokens to generate (default {max_tokens})")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability (default 0)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling (reproducible per request)")
+
+
+def add_model_args(p: argparse.ArgumentParser, required: bool = False) -> None:
+    p.add_argument("--model", required=required, default=None, help=MODEL_HELP)
+    p.add_argument("--quantize", default=None, metavar="SPEC",
+                   help="quantize a float checkpoint at load: 4bit, 8bit, or e.g. 4bit-g32 (groups 32/64/128); "
+                        "needs --model")
+
+
+def add_quiet_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bars (they are also off when standard error is not a terminal)")
+
+
+def check_model_args(args) -> None:
+    """Flags that cannot apply are errors, found before the model loads."""
+    if args.quantize is not None:
+        if args.model is None:
+            raise ValueError("--quantize needs --model (the built-in model is not quantized at load)")
+        from ..model.quantize import parse_quantize_arg  # noqa: PLC0415
+
+        parse_quantize_arg(args.quantize)
+
+
+def parse_template_args(text: str | None) -> dict:
+    """--chat-template-args: a JSON object of extra chat-template variables (e.g. enable_thinking)."""
+    if not text:
+        return {}
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--chat-template-args is not valid JSON: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError("--chat-template-args must be a JSON object")
+    return kwargs
+
+
+SAMPLING_FLAGS = {"temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
+                  "max_tokens": "--max-tokens", "seed": "--seed"}
+
+
+def sampling_from_args(args):
+    """SamplingParams from the flags; a value out of range fails here, before the model loads, and
+    the error names the flag as well as the field."""
+    from ..runtime import SamplingParams  # noqa: PLC0415
+
+    try:
+        return SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                              max_tokens=args.max_tokens, seed=args.seed)
+    except ValueError as e:
+        flag = SAMPLING_FLAGS.get(str(e).split(maxsplit=1)[0])
+        raise ValueError(f"{flag}: {e}" if flag else str(e)) from None
+
+
+def load_model_and_tokenizer(args, progress=None):
+    """(model, tokenizer, note): the checkpoint's, or the built-in random demo model with a byte tokenizer.
+    progress: called as progress(done_bytes, total_bytes) while the checkpoint's tensors load."""
+    if args.model is None:
+        from ..model.builtin import ByteTokenizer, random_model  # noqa: PLC0415
+
+        note = ("No --model given: running the small built-in Qwen3.5 model with RANDOM weights "
+                "(its text is meaningless; it shows the engine works). Pass --model for a real checkpoint.")
+        return random_model(), ByteTokenizer(), note
+    from .. import load, load_tokenizer  # noqa: PLC0415
+
+    model = load(args.model, quantize=args.quantize, progress=progress)
+    return model, load_tokenizer(args.model), None
+
+
+def check_max_tokens(max_tokens: int, context: int) -> None:
+    """A reply budget that no prompt leaves room for is refused at start-up."""
+    if max_tokens >= context:
+        raise ValueError(f"--max-tokens {max_tokens} does not fit the model's context of {context} tokens "
+                         f"(the prompt and the reply share it): use --max-tokens {context - 1} or less")
+
+
+def fit_reply(prompt_tokens: int, max_tokens: int, context: int, hint: str) -> tuple[int, str | None]:
+    """The context rule of the CLI front-ends: (max_tokens to ask for, a note when it was trimmed).
+    A prompt that fills the context is refused with `hint` (what the user can do about it); a reply
+    budget that overflows it is trimmed to the room left, and the note says so."""
+    room = context - prompt_tokens
+    if room < 1:
+        raise ValueError(f"the prompt ({prompt_tokens} tokens) fills the model's context of {context} tokens: {hint}")
+    if max_tokens <= room:
+        return max_tokens, None
+    return room, (f"reply limited to {room} tokens: the prompt ({prompt_tokens} tokens) and the reply share "
+                  f"the model's context of {context} tokens")

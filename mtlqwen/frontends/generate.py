@@ -1,0 +1,130 @@
+"""`mtlqwen generate`: one prompt, its completion streamed to the terminal, then mlx-lm's summary
+(prompt and generation tokens/s, peak memory).
+
+Every check that can fail runs before the `==========` banner, so an error is one line in the
+`mtlqwen generate: error: ...` format. The completion is printed without special tokens (unless
+--show-special-tokens) and with control characters made visible. Ctrl-C stops it at the next
+engine step, prints the summary of what was done, and exits with 130.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+from .args import (
+    add_model_args, add_quiet_arg, add_sampling_args, check_max_tokens, check_model_args, fit_reply,
+    load_model_and_tokenizer, parse_template_args, sampling_from_args,
+)
+from .prompting import has_chat_template
+from .terminal import Bar, Interrupt, PromptProgress, printable, progress_enabled, text_stream
+
+BANNER = "=" * 10
+INTERRUPTED = 130  # the shell's code for a process stopped by SIGINT
+
+
+def register(subparsers) -> None:
+    g = subparsers.add_parser("generate", help="generate a completion for one prompt and report tokens/s",
+                              description="Generate a completion. With no --model, a small random-weight model runs.")
+    add_model_args(g)
+    g.add_argument("--prompt", "-p", default="Hello, Qwen!", help="the prompt; '-' reads standard input")
+    g.add_argument("--system-prompt", default=None, help="system message for the chat template")
+    g.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as is, without the chat template")
+    g.add_argument("--chat-template-args", default=None, metavar="JSON",
+                   help='extra chat template arguments, e.g. \'{"enable_thinking": false}\'')
+    add_sampling_args(g, max_tokens=100)
+    g.add_argument("--show-special-tokens", action="store_true",
+                   help="print special tokens (<|im_end|>, ...) in the completion; hidden by default")
+    add_quiet_arg(g)
+    g.set_defaults(func=cmd_generate)
+
+
+def _read_prompt(p: str) -> str:
+    return sys.stdin.read() if p == "-" else p.replace("\\n", "\n").replace("\\t", "\t")
+
+
+def _template_flags(args) -> list[str]:
+    return [f for f, v in (("--system-prompt", args.system_prompt), ("--chat-template-args", args.chat_template_args))
+            if v is not None]
+
+
+def _prompt_ids(args, tok, prompt: str, template_kwargs: dict) -> list[int]:
+    if args.ignore_chat_template or not has_chat_template(tok):
+        if _template_flags(args):
+            raise ValueError(f"{_template_flags(args)[0]} does not apply: this tokenizer has no chat template")
+        return list(tok.encode(prompt))
+    messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+    messages.append({"role": "user", "content": prompt})
+    return list(tok.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs))
+
+
+def cmd_generate(args) -> int:
+    import mlx.core as mx  # noqa: PLC0415
+
+    from ..runtime import Engine  # noqa: PLC0415
+
+    check_model_args(args)
+    if args.ignore_chat_template and _template_flags(args):
+        raise ValueError(f"{_template_flags(args)[0]} does not apply with --ignore-chat-template")
+    template_kwargs = parse_template_args(args.chat_template_args)
+    sampling = sampling_from_args(args)
+    prompt = _read_prompt(args.prompt)
+    bars = progress_enabled(args.quiet)
+    load_bar = Bar("loading", enabled=bars)
+    try:
+        model, tok, note = load_model_and_tokenizer(args, progress=load_bar.update)
+    finally:
+        load_bar.close()
+    ids = _prompt_ids(args, tok, prompt, template_kwargs)
+    engine = Engine(model, tokenizer=tok, slots=1)
+    check_max_tokens(sampling.max_tokens, engine.max_model_len)
+    max_tokens, trimmed = fit_reply(len(ids), sampling.max_tokens, engine.max_model_len,
+                                    "shorten the prompt")
+    if trimmed:
+        print(f"mtlqwen generate: note: {trimmed}", file=sys.stderr)
+    rid = engine.submit(ids, dataclasses.replace(sampling, max_tokens=max_tokens))
+    if note:  # printed once nothing can fail any more: an error is the only line
+        print(note, file=sys.stderr)
+
+    stream = text_stream(tok, args.show_special_tokens)
+    prompt_bar = PromptProgress(engine, len(ids), bars)
+    prefill0 = engine.counters["prefill_tokens"]
+    t0 = time.perf_counter()
+    out, cancelled = None, False
+    print(BANNER, flush=True)
+    with Interrupt() as intr:
+        while out is None:
+            if intr.hit and not cancelled:
+                cancelled = engine.cancel(rid)  # the next step reports it; tokens in flight are dropped
+            for d in engine.step():
+                if d.request_id != rid:
+                    continue
+                if d.token_ids:
+                    prompt_bar.close()
+                text = "".join(stream.add(t) for t in d.token_ids)
+                if d.finished:
+                    text += stream.finish()
+                    out = d.output
+                sys.stdout.write(printable(text))
+                sys.stdout.flush()
+            prompt_bar.update()
+    prompt_bar.close()
+    print("\n" + BANNER)
+    if out.finish_reason == "error":
+        print(f"mtlqwen generate: error: {out.error}", file=sys.stderr)
+        return 1
+    total = time.perf_counter() - t0
+    n = len(out.token_ids)
+    if out.ttft is not None:
+        print(f"Prompt: {out.prompt_tokens} tokens, {out.prompt_tokens / max(out.ttft, 1e-9):.3f} tokens-per-sec")
+    else:  # interrupted before the first token: the chunks launched so far
+        done = min(engine.counters["prefill_tokens"] - prefill0, out.prompt_tokens)
+        print(f"Prompt: {done} of {out.prompt_tokens} tokens, {done / max(total, 1e-9):.3f} tokens-per-sec")
+    gen_time = max(total - (out.ttft or total), 1e-9)
+    print(f"Generation: {n} tokens, {max(n - 1, 0) / gen_time:.3f} tokens-per-sec")
+    print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
+    if out.finish_reason == "cancelled":
+        print("mtlqwen generate: interrupted (Ctrl-C)", file=sys.stderr)
+        return INTERRUPTED
+    return 0
