@@ -101,6 +101,14 @@ class EngineLoop:
         self._inbox.put(("wake", None))
         self._thread.join(timeout)
 
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """fn(engine) run on the engine thread between steps (operator actions such as clearing the
+        prefix cache); its result, or its exception re-raised here."""
+        aloop = asyncio.get_running_loop()
+        future = aloop.create_future()
+        self._inbox.put(("call", (fn, aloop, future)))
+        return await future
+
     def submit(self, request_id: str, prompt_ids: list[int], params) -> RequestHandle:
         """Queue a request (call from the event loop). The handle's first item says whether it ran."""
         handle = RequestHandle(request_id, self)
@@ -164,6 +172,23 @@ class EngineLoop:
             self._sinks[rid] = sink
             self.metrics.on_admitted(len(ids))
             self._post(sink, Accepted())
+        elif op == "call":
+            fn, aloop, future = arg
+            try:
+                result, error = fn(self.engine), None
+            except Exception as e:  # handed to the caller, the engine goes on
+                result, error = None, e
+            self.stats = self.engine.stats()
+
+            def settle():
+                if future.done():
+                    return
+                future.set_exception(error) if error is not None else future.set_result(result)
+
+            try:
+                aloop.call_soon_threadsafe(settle)
+            except RuntimeError:
+                pass  # the event loop is closed
         elif op == "cancel":
             sink = self._sinks.pop(arg, None)
             if sink is not None:

@@ -125,6 +125,10 @@ class Metrics:
             ("kv_blocks_used", "KV block bundles in use.", used),
             ("kv_blocks_total", "KV block bundles in the pool.", total_blocks),
             ("num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks.", stats.get("preemptions", 0)),
+            ("prefix_cache_entries", "Prefix-cache entries (snapshots of a prompt prefix).", stats.get("prefix_entries", 0)),
+            ("prefix_cache_bytes", "Bytes held by prefix-cache snapshots.", stats.get("prefix_bytes", 0)),
+            ("prefix_cache_blocks", "KV blocks held only by the prefix cache (counted in kv_blocks_used; "
+             "POST /reset_prefix_cache frees them).", stats.get("prefix_blocks", 0)),
         ]
         out: list[str] = []
         for name, help_, v in gauges:
