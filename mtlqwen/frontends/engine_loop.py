@@ -127,7 +127,8 @@ class EngineLoop:
             self.state = "ok"
             log.info("model loaded; serving")
         except Exception as e:  # a load error ends the server with one clear line
-            self.error = f"{type(e).__name__}: {e}"
+            # bad flags or paths read as the CLI's errors do; anything else names its type
+            self.error = str(e) if isinstance(e, (ValueError, FileNotFoundError)) else f"{type(e).__name__}: {e}"
             self.state = "failed"
             log.error("model load failed: %s", self.error)
             if self.on_load_error:
