@@ -105,25 +105,34 @@ class _Escaper:
 def render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True, *,
                literal_content: bool = True, **template_kwargs) -> tuple[list[int], str]:
     """(prompt token ids, prompt text). With literal_content, special-token strings inside the messages
-    are tokenized as the characters they are (the template's own special tokens stay control tokens);
-    otherwise the rendered text is tokenized whole, as transformers does."""
+    are tokenized as the characters they are, while the ones the template writes stay control tokens;
+    otherwise the rendered text is tokenized whole, as transformers does.
+
+    The template renders messages whose special-token strings are placeholders; the result is cut at
+    the special tokens left (the template's own), and each stretch between two of them, placeholders
+    restored, is tokenized as plain text: exactly the tokens of the rendered text had the message's
+    specials been ordinary characters."""
     specials = tuple(getattr(tokenizer, "special_token_strings", ()))
     if not literal_content or not specials:
         text = render(tokenizer, messages, add_generation_prompt, **template_kwargs)
         return list(tokenizer.encode(text)), text
     esc = _Escaper(specials)
     marked = render(tokenizer, esc.messages(messages), add_generation_prompt, **template_kwargs)
+
+    def restore(chunk: str) -> str:
+        return _PLACEHOLDER.sub(lambda m: esc.literals[int(m.group(1))] if int(m.group(1)) < len(esc.literals)
+                                else m.group(0), chunk)
+
     ids: list[int] = []
     text: list[str] = []
     pos = 0
-    for m in _PLACEHOLDER.finditer(marked):
-        n = int(m.group(1))
-        if n >= len(esc.literals):  # not one of ours (a template cannot write MARK, but be exact)
-            continue
-        ids += tokenizer.encode(marked[pos:m.start()])
-        ids += tokenizer.encode_literal(esc.literals[n])
-        text += [marked[pos:m.start()], esc.literals[n]]
+    for m in re.finditer("|".join(map(re.escape, specials)), marked):
+        chunk = restore(marked[pos:m.start()])
+        ids += tokenizer.encode_literal(chunk) if chunk else []
+        ids.append(tokenizer.token_to_id(m.group(0)))
+        text += [chunk, m.group(0)]
         pos = m.end()
-    ids += tokenizer.encode(marked[pos:])
-    text.append(marked[pos:])
+    chunk = restore(marked[pos:])
+    ids += tokenizer.encode_literal(chunk) if chunk else []
+    text.append(chunk)
     return ids, "".join(text)
