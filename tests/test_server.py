@@ -9,7 +9,6 @@ killed at the end of the module.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import re
 import subprocess
@@ -21,7 +20,6 @@ import openai
 import pytest
 
 from frontend_fixtures import REPO, ServerProcess, free_port, subprocess_env, write_tiny_chat_checkpoint
-from mtlqwen.runtime import Engine
 
 TIMEOUT = httpx.Timeout(30.0)
 KEY = "test-key-123"
@@ -329,6 +327,3 @@ def test_startup_errors_are_one_line(ckpt):
     r = serve("--model", "/nonexistent/checkpoint")
     assert r.returncode == 1 and "mtlqwen serve: error: no checkpoint directory" in r.stderr
     assert "Traceback" not in r.stderr
-    if "draft" not in inspect.signature(Engine.__init__).parameters:
-        r = serve("--model", str(ckpt), "--draft", str(ckpt))
-        assert r.returncode == 1 and "speculative decoding not available in this build" in r.stderr, r.stderr

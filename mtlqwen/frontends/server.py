@@ -9,7 +9,6 @@ loads, so a port in use is one clear error and nothing is loaded.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import socket
@@ -74,14 +73,7 @@ def register(subparsers) -> None:
 
 
 def _engine_kwargs(args) -> dict:
-    """Engine arguments; optional features are passed only when this build's Engine takes them."""
-    from ..runtime import Engine  # noqa: PLC0415
-
-    accepted = inspect.signature(Engine.__init__).parameters
-    if args.draft is not None and "draft" not in accepted:
-        raise ValueError("speculative decoding not available in this build (--draft)")
-    if args.prefix_interval is not None and "prefix_interval" not in accepted:
-        raise ValueError("prefix caching not available in this build (--prefix-interval)")
+    """Engine arguments from the flags (those left unset keep the engine's defaults)."""
     kw = dict(slots=args.slots, step_tokens=args.step_tokens, block_tokens=args.block_tokens)
     for name in ("num_blocks", "max_model_len", "prefix_interval", "draft"):
         v = getattr(args, name)
