@@ -17,6 +17,7 @@ import sys
 import time
 
 import httpx
+import openai
 import pytest
 
 from frontend_fixtures import (IM_END, REPO, VOCAB, ServerProcess, app_for, free_port, subprocess_env, wait_ok,
@@ -89,6 +90,10 @@ def test_served_names_aliases_and_404(srv):
     err = error_of(post(srv, "/v1/chat/completions", {**CHAT, "model": "gpt-4o"}), 404)
     assert err["code"] == "model_not_found" and err["param"] == "model"
     assert "tiny, tiny-alias" in err["message"]
+    oc = openai.OpenAI(base_url=srv.base + "/v1", api_key=KEY, max_retries=0, timeout=30.0)
+    with pytest.raises(openai.NotFoundError, match="tiny, tiny-alias"):
+        oc.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
+    assert oc.completions.create(model="tiny-alias", prompt="ab", max_tokens=2).usage.completion_tokens == 2
 
 
 def test_default_names_are_checkpoint_and_default(ckpt):
@@ -323,9 +328,9 @@ def test_every_serve_flag_has_help():
 
     from mtlqwen.frontends import server
 
-    parser = argparse.ArgumentParser()
-    server.register(parser.add_subparsers())
-    serve = parser._subparsers._group_actions[0].choices["serve"]
+    sub = argparse.ArgumentParser().add_subparsers()
+    server.register(sub)
+    serve = sub.choices["serve"]
     missing = [a.option_strings for a in serve._actions if a.option_strings and not a.help]
     assert missing == []
 
@@ -393,3 +398,22 @@ def test_template_rendering_is_time_bounded(ckpt):
         quick = "{% for m in messages %}{{ m.content }}{% endfor %}"
         r = c.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": {"chat_template": quick}})
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len("hi")
+
+
+class CrashingEngine(FailingEngine):
+    """An engine whose step raises outright (a failure the engine could not pin on requests)."""
+
+    def step(self):
+        raise RuntimeError("injected crash in the forward")
+
+
+def test_an_engine_crash_answers_every_request_and_health(ckpt):
+    from starlette.testclient import TestClient
+
+    with TestClient(app_for(ckpt, wrap_engine=CrashingEngine)) as c:
+        wait_ok(c)
+        err = error_of(c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2}), 500)
+        assert err["message"] == "engine failed: RuntimeError: injected crash in the forward"
+        health = c.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "error"
+        assert error_of(c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2}), 503)["type"] == "server_error"

@@ -224,6 +224,7 @@ ROUTES = [
 
 
 async def http_error(request: Request, exc: HTTPException) -> Response:
+    state(request).metrics.on_rejected(exc.status_code)  # unknown paths and methods are refusals too
     return error_response(oa.APIError(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code,
                                       code="not_found" if exc.status_code == 404 else None))
 
