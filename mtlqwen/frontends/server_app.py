@@ -127,7 +127,8 @@ async def generate(request: Request, kind: str) -> Response:
     first = await handle.next()
     if not isinstance(first, Accepted):
         err = failure(first)
-        err.param = err.param or ("messages" if kind == "chat" else "prompt")
+        if err.status < 500:  # the engine refused what the request asked (too long for the pool, ids...)
+            err.param = err.param or ("messages" if kind == "chat" else "prompt")
         raise err
     fmt = Formatter(kind, rid, st.cfg.model_name, in_reasoning, req.include_usage)
     if req.stream:
