@@ -109,3 +109,43 @@ def test_reset_needs_a_keyed_server(ckpt):
         wait_ok(c)
         r = c.post("/reset_prefix_cache")
         assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
+
+
+def test_slow_rendering_does_not_block_the_event_loop(ckpt):
+    """While one request's template renders for its full time limit, the event loop answers /health at
+    once and another client's completion runs (same loop: httpx's ASGI transport, no threads of ours)."""
+    import asyncio
+
+    import httpx
+
+    slow = "{% for i in range(3000) %}{% for j in range(3000) %}x{% endfor %}{% endfor %}"
+    app = app_for(ckpt, trust_request_template=True, template_timeout_s=2.0)
+    loop = app.state.server.loop
+    loop.start()
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://in-process",
+                                     timeout=30) as ac:
+            deadline = time.monotonic() + 60
+            while (await ac.get("/health")).status_code != 200:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            t0 = time.monotonic()
+            stuck = asyncio.ensure_future(ac.post("/v1/chat/completions", json={
+                **CHAT, "chat_template_kwargs": {"chat_template": slow}}))
+            await asyncio.sleep(0.2)
+            h0 = time.monotonic()
+            health = await ac.get("/health")
+            health_s = time.monotonic() - h0
+            other = await ac.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2})
+            other_done = time.monotonic() - t0
+            r = await stuck
+            return health, health_s, other, other_done, r, time.monotonic() - t0
+
+    try:
+        health, health_s, other, other_done, r, total = asyncio.run(scenario())
+    finally:
+        loop.stop()
+    assert health.status_code == 200 and health_s < 0.5, health_s
+    assert other.status_code == 200 and other_done < total, (other_done, total)
+    assert error_of(r, 400)["code"] == "template_timeout" and 2.0 <= total < 6, total
