@@ -196,8 +196,8 @@ class Tokenizer:
     def max_token_bytes(self) -> int:
         """The most UTF-8 bytes one token stands for: a text of n bytes has at least n / this many tokens."""
         if self._max_token_bytes is None:
-            vocab = self.backend.get_vocab(with_added_tokens=True)
-            self._max_token_bytes = max([len(self.token_bytes(i)) for i in vocab.values()] + [1])
+            vocab = self.backend.get_vocab(with_added_tokens=True)  # not memoised per id: 250k entries
+            self._max_token_bytes = max([len(_byte_level_bytes(t)) for t in vocab] + [1])
         return self._max_token_bytes
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
