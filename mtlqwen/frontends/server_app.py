@@ -119,6 +119,7 @@ async def generate(request: Request, kind: str) -> Response:
     req = await run_in_threadpool(st.parse, raw, kind)
     st.check_model(req.model)
     st.ready()
+    st.check_capacity()  # before the work of tokenising, and again once it is done
     ids, in_reasoning = await run_in_threadpool(st.prompts.prompt_ids, req)
     params = st.prompts.sampling_params(req, len(ids))
     st.check_capacity()
