@@ -15,8 +15,8 @@ import socket
 import sys
 from pathlib import Path
 
-from .request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from ..cli import add_model_args, add_sampling_args, load_model_and_tokenizer, parse_template_args
+from .request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 
 DEFAULT_PORT = 8080
 BUILTIN_NAME = "mtlqwen-builtin-random"
