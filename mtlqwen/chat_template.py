@@ -3,12 +3,20 @@
 Checkpoint templates are written against transformers' environment, so we mirror its observable
 behaviour: sandboxed, `trim_blocks`/`lstrip_blocks`, loop controls, a `raise_exception` global, a
 `strftime_now` global, a `tojson` filter that is plain `json.dumps`, and a no-op `{% generation %}` tag.
+
+Rendering can be bounded (`render_time_limit`): a template is code, and one sent by a client (or a
+conversation that makes a slow template loop) must not hold a server thread without end. Repetition
+operators that build a huge value in one C call (`'x' * 10**10`, `9 ** 9 ** 9`) are refused outright.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import sys
+import time
+from contextlib import contextmanager
 from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
@@ -43,10 +51,63 @@ class _GenerationTag(Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
+# One repetition (`s * n`, `'%9999s' % x`) builds at most this many items: real templates stay far below.
+MAX_REPEAT_ITEMS = 1 << 20
+MAX_POWER_EXPONENT = 256
+_FORMAT_WIDTH = re.compile(r"%[#0\- +]*(\*|\d*)(?:\.(\*|\d*))?")
+
+
+class TemplateTimeout(jinja2.exceptions.TemplateError):
+    """Rendering ran past its time limit."""
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, with the operators that can build an unbounded value in a single step checked."""
+
+    intercepted_binops = frozenset({"*", "**", "%"})
+
+    def call_binop(self, context, operator: str, left, right):
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_REPEAT_ITEMS:
+                    raise jinja2.exceptions.SecurityError(f"template repetition of {len(seq) * n} items refused")
+        elif operator == "**":
+            if isinstance(left, int) and isinstance(right, int) and abs(right) > MAX_POWER_EXPONENT:
+                raise jinja2.exceptions.SecurityError(f"template power with exponent {right} refused")
+        elif operator == "%" and isinstance(left, str):
+            for width, precision in _FORMAT_WIDTH.findall(left):
+                if "*" in (width, precision) or int(width or 0) > MAX_REPEAT_ITEMS or int(precision or 0) > MAX_REPEAT_ITEMS:
+                    raise jinja2.exceptions.SecurityError("template %-format width refused")
+        return super().call_binop(context, operator, left, right)
+
+
+@contextmanager
+def render_time_limit(seconds: float | None):
+    """Within the block, Python code of compiled templates on this thread raises TemplateTimeout once
+    `seconds` have passed (None: no limit). A line tracer checks the clock; it is installed only for
+    this thread and only while the block runs, and it traces template frames alone (cheap elsewhere)."""
+    if seconds is None:
+        yield
+        return
+    deadline = time.monotonic() + seconds
+
+    def check(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise TemplateTimeout(f"the chat template took longer than {seconds:g} s to render")
+        return check if frame.f_code.co_filename == "<template>" else None
+
+    previous = sys.gettrace()
+    sys.settrace(check)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+
+
 @lru_cache(maxsize=32)
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile once per distinct template source (servers render the same template per request)."""
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
     )
     env.filters["tojson"] = _tojson

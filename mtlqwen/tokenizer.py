@@ -124,6 +124,8 @@ class Tokenizer:
             i for i, t in backend.get_added_tokens_decoder().items() if t.special
         )
         self._token_bytes: dict[int, bytes] = {}
+        self._literal_backend: tokenizers.Tokenizer | None = None  # built on first encode_literal
+        self._max_token_bytes: int | None = None
 
     @classmethod
     def from_dir(cls, ckpt: str | os.PathLike) -> "Tokenizer":
@@ -173,6 +175,30 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Special-token strings in `text` (e.g. `<|im_start|>`) become their ids, as in HF."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_literal(self, text: str) -> list[int]:
+        """`text` read as plain text: a special-token string in it (`<|im_end|>`) gives the tokens of its
+        characters, never the control token. For user-supplied content inside a chat prompt."""
+        if self._literal_backend is None:
+            # a copy with the switch set: flipping it on the shared backend would race other threads' encodes
+            literal = tokenizers.Tokenizer.from_str(self.backend.to_str())
+            literal.encode_special_tokens = True
+            self._literal_backend = literal
+        return self._literal_backend.encode(text, add_special_tokens=False).ids
+
+    @property
+    def special_token_strings(self) -> tuple[str, ...]:
+        """The text of every special token, longest first (so a longer one is matched before its prefix)."""
+        found = (self.id_to_token(i) for i in self.special_token_ids)
+        return tuple(sorted((t for t in found if t), key=len, reverse=True))
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token stands for: a text of n bytes has at least n / this many tokens."""
+        if self._max_token_bytes is None:
+            vocab = self.backend.get_vocab(with_added_tokens=True)  # not memoised per id: 250k entries
+            self._max_token_bytes = max([len(_byte_level_bytes(t)) for t in vocab] + [1])
+        return self._max_token_bytes
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

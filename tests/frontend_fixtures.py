@@ -79,6 +79,34 @@ def write_tiny_chat_checkpoint(dest: pathlib.Path, seed: int = 0, eos_reachable:
     return dest
 
 
+# ---- the server app in process (starlette's TestClient)
+
+def app_for(ckpt: pathlib.Path, api_key: str | None = None, wrap_engine=None, **cfg):
+    """The serve app over a 2-slot engine on `ckpt`; wrap_engine(engine) may stand in for the engine."""
+    from mtlqwen.frontends.engine_loop import EngineLoop
+    from mtlqwen.frontends.metrics import Metrics
+    from mtlqwen.frontends.server_app import ServerConfig, build_app
+    from mtlqwen.runtime import Engine
+    from mtlqwen.tokenizer import load_tokenizer
+
+    def build():
+        tok = load_tokenizer(ckpt)
+        engine = Engine(str(ckpt), tokenizer=tok, slots=2, num_blocks=32, block_tokens=16)
+        return (wrap_engine(engine) if wrap_engine else engine), tok
+
+    loop = EngineLoop(build, Metrics("tiny"))
+    return build_app(loop, ServerConfig(served_names=("tiny",), slots=2, api_key=api_key, **cfg))
+
+
+def wait_ok(client, timeout: float = 60.0) -> None:
+    """Until the in-process app's /health says ok (its model loads on the engine thread)."""
+    deadline = time.monotonic() + timeout
+    while client.get("/health").status_code != 200:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not healthy after {timeout}s: {client.get('/health').text}")
+        time.sleep(0.05)
+
+
 # ---- a real server process on loopback
 
 def free_port() -> int:

@@ -9,7 +9,6 @@ killed at the end of the module.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import re
 import subprocess
@@ -21,7 +20,6 @@ import openai
 import pytest
 
 from frontend_fixtures import REPO, ServerProcess, free_port, subprocess_env, write_tiny_chat_checkpoint
-from mtlqwen.runtime import Engine
 
 TIMEOUT = httpx.Timeout(30.0)
 KEY = "test-key-123"
@@ -249,7 +247,6 @@ def test_client_disconnect_frees_slot_and_blocks(server):
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0]"),
-    ({"max_tokens": 5000}, "messages"),  # over the 2048-token context
     ({"messages": [{"role": "user", "content": "x" * 3000}]}, "messages"),
 ])
 def test_bad_chat_requests_get_400(server, patch, param):
@@ -294,7 +291,7 @@ def test_api_key_required_except_health(guarded):
     assert_error(httpx.post(b + "/v1/completions", json={"prompt": "x"}, timeout=TIMEOUT), 401)
     with pytest.raises(openai.AuthenticationError):
         client(b, "wrong").models.list()
-    r = client(b, KEY).completions.create(model="m", prompt="hello", max_tokens=2)
+    r = client(b, KEY).completions.create(model="default", prompt="hello", max_tokens=2)
     assert r.usage.completion_tokens >= 1
 
 
@@ -309,9 +306,9 @@ def test_queue_full_answers_429_then_recovers(guarded):
                 assert waiting.status_code == 200  # accepted into the one waiting place
                 r = httpx.post(b + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=h, timeout=TIMEOUT)
                 err = assert_error(r, 429)
-                assert err["type"] == "rate_limit_error"
+                assert err["type"] == "rate_limit_error" and r.headers["retry-after"] == "1"
                 with pytest.raises(openai.RateLimitError):
-                    client(b, KEY).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+                    client(b, KEY).chat.completions.create(model="default", messages=[{"role": "user", "content": "x"}])
     deadline = time.monotonic() + 10
     while metric(b, "kv_blocks_used", headers=h) > 0:
         assert time.monotonic() < deadline
@@ -330,6 +327,3 @@ def test_startup_errors_are_one_line(ckpt):
     r = serve("--model", "/nonexistent/checkpoint")
     assert r.returncode == 1 and "mtlqwen serve: error: no checkpoint directory" in r.stderr
     assert "Traceback" not in r.stderr
-    if "draft" not in inspect.signature(Engine.__init__).parameters:
-        r = serve("--model", str(ckpt), "--draft", str(ckpt))
-        assert r.returncode == 1 and "speculative decoding not available in this build" in r.stderr, r.stderr

@@ -90,6 +90,7 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._stop = threading.Event()
+        self._handover = threading.Lock()  # orders submit() against the engine thread's death
         self._thread = threading.Thread(target=self._run, name="mtlqwen-engine", daemon=True)
 
     # ---- asyncio side
@@ -101,12 +102,27 @@ class EngineLoop:
         self._inbox.put(("wake", None))
         self._thread.join(timeout)
 
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """fn(engine) run on the engine thread between steps (operator actions such as clearing the
+        prefix cache); its result, or its exception re-raised here."""
+        aloop = asyncio.get_running_loop()
+        future = aloop.create_future()
+        with self._handover:
+            if self.state != "ok":
+                raise RuntimeError(f"the engine is not running: {self.error or self.state}")
+            self._inbox.put(("call", (fn, aloop, future)))
+        return await future
+
     def submit(self, request_id: str, prompt_ids: list[int], params) -> RequestHandle:
         """Queue a request (call from the event loop). The handle's first item says whether it ran."""
         handle = RequestHandle(request_id, self)
         self.live += 1
         sink = _Sink(asyncio.get_running_loop(), handle.queue, time.perf_counter(), len(prompt_ids))
-        self._inbox.put(("submit", (request_id, prompt_ids, params, sink)))
+        with self._handover:
+            if self.state == "failed":
+                handle.queue.put_nowait(Failed(self.error or "the engine is not running", 503))
+            else:
+                self._inbox.put(("submit", (request_id, prompt_ids, params, sink)))
         return handle
 
     # ---- engine thread
@@ -119,7 +135,8 @@ class EngineLoop:
             self.state = "ok"
             log.info("model loaded; serving")
         except Exception as e:  # a load error ends the server with one clear line
-            self.error = f"{type(e).__name__}: {e}"
+            # bad flags or paths read as the CLI's errors do; anything else names its type
+            self.error = str(e) if isinstance(e, (ValueError, FileNotFoundError)) else f"{type(e).__name__}: {e}"
             self.state = "failed"
             log.error("model load failed: %s", self.error)
             if self.on_load_error:
@@ -127,13 +144,17 @@ class EngineLoop:
             return
         engine = self.engine
         while not self._stop.is_set():
-            self._drain(block=not engine.has_work())
+            try:
+                self._drain(block=not engine.has_work())
+            except Exception as e:  # a cancel the engine choked on: fail everyone loudly rather than hang them
+                self._die(e)
+                return
             if self._stop.is_set():
                 break
             if engine.has_work():
                 try:
                     deltas = engine.step()
-                except Exception as e:  # an engine bug: fail everyone loudly rather than hang them
+                except Exception as e:  # an engine bug the engine did not pin on requests: the same
                     self._die(e)
                     return
                 now = time.perf_counter()
@@ -158,12 +179,33 @@ class EngineLoop:
             rid, ids, params, sink = arg
             try:
                 self.engine.submit(ids, params, request_id=rid)
-            except (ValueError, TypeError) as e:
+            except (ValueError, TypeError) as e:  # the request can never run: the client's to fix
                 self._post(sink, Failed(str(e), 400))
+                return
+            except Exception as e:  # the engine could not take it: this request fails, the loop goes on
+                log.error("submit of %s failed\n%s", rid, traceback.format_exc())
+                self._post(sink, Failed(f"the engine could not take the request: {type(e).__name__}: {e}", 500))
                 return
             self._sinks[rid] = sink
             self.metrics.on_admitted(len(ids))
             self._post(sink, Accepted())
+        elif op == "call":
+            fn, aloop, future = arg
+            try:
+                result, error = fn(self.engine), None
+            except Exception as e:  # handed to the caller, the engine goes on
+                result, error = None, e
+            self.stats = self.engine.stats()
+
+            def settle():
+                if future.done():
+                    return
+                future.set_exception(error) if error is not None else future.set_result(result)
+
+            try:
+                aloop.call_soon_threadsafe(settle)
+            except RuntimeError:
+                pass  # the event loop is closed
         elif op == "cancel":
             sink = self._sinks.pop(arg, None)
             if sink is not None:
@@ -184,12 +226,27 @@ class EngineLoop:
         self._post(sink, d)
 
     def _die(self, e: Exception) -> None:
-        self.error = f"engine failed: {type(e).__name__}: {e}"
-        self.state = "failed"
-        log.error("%s\n%s", self.error, traceback.format_exc())
-        for sink in self._sinks.values():
-            self._post(sink, Failed(self.error, 500))
-        self._sinks.clear()
+        with self._handover:  # no submit slips into the inbox after it is emptied below
+            self.error = f"engine failed: {type(e).__name__}: {e}"
+            self.state = "failed"
+            log.error("%s\n%s", self.error, traceback.format_exc())
+            for sink in self._sinks.values():
+                self._post(sink, Failed(self.error, 500))
+            self._sinks.clear()
+            while True:  # requests handed over but never applied get the same answer
+                try:
+                    op, arg = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if op == "submit":
+                    self._post(arg[3], Failed(self.error, 500))
+                elif op == "call":
+                    _, aloop, future = arg
+                    failed = RuntimeError(self.error)
+                    try:
+                        aloop.call_soon_threadsafe(lambda f=future: f.done() or f.set_exception(failed))
+                    except RuntimeError:
+                        pass
 
     @staticmethod
     def _post(sink: _Sink, item) -> None:

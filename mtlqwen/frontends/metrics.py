@@ -16,6 +16,8 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
 
 PREFIX = "mtlqwen:"
+# Refusal statuses always listed (at 0 until one happens), so a dashboard's series exist from the start.
+REFUSAL_STATUSES = ("400", "401", "404", "408", "413", "429", "503")
 
 # Engine stats keys that may carry a value, first match wins: the prefix cache and speculative
 # decoding report under these names when present; absent keys read as 0.
@@ -125,6 +127,10 @@ class Metrics:
             ("kv_blocks_used", "KV block bundles in use.", used),
             ("kv_blocks_total", "KV block bundles in the pool.", total_blocks),
             ("num_preemptions", "Sequences preempted (recomputed later) for lack of KV blocks.", stats.get("preemptions", 0)),
+            ("prefix_cache_entries", "Prefix-cache entries (snapshots of a prompt prefix).", stats.get("prefix_entries", 0)),
+            ("prefix_cache_bytes", "Bytes held by prefix-cache snapshots.", stats.get("prefix_bytes", 0)),
+            ("prefix_cache_blocks", "KV blocks held only by the prefix cache (counted in kv_blocks_used; "
+             "POST /reset_prefix_cache frees them).", stats.get("prefix_blocks", 0)),
         ]
         out: list[str] = []
         for name, help_, v in gauges:
@@ -150,7 +156,7 @@ class Metrics:
                 out.append(f'{name}{{{L},finished_reason="{reason}"}} {self.finished.get(reason, 0)}')
             name = f"{PREFIX}request_rejected_total"
             out += [f"# HELP {name} Requests refused before running, by HTTP status.", f"# TYPE {name} counter"]
-            for status in sorted(set(self.rejected) | {"400", "429"}):
+            for status in sorted(set(self.rejected) | set(REFUSAL_STATUSES)):
                 out.append(f'{name}{{{L},status="{status}"}} {self.rejected.get(status, 0)}')
             for hname, help_, h in (
                 ("time_to_first_token_seconds", "Time from request arrival to its first token.", self.ttft),

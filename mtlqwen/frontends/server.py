@@ -1,21 +1,25 @@
 """`mtlqwen serve`: an OpenAI-compatible HTTP server (Starlette + uvicorn) over one shared engine.
 
 This module only builds the subcommand and wires the pieces: engine_loop.py (the engine thread),
-server_app.py (routes), openai_schema.py (request/response shapes), metrics.py (Prometheus). The
-web stack is imported when the command runs, so `mtlqwen --help` works without it.
+server_app.py (routes), api_requests.py / api_responses.py (the OpenAI shapes), prompt_limits.py
+(prompts within the limits), sse.py (streaming), metrics.py (Prometheus). The web stack is imported
+when the command runs, so `mtlqwen --help` works without it. The port is bound before the model
+loads, so a port in use is one clear error and nothing is loaded.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
 from .args import add_model_args, add_sampling_args, load_model_and_tokenizer, parse_template_args
+from .request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 
 DEFAULT_PORT = 8080
+BUILTIN_NAME = "mtlqwen-builtin-random"
 
 
 def register(subparsers) -> None:
@@ -27,21 +31,39 @@ def register(subparsers) -> None:
     s.add_argument("--draft", default=None, metavar="PATH", help="a DFlash drafter checkpoint for speculative decoding")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
-    s.add_argument("--served-model-name", default=None, help="the model id reported by /v1/models (default: --model)")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model names requests may use and /v1/models lists; the first is the one responses "
+                        "carry (default: the checkpoint's name, and 'default'). Any other name gets a 404")
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (or set MTLQWEN_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (or set MTLQWEN_API_KEY); "
+                        "also enables the operator endpoint POST /reset_prefix_cache")
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests allowed to wait for a slot; beyond it the server answers 429 (default 64)")
     s.add_argument("--slots", type=int, default=8, help="sequences decoded together (default 8)")
     s.add_argument("--step-tokens", type=int, default=128, help="tokens per engine step, shared by all slots (default 128)")
     s.add_argument("--block-tokens", type=int, default=128, help="tokens per KV block (default 128)")
     s.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: sized to the device)")
-    s.add_argument("--max-model-len", type=int, default=None, help="context limit per request (default: the model's)")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="context limit per request, prompt and reply together (default and maximum: the model's)")
     s.add_argument("--prefix-interval", type=int, default=None,
                    help="prefix-cache snapshot interval in tokens (default: the engine's, 512; 0 turns the cache off)")
     s.add_argument("--chat-template-args", default=None, metavar="JSON",
                    help='default chat template arguments, e.g. \'{"enable_thinking": false}\' '
                         "(a request's chat_template_kwargs override them)")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests send their own chat template source in chat_template_kwargs.chat_template "
+                        "(a template is code: for trusted clients only; by default only the checkpoint's named "
+                        "templates may be chosen)")
+    s.add_argument("--chat-template-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="longest a chat template may take to render one request's prompt (default 5)")
+    s.add_argument("--special-tokens-in-content", action="store_true",
+                   help="let special-token strings written in messages (e.g. '<|im_start|>') act as control tokens; "
+                        "by default what a message says is tokenized as text")
+    s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
+                   help=f"largest request body; a larger one gets 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    s.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="SECONDS",
+                   help=f"time a client has to send its whole request body; then 408 "
+                        f"(default {DEFAULT_BODY_TIMEOUT_S:g})")
     add_sampling_args(s, max_tokens=512)  # defaults for requests that leave a field out
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server and access log verbosity (default info)")
@@ -51,14 +73,7 @@ def register(subparsers) -> None:
 
 
 def _engine_kwargs(args) -> dict:
-    """Engine arguments; optional features are passed only when this build's Engine takes them."""
-    from ..runtime import Engine  # noqa: PLC0415
-
-    accepted = inspect.signature(Engine.__init__).parameters
-    if args.draft is not None and "draft" not in accepted:
-        raise ValueError("speculative decoding not available in this build (--draft)")
-    if args.prefix_interval is not None and "prefix_interval" not in accepted:
-        raise ValueError("prefix caching not available in this build (--prefix-interval)")
+    """Engine arguments from the flags (those left unset keep the engine's defaults)."""
     kw = dict(slots=args.slots, step_tokens=args.step_tokens, block_tokens=args.block_tokens)
     for name in ("num_blocks", "max_model_len", "prefix_interval", "draft"):
         v = getattr(args, name)
@@ -76,6 +91,57 @@ def _check_model_arg(model: str | None) -> None:
         raise FileNotFoundError(f"no checkpoint directory at {model} (and it is not a Hugging Face repo id)")
 
 
+def served_names(args) -> tuple[str, ...]:
+    """--served-model-name, else the checkpoint's name (a local directory's name, a repo id as given) and 'default'."""
+    if args.served_model_name:
+        names = tuple(dict.fromkeys(args.served_model_name))
+        if any(not n.strip() for n in names):
+            raise ValueError("--served-model-name: names must not be empty")
+        return names
+    if args.model is None:
+        return (BUILTIN_NAME, "default")
+    p = Path(args.model).expanduser()
+    name = p.resolve().name if p.exists() else args.model
+    return tuple(dict.fromkeys((name, "default")))
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now (before the model loads); ValueError naming the address if it cannot."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free; one in use is not
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _check_args(args) -> None:
+    for name in ("max_queue", "slots", "port", "max_body_bytes"):
+        if getattr(args, name) < (1 if name != "max_queue" else 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("body_timeout", "chat_template_timeout"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {getattr(args, name)}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ValueError(f"--max-model-len must be at least 2 (a prompt token and a reply token), got {args.max_model_len}")
+
+
+def _check_context(model, max_model_len: int | None) -> None:
+    ctx = model.config.max_position_embeddings
+    if max_model_len is not None and max_model_len > ctx:
+        raise ValueError(f"--max-model-len {max_model_len} is larger than the model's context of {ctx} tokens: "
+                         f"use {ctx} or less (or leave it out)")
+
+
 def cmd_serve(args) -> int:
     try:
         import uvicorn  # noqa: PLC0415
@@ -83,25 +149,23 @@ def cmd_serve(args) -> int:
         print("mtlqwen serve: error: the server needs starlette and uvicorn (pip install starlette uvicorn)",
               file=sys.stderr)
         return 1
-    from . import openai_schema as oa  # noqa: PLC0415
+    from ..runtime import SamplingParams  # noqa: PLC0415
+    from .api_requests import Defaults  # noqa: PLC0415
     from .engine_loop import EngineLoop  # noqa: PLC0415
     from .metrics import Metrics  # noqa: PLC0415
     from .server_app import ServerConfig, build_app  # noqa: PLC0415
 
     engine_kw = _engine_kwargs(args)
     _check_model_arg(args.model)
-    for name in ("max_queue", "slots", "port"):
-        if getattr(args, name) < (1 if name != "max_queue" else 0):
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    _check_args(args)
     template_defaults = parse_template_args(args.chat_template_args)
-    defaults = oa.Defaults(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                           max_tokens=args.max_tokens, seed=args.seed)
-    from ..runtime import SamplingParams  # noqa: PLC0415
-
+    defaults = Defaults(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                        max_tokens=args.max_tokens, seed=args.seed)
     SamplingParams(temperature=defaults.temperature, top_p=defaults.top_p, top_k=defaults.top_k,
                    min_p=defaults.min_p, max_tokens=defaults.max_tokens, seed=defaults.seed)  # flags fail early
     api_key = args.api_key or os.environ.get("MTLQWEN_API_KEY") or None
-    name = args.served_model_name or args.model or "mtlqwen-builtin-random"
+    names = served_names(args)
+    sock = bind(args.host, args.port)  # before anything is loaded: a port in use fails here, alone
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     log = logging.getLogger("mtlqwen.serve")
@@ -112,19 +176,26 @@ def cmd_serve(args) -> int:
         model, tok, note = load_model_and_tokenizer(args)
         if note:
             log.warning(note)
+        _check_context(model, args.max_model_len)
         return Engine(model, tokenizer=tok, **engine_kw), tok
 
-    metrics = Metrics(name)
+    metrics = Metrics(names[0])
     loop = EngineLoop(build, metrics, load_delay=args.debug_load_delay)
-    cfg = ServerConfig(model_name=name, slots=args.slots, max_queue=args.max_queue, api_key=api_key,
-                       defaults=defaults, template_defaults=template_defaults)
+    cfg = ServerConfig(served_names=names, slots=args.slots, max_queue=args.max_queue, api_key=api_key,
+                       defaults=defaults, template_defaults=template_defaults, max_body_bytes=args.max_body_bytes,
+                       body_timeout_s=args.body_timeout, template_timeout_s=args.chat_template_timeout,
+                       trust_request_template=args.trust_request_chat_template,
+                       special_tokens_in_content=args.special_tokens_in_content)
     app = build_app(loop, cfg)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=5, lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, lifespan="on"))
     loop.on_load_error = lambda msg: setattr(server, "should_exit", True)  # noqa: ARG005
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
-    server.run()
+    log.info("listening on http://%s:%d (model names: %s)", args.host, args.port, ", ".join(names))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     if loop.state == "failed":
         print(f"mtlqwen serve: error: {loop.error}", file=sys.stderr)
         return 1

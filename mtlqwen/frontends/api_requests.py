@@ -1,0 +1,284 @@
+"""OpenAI request bodies for /v1/chat/completions and /v1/completions, declared as pydantic models.
+
+A body is validated straight from its bytes by pydantic's JSON parser, strictly: malformed JSON,
+nesting past the parser's depth limit, lone surrogates, NaN / Infinity and a wrong type anywhere are
+each a 400 naming the field. Sampling ranges are SamplingParams' own (its constants, not restated
+numbers). A field the engine cannot honour (tools, logprobs, n > 1, penalties...) is refused rather
+than silently ignored; harmless unknown fields (user, metadata, store...) are ignored and never reach
+the chat template.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Callable, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
+
+from ..runtime.sampling import MAX_TOP_K, MIN_TEMPERATURE
+from .api_responses import APIError, not_supported
+
+MAX_STOP = 16  # stop strings per request: each one is searched for in the text at every step
+MAX_STOP_CHARS = 256
+# Template variables a request may not set: the renderer's own arguments.
+RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "tokenize", "tools", "documents",
+                                    "continue_final_message", "return_dict"})
+
+
+@dataclass
+class Defaults:
+    """Server-wide sampling defaults (the serve command's --temp, --top-p, ... flags)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int = 512
+    seed: int | None = None
+
+
+@dataclass
+class ParsedRequest:
+    kind: str  # "chat" | "completion"
+    model: str | None
+    stream: bool
+    include_usage: bool
+    sampling: dict[str, Any]  # SamplingParams fields; max_tokens None = the server default
+    messages: list[dict] | None = None
+    prompt: str | list[int] | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _temperature(t: float) -> float:
+    if t != 0 and t < MIN_TEMPERATURE:
+        raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+    return t
+
+
+Temperature = Annotated[float, Field(ge=0), AfterValidator(_temperature)]
+Probability = Annotated[float, Field(gt=0, le=1)]
+Fraction = Annotated[float, Field(ge=0, le=1)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOP_K)]
+Positive = Annotated[int, Field(ge=1)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+# Fields whose non-default value the engine cannot honour -> 400 (value -> True when it must be refused).
+_REFUSED: dict[str, Callable[[Any], bool]] = {
+    "tools": bool, "functions": bool,
+    "tool_choice": lambda v: v not in ("none", "auto"), "function_call": lambda v: v not in ("none", "auto"),
+    "logprobs": bool, "top_logprobs": bool, "logit_bias": bool,
+    "n": lambda v: v != 1, "best_of": lambda v: v != 1,
+    "presence_penalty": lambda v: v != 0, "frequency_penalty": lambda v: v != 0,
+    "repetition_penalty": lambda v: v != 1,
+    "response_format": lambda v: not (isinstance(v, dict) and v.get("type") == "text"),
+    "echo": bool, "suffix": bool, "min_tokens": lambda v: v != 0,
+    "audio": lambda v: True, "guided_json": lambda v: True, "guided_regex": lambda v: True,
+    "guided_choice": lambda v: True, "guided_grammar": lambda v: True,
+}
+_WHY = {"n": "one choice per request (send n separate requests)", "best_of": "one choice per request"}
+
+
+class _Request(_Body):
+    """What both endpoints share: the model name, sampling, stopping, streaming, refused features."""
+
+    model: str | None = None
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] | None = None  # vLLM spells "off" as -1
+    min_p: Fraction | None = None
+    max_tokens: Positive | None = None
+    max_completion_tokens: Positive | None = None
+    seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP)] | None = None
+    ignore_eos: bool = False
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    # declared so their types are checked; any value but the default is refused below
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    n: int | None = None
+    best_of: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    response_format: dict[str, Any] | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    min_tokens: int | None = None
+    audio: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self):
+        for key, refused in _REFUSED.items():
+            v = getattr(self, key)
+            if v is not None and refused(v):
+                raise not_supported(key, _WHY.get(key, ""))  # not a ValueError: it leaves pydantic as is
+        return self
+
+    def sampling(self, d: Defaults) -> dict[str, Any]:
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        top_k = d.top_k if self.top_k is None else self.top_k
+        pick = lambda v, default: default if v is None else v  # noqa: E731
+        return dict(
+            temperature=pick(self.temperature, d.temperature), top_p=pick(self.top_p, d.top_p),
+            top_k=0 if top_k == -1 else top_k, min_p=pick(self.min_p, d.min_p),
+            max_tokens=self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens,
+            seed=pick(self.seed, d.seed), stop=tuple(s for s in stop if s),
+            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+        )
+
+    def stream_flags(self) -> tuple[bool, bool]:
+        stream = bool(self.stream)
+        return stream, stream and self.stream_options is not None and self.stream_options.include_usage
+
+
+class TextPart(_Body):
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type != "text" or self.text is None:
+            raise PydanticCustomError("not_supported", "only text content parts are accepted, got '{kind}'",
+                                      {"kind": self.type})
+        return self
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # other clients' names for reasoning_content
+    thinking: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict:
+        """The plain dict a chat template reads: text parts joined, `developer` as `system`."""
+        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        reasoning = next((r for r in (self.reasoning_content, self.reasoning, self.thinking) if r is not None), None)
+        if reasoning is not None:
+            out["reasoning_content"] = reasoning
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class ChatRequest(_Request):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+
+
+# ---- bytes -> ParsedRequest
+
+_UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+def _param(loc: tuple) -> str:
+    """('messages', 0, 'content', 'list[TextPart]', 0) -> 'messages[0].content[0]' (union tags dropped)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _UNION_TAGS or "[" in part or "-" in part:
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+def _api_error(e: ValidationError) -> APIError:
+    errs = e.errors(include_url=False)
+    first = errs[0]
+    if first["type"] == "json_invalid":
+        return APIError(f"the request body is not valid JSON: {first['msg'].removeprefix('Invalid JSON: ')}")
+    if first["type"] in ("model_type", "model_attributes_type") and not first["loc"]:
+        return APIError("the request body must be a JSON object")
+    deepest = max(errs, key=lambda x: len(x["loc"]))
+    param = _param(deepest["loc"])
+    msgs = list(dict.fromkeys(x["msg"].removeprefix("Value error, ") for x in errs if _param(x["loc"]) == param))
+    if deepest["type"] == "missing":
+        return APIError(f"'{param}' is required", 400, param)
+    got = deepest.get("input")
+    shown = "" if isinstance(got, (dict, type(None))) else f", got {got!r:.60}"
+    code = "not_supported" if deepest["type"] == "not_supported" else None
+    return APIError(f"'{param}': {' or '.join(msgs)}{shown}", 400, param, code)
+
+
+def _validate(model: type[_Request], raw: bytes) -> _Request:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise _api_error(e) from None
+    except RecursionError:  # the parser has its own depth limit; this is the backstop
+        raise APIError("the request body is nested too deeply") from None
+
+
+def parse_chat(raw: bytes, d: Defaults, template_defaults: dict, allowed_templates: Callable[[str], bool]) -> ParsedRequest:
+    """allowed_templates(name_or_source): whether a request's `chat_template` may be used."""
+    req = _validate(ChatRequest, raw)
+    kwargs = dict(req.chat_template_kwargs or {})
+    for key in kwargs:
+        if key in RESERVED_TEMPLATE_ARGS:
+            raise APIError(f"chat_template_kwargs.{key} cannot be set by a request", 400, f"chat_template_kwargs.{key}")
+    template = kwargs.get("chat_template")
+    if template is not None and (not isinstance(template, str) or not allowed_templates(template)):
+        raise APIError("a request-supplied chat template is refused: this server uses the checkpoint's templates "
+                       "(start it with --trust-request-chat-template to allow them)", 400,
+                       "chat_template_kwargs.chat_template", "not_supported")
+    stream, usage = req.stream_flags()
+    return ParsedRequest("chat", req.model, stream, usage, req.sampling(d),
+                         messages=[m.for_template() for m in req.messages],
+                         template_kwargs={**template_defaults, **kwargs})
+
+
+def parse_completion(raw: bytes, d: Defaults) -> ParsedRequest:
+    req = _validate(CompletionRequest, raw)
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) > 1:
+            raise not_supported("prompt", "one prompt per request (send a batch as separate requests)")
+        prompt = prompt[0]  # a batch of one
+    if not prompt:
+        raise APIError("'prompt' must be a non-empty string or a list of token ids", 400, "prompt")
+    stream, usage = req.stream_flags()
+    return ParsedRequest("completion", req.model, stream, usage, req.sampling(d), prompt=prompt)

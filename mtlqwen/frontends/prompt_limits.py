@@ -1,0 +1,96 @@
+"""A parsed request -> prompt token ids and SamplingParams, within the server's limits.
+
+Runs in worker threads (never on the event loop). The order is the cheap checks first: a prompt
+whose byte count alone proves it cannot fit the context is refused before it is tokenised; chat
+templates render under a time limit; what the messages say is tokenised as text (special-token
+strings in them stay characters) unless the server was started to trust its clients with them.
+
+The context rule is the CLI's: a prompt that leaves no room for one reply token is refused with what
+to do; a reply budget (given or the default) larger than the room left is trimmed to it, so the reply
+ends with finish_reason "length" at the context's edge.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..chat_template import TemplateTimeout, render_time_limit
+from .api_requests import ParsedRequest
+from .api_responses import APIError
+from .prompting import render_ids
+from .reasoning import prompt_opens_thinking
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop", "stop_token_ids")
+
+
+class PromptBuilder:
+    def __init__(self, loop, cfg):
+        self.loop, self.cfg = loop, cfg
+
+    # ---- the context
+    def limit(self) -> int:
+        """Most tokens a prompt plus its reply may have: the context, and what the KV pool can hold
+        (the last sampled token needs no KV)."""
+        e = self.loop.engine
+        return min(e.max_model_len, e.num_blocks * e.block_tokens + 1)
+
+    def _too_long(self, what: str, tokens: str, param: str) -> APIError:
+        return APIError(f"the {what} ({tokens} tokens) fills the model's context of {self.limit()} tokens and "
+                        f"leaves no room for a reply: shorten the {what}", 400, param, "context_length_exceeded")
+
+    def _check_bytes(self, texts: list[str], what: str, param: str) -> None:
+        """Before tokenising: n bytes are at least n / (the longest token's bytes) tokens."""
+        per_token = getattr(self.loop.tokenizer, "max_token_bytes", None)
+        if not per_token:
+            return
+        n = sum(len(t.encode("utf-8", "replace")) for t in texts)
+        at_least = -(-n // per_token)
+        if at_least >= self.limit():
+            raise self._too_long(what, f"at least {at_least}", param)
+
+    # ---- templates
+    def template_allowed(self, template: str) -> bool:
+        """A request's `chat_template`: one of the checkpoint's named templates, or any source when trusted."""
+        names = getattr(self.loop.tokenizer, "chat_templates", None) or {}
+        return template in names or self.cfg.trust_request_template
+
+    # ---- prompt ids (worker thread)
+    def prompt_ids(self, req: ParsedRequest) -> tuple[list[int], bool]:
+        """(token ids, whether the prompt leaves the model inside a thinking block)."""
+        tok = self.loop.tokenizer
+        if req.kind == "completion":
+            if isinstance(req.prompt, str):
+                self._check_bytes([req.prompt], "prompt", "prompt")
+                ids = tok.encode(req.prompt)  # a raw prompt is the client's own text, special tokens included
+            else:
+                ids = list(req.prompt)
+            if len(ids) >= self.limit():
+                raise self._too_long("prompt", str(len(ids)), "prompt")
+            return ids, False
+        self._check_bytes([str(m.get("content") or "") for m in req.messages], "messages", "messages")
+        try:
+            with render_time_limit(self.cfg.template_timeout_s):
+                ids, text = render_ids(tok, req.messages, add_generation_prompt=True,
+                                       literal_content=not self.cfg.special_tokens_in_content, **req.template_kwargs)
+        except TemplateTimeout as e:
+            raise APIError(f"{e} for these messages", 400, "messages", "template_timeout") from None
+        except Exception as e:  # the template rejected the conversation (raise_exception, bad types, sandbox)
+            raise APIError(f"the chat template rejected the messages: {type(e).__name__}: {e}", 400, "messages") from None
+        if len(ids) >= self.limit():
+            raise self._too_long("messages", str(len(ids)), "messages")
+        return ids, prompt_opens_thinking(text)
+
+    # ---- sampling
+    def sampling_params(self, req: ParsedRequest, prompt_len: int):
+        from ..runtime import SamplingParams  # noqa: PLC0415
+
+        s: dict[str, Any] = dict(req.sampling)
+        room = self.limit() - prompt_len
+        s["max_tokens"] = min(self.cfg.defaults.max_tokens if s["max_tokens"] is None else s["max_tokens"], room)
+        try:
+            params = SamplingParams(**s)
+            params.check_vocab(self.loop.engine.config.vocab_size)
+        except ValueError as e:  # a range the declared fields do not cover (the defaults, the vocabulary)
+            word = str(e).split(" ", 1)[0].rstrip(":")
+            raise APIError(str(e), 400, word if word in _SAMPLING_FIELDS else None) from None
+        return params

@@ -1,0 +1,151 @@
+"""The serve app in process (starlette's TestClient) over a real tiny engine: a request the engine
+fails inside a step is a 500 with the engine's reason while /health stays ok, an engine crash answers
+every request, chat-template rendering is stopped at its time limit, and the operator reset needs a
+keyed server."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from starlette.testclient import TestClient
+
+from frontend_fixtures import app_for, wait_ok, write_tiny_chat_checkpoint
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_tiny_chat_checkpoint(tmp_path_factory.mktemp("inprocess-ckpt"), eos_reachable=False)
+
+
+def error_of(r, status: int) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+class FailingEngine:
+    """A real engine whose step fails the requests seeded 666 the way the engine reports a failure
+    inside a step: a finished Delta with finish_reason "error" and the reason, the others unharmed."""
+
+    def __init__(self, engine):
+        self.engine, self.doomed = engine, set()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def submit(self, ids, params, request_id=None):
+        if params.seed == 666:
+            self.doomed.add(request_id)
+        return self.engine.submit(ids, params, request_id=request_id)
+
+    def step(self):
+        from mtlqwen.runtime.outputs import Delta
+
+        deltas = self.engine.step()
+        failed = [Delta(rid, [], finished=True, finish_reason="error", error="injected failure in the sampler")
+                  for rid in sorted(self.doomed)]
+        for rid in self.doomed:
+            self.engine.cancel(rid)
+        self.doomed.clear()
+        return [d for d in deltas if d.request_id not in {f.request_id for f in failed}] + failed
+
+
+def test_engine_request_error_is_500_with_reason_and_health_stays_ok(ckpt):
+    with TestClient(app_for(ckpt, wrap_engine=FailingEngine)) as c:
+        wait_ok(c)
+        good = {"prompt": "abc", "max_tokens": 4, "ignore_eos": True}
+        alone = c.post("/v1/completions", json=good).json()["choices"][0]["text"]
+        r = c.post("/v1/completions", json={**good, "temperature": 0.5, "seed": 666})
+        err = error_of(r, 500)
+        assert err["message"] == "injected failure in the sampler" and err["type"] == "server_error"
+        with c.stream("POST", "/v1/completions", json={**good, "seed": 666, "stream": True}) as s:
+            events = [line for line in s.iter_lines() if line]
+        assert json.loads(events[-2][len("data: "):])["error"]["message"] == "injected failure in the sampler"
+        assert events[-1] == "data: [DONE]"
+        assert c.get("/health").json() == {"status": "ok"}
+        assert c.post("/v1/completions", json=good).json()["choices"][0]["text"] == alone
+        text = c.get("/metrics").text
+        assert 'mtlqwen:request_success_total{model_name="tiny",finished_reason="error"} 2' in text
+        assert "mtlqwen:kv_blocks_used{model_name=\"tiny\"} 0" in text
+
+
+def test_template_rendering_is_time_bounded(ckpt):
+    slow = "{% for i in range(2000) %}{% for j in range(2000) %}x{% endfor %}{% endfor %}"
+    with TestClient(app_for(ckpt, trust_request_template=True, template_timeout_s=0.5)) as c:
+        wait_ok(c)
+        t0 = time.monotonic()
+        r = c.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": {"chat_template": slow}})
+        took = time.monotonic() - t0
+        assert error_of(r, 400)["code"] == "template_timeout" and 0.5 <= took < 3, took
+        quick = "{% for m in messages %}{{ m.content }}{% endfor %}"
+        r = c.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": {"chat_template": quick}})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len("hi")
+
+
+class CrashingEngine(FailingEngine):
+    """An engine whose step raises outright (a failure the engine could not pin on requests)."""
+
+    def step(self):
+        raise RuntimeError("injected crash in the forward")
+
+
+def test_an_engine_crash_answers_every_request_and_health(ckpt):
+    with TestClient(app_for(ckpt, wrap_engine=CrashingEngine)) as c:
+        wait_ok(c)
+        err = error_of(c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2}), 500)
+        assert err["message"] == "engine failed: RuntimeError: injected crash in the forward"
+        health = c.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "error"
+        assert error_of(c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2}), 503)["type"] == "server_error"
+
+
+def test_reset_needs_a_keyed_server(ckpt):
+    with TestClient(app_for(ckpt)) as c:
+        wait_ok(c)
+        r = c.post("/reset_prefix_cache")
+        assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
+
+
+def test_slow_rendering_does_not_block_the_event_loop(ckpt):
+    """While one request's template renders for its full time limit, the event loop answers /health at
+    once and another client's completion runs (same loop: httpx's ASGI transport, no threads of ours)."""
+    import asyncio
+
+    import httpx
+
+    slow = "{% for i in range(3000) %}{% for j in range(3000) %}x{% endfor %}{% endfor %}"
+    app = app_for(ckpt, trust_request_template=True, template_timeout_s=2.0)
+    loop = app.state.server.loop
+    loop.start()
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://in-process",
+                                     timeout=30) as ac:
+            deadline = time.monotonic() + 60
+            while (await ac.get("/health")).status_code != 200:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            t0 = time.monotonic()
+            stuck = asyncio.ensure_future(ac.post("/v1/chat/completions", json={
+                **CHAT, "chat_template_kwargs": {"chat_template": slow}}))
+            await asyncio.sleep(0.2)
+            h0 = time.monotonic()
+            health = await ac.get("/health")
+            health_s = time.monotonic() - h0
+            other = await ac.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2})
+            other_done = time.monotonic() - t0
+            r = await stuck
+            return health, health_s, other, other_done, r, time.monotonic() - t0
+
+    try:
+        health, health_s, other, other_done, r, total = asyncio.run(scenario())
+    finally:
+        loop.stop()
+    assert health.status_code == 200 and health_s < 0.5, health_s
+    assert other.status_code == 200 and other_done < total, (other_done, total)
+    assert error_of(r, 400)["code"] == "template_timeout" and 2.0 <= total < 6, total
