@@ -15,6 +15,7 @@ from mtlqwen.model.cache import ModelCache
 from mtlqwen.runtime import Engine
 from mtlqwen.runtime import prefix_cache as pc
 from mtlqwen.runtime.block_pool import BlockPool
+from mtlqwen.runtime.kv_manager import KVManager
 from mtlqwen.runtime.scheduler import Scheduler
 from mtlqwen.runtime.sequence import Sequence
 
@@ -54,8 +55,7 @@ def test_models_and_drafters_never_share_a_root(model):
 
 # ---- scheduling
 def test_prefill_chunks_end_on_interval_boundaries():
-    pool = BlockPool(32)
-    sch = Scheduler(pool, 2, 32, 8, prefix_cache=pc.PrefixCache(pool, 16, 8, 1 << 20, "x"))
+    sch = Scheduler(KVManager(32, 8, prefix_interval=16, prefix_cache_bytes=1 << 20, identity="x"), 2, 32)
     a = Sequence("a", list(range(40)), greedy(2), seed=0)
     b = Sequence("b", list(range(50, 60)), greedy(2), seed=0)
     sch.add(a), sch.add(b)
@@ -68,9 +68,9 @@ def test_prefill_chunks_end_on_interval_boundaries():
 
 
 def test_an_entry_being_restored_is_pinned_against_eviction():
-    pool = BlockPool(6)
-    cache = pc.PrefixCache(pool, 8, 4, 1 << 20, "x")
-    sch = Scheduler(pool, 1, 16, 4, prefix_cache=cache)
+    kv = KVManager(6, 4, prefix_interval=8, prefix_cache_bytes=1 << 20, identity="x")
+    pool, cache = kv.pool, kv.prefix
+    sch = Scheduler(kv, 1, 16)
     owner = Sequence("owner", list(range(12)), greedy(1), seed=0)
     owner.block_table = pool.allocate(2)
     cap = pc.Capture(owner, 8, list(owner.block_table), [mx.zeros((1, 2))], None)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mtlqwen.runtime.block_pool import BlockPool
+from mtlqwen.runtime.kv_manager import KVManager
 from mtlqwen.runtime.sampling import SamplingParams
 from mtlqwen.runtime.scheduler import Scheduler, split_budget
 from mtlqwen.runtime.sequence import Sequence, SeqStatus
@@ -13,7 +13,7 @@ def seq(rid, prompt_len, max_tokens=8):
 
 
 def make(num_blocks, slots, budget, block_tokens=4):
-    return Scheduler(BlockPool(num_blocks), slots, budget, block_tokens)
+    return Scheduler(KVManager(num_blocks, block_tokens), slots, budget)
 
 
 def commit(plan, token=7):
@@ -78,7 +78,7 @@ def test_prefill_chunks_decode_anchors_and_blocks_on_boundaries():
     p3 = sch.schedule()  # two decoding sequences; c gets the other 14 and 12 of them finish its prompt
     assert summary(p3) == [("a", 10, 1, True), ("b", 4, 1, True), ("c", 18, 12, True)]
     assert (a.block_table, b.block_table, c.block_table) == ([0, 1, 5], [2, 9], [3, 4, 6, 7, 8, 10, 11, 12])
-    assert sch.pool.num_free == 100 - 13
+    assert sch.kv.pool.num_free == 100 - 13
 
 
 def test_every_live_sequence_advances_and_fifo_admission():
@@ -99,7 +99,7 @@ def test_every_live_sequence_advances_and_fifo_admission():
     for s_ in seqs[:2]:
         assert s_.sampling_done
         sch.release(s_)
-    assert sch.free_slots == [0, 1] and sch.pool.num_free == 100
+    assert sch.free_slots == [0, 1] and sch.kv.pool.num_free == 100
     p = sch.schedule()
     assert [s_.request_id for s_ in p.admitted] == [2, 3] and (seqs[2].slot, seqs[3].slot) == (0, 1)
 
@@ -134,7 +134,7 @@ def test_preemption_frees_the_newest_and_requeues_it_first():
     assert (a.block_table, b.block_table) == ([0, 2], [1, 3])
     commit(p)
     p = sch.schedule()  # 9 tokens each: a third block each
-    assert (a.block_table, b.block_table, sch.pool.num_free) == ([0, 2, 4], [1, 3, 5], 0)
+    assert (a.block_table, b.block_table, sch.kv.pool.num_free) == ([0, 2, 4], [1, 3, 5], 0)
     commit(p)
     for _ in range(3):  # kv_valid 9 -> 12 fits the 3 blocks
         p = sch.schedule()
@@ -147,7 +147,7 @@ def test_preemption_frees_the_newest_and_requeues_it_first():
     assert b.status is SeqStatus.WAITING and b.slot is None and b.block_table == [] and b.kv_valid == 0
     assert [s_.request_id for s_ in sch.waiting] == ["b", "c"]  # ahead of the never-started request
     assert a.block_table == [0, 2, 4, 5]  # b's blocks were freed tail first: 5, 3, 1
-    assert sch.pool.free_ids() == [3, 1]
+    assert sch.kv.pool.free_ids() == [3, 1]
     assert sch.num_preemptions == 1 and b.num_preemptions == 1
     assert b.tokens == list(range(8)) + [7] * 5  # prompt + what it generated: recomputed from kv_valid 0
     commit(p)
@@ -171,7 +171,7 @@ def test_a_preempted_request_resumes_with_prompt_and_generated_tokens():
     (sb,) = [s_ for s_ in resumed.scheduled if s_.seq is b]
     assert sb.start == 0 and sb.fresh  # recompute from an empty state...
     assert b.tokens[:6] == list(range(6)) and len(b.tokens) == 12  # ...over prompt + generated
-    assert sch.pool.num_free == 4 - len(b.block_table)
+    assert sch.kv.pool.num_free == 4 - len(b.block_table)
 
 
 def test_memory_pressure_preempts_newest_computed_sequence():
@@ -194,7 +194,7 @@ def test_admitted_then_shed_is_not_a_preemption():
     a, b = seq("a", 9, max_tokens=4), seq("b", 4)
     sch.add(a)
     p = sch.schedule()
-    assert summary(p) == [("a", 0, 8, False)] and sch.pool.num_free == 1
+    assert summary(p) == [("a", 0, 8, False)] and sch.kv.pool.num_free == 1
     commit(p)
     sch.add(b)
     p = sch.schedule()
