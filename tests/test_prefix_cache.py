@@ -99,7 +99,7 @@ def test_hits_share_bundles_and_ref_counts_return(model):
     assert e32.blocks[:2] == e16.blocks and len(e32.blocks) == 4
     refs = lambda: [eng.pool.ref_counts[b] for b in e32.blocks]  # noqa: E731
     assert refs() == [2, 2, 1, 1]
-    assert eng.stats()["free_blocks"] == 40 - 4
+    assert (eng.stats()["free_blocks"], eng.stats()["prefix_blocks"]) == (40 - 4, 4)  # e16's blocks are e32's first two
     b = a[:32] + random_token_ids(6, 500, seed=2)
     rid = eng.submit(b, greedy(4))
     eng.step()
@@ -115,6 +115,7 @@ def test_hits_share_bundles_and_ref_counts_return(model):
     s = eng.stats()
     assert (s["prefix_lookups"], s["prefix_hits"], s["prefix_hit_tokens"], s["prefix_query_tokens"]) == (2, 1, 32, 78)
     assert s["prefix_entries"] == 2 and s["prefix_bytes"] == 2 * ModelCache.bytes_per_slot(model.config, model.dtype)
+    assert s["prefix_blocks"] == 4  # b (38 + 4 tokens) reaches no boundary past 32
     assert_idle(eng)
 
 
