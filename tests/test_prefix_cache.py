@@ -270,6 +270,8 @@ def test_shared_prefix_workloads_match_cache_off_and_each_request_alone(model, w
         # a whole-prompt hit leaves the last prompt token to run, unless generated tokens follow it (preempted)
         if o_on.num_preemptions == 0:
             assert o_on.cached_tokens < len(prompt) and o_on.cached_tokens % w["interval"] == 0
+    # prefix entries count as free for a victim's readmission: still never preempted twice
+    assert max(o.num_preemptions for o in outs_on) <= 1
     s = on.stats()
     assert s["prefix_hit_tokens"] >= sum(o.cached_tokens for o in outs_on)
     assert s["prefix_lookups"] >= len(w["reqs"]) and s["prefix_bytes"] <= on.prefix.budget
