@@ -15,6 +15,7 @@ from mtlqwen.model.cache import ModelCache
 from mtlqwen.runtime import Engine
 from mtlqwen.runtime import prefix_cache as pc
 from mtlqwen.runtime.block_pool import BlockPool
+from mtlqwen.runtime.kv_manager import KVManager
 from mtlqwen.runtime.scheduler import Scheduler
 from mtlqwen.runtime.sequence import Sequence
 
@@ -54,8 +55,7 @@ def test_models_and_drafters_never_share_a_root(model):
 
 # ---- scheduling
 def test_prefill_chunks_end_on_interval_boundaries():
-    pool = BlockPool(32)
-    sch = Scheduler(pool, 2, 32, 8, prefix_cache=pc.PrefixCache(pool, 16, 8, 1 << 20, "x"))
+    sch = Scheduler(KVManager(32, 8, prefix_interval=16, prefix_cache_bytes=1 << 20, identity="x"), 2, 32)
     a = Sequence("a", list(range(40)), greedy(2), seed=0)
     b = Sequence("b", list(range(50, 60)), greedy(2), seed=0)
     sch.add(a), sch.add(b)
@@ -68,9 +68,9 @@ def test_prefill_chunks_end_on_interval_boundaries():
 
 
 def test_an_entry_being_restored_is_pinned_against_eviction():
-    pool = BlockPool(6)
-    cache = pc.PrefixCache(pool, 8, 4, 1 << 20, "x")
-    sch = Scheduler(pool, 1, 16, 4, prefix_cache=cache)
+    kv = KVManager(6, 4, prefix_interval=8, prefix_cache_bytes=1 << 20, identity="x")
+    pool, cache = kv.pool, kv.prefix
+    sch = Scheduler(kv, 1, 16)
     owner = Sequence("owner", list(range(12)), greedy(1), seed=0)
     owner.block_table = pool.allocate(2)
     cap = pc.Capture(owner, 8, list(owner.block_table), [mx.zeros((1, 2))], None)
@@ -99,7 +99,7 @@ def test_hits_share_bundles_and_ref_counts_return(model):
     assert e32.blocks[:2] == e16.blocks and len(e32.blocks) == 4
     refs = lambda: [eng.pool.ref_counts[b] for b in e32.blocks]  # noqa: E731
     assert refs() == [2, 2, 1, 1]
-    assert eng.stats()["free_blocks"] == 40 - 4
+    assert (eng.stats()["free_blocks"], eng.stats()["prefix_blocks"]) == (40 - 4, 4)  # e16's blocks are e32's first two
     b = a[:32] + random_token_ids(6, 500, seed=2)
     rid = eng.submit(b, greedy(4))
     eng.step()
@@ -115,6 +115,7 @@ def test_hits_share_bundles_and_ref_counts_return(model):
     s = eng.stats()
     assert (s["prefix_lookups"], s["prefix_hits"], s["prefix_hit_tokens"], s["prefix_query_tokens"]) == (2, 1, 32, 78)
     assert s["prefix_entries"] == 2 and s["prefix_bytes"] == 2 * ModelCache.bytes_per_slot(model.config, model.dtype)
+    assert s["prefix_blocks"] == 4  # b (38 + 4 tokens) reaches no boundary past 32
     assert_idle(eng)
 
 
@@ -269,6 +270,8 @@ def test_shared_prefix_workloads_match_cache_off_and_each_request_alone(model, w
         # a whole-prompt hit leaves the last prompt token to run, unless generated tokens follow it (preempted)
         if o_on.num_preemptions == 0:
             assert o_on.cached_tokens < len(prompt) and o_on.cached_tokens % w["interval"] == 0
+    # prefix entries count as free for a victim's readmission: still never preempted twice
+    assert max(o.num_preemptions for o in outs_on) <= 1
     s = on.stats()
     assert s["prefix_hit_tokens"] >= sum(o.cached_tokens for o in outs_on)
     assert s["prefix_lookups"] >= len(w["reqs"]) and s["prefix_bytes"] <= on.prefix.budget

@@ -1,8 +1,11 @@
 """The scheduler, exactly: budget split, admission, block reservation and preemption (no arrays)."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mtlqwen.runtime.block_pool import BlockPool
+from mtlqwen.runtime.kv_manager import KVManager
 from mtlqwen.runtime.sampling import SamplingParams
 from mtlqwen.runtime.scheduler import Scheduler, split_budget
 from mtlqwen.runtime.sequence import Sequence, SeqStatus
@@ -13,7 +16,7 @@ def seq(rid, prompt_len, max_tokens=8):
 
 
 def make(num_blocks, slots, budget, block_tokens=4):
-    return Scheduler(BlockPool(num_blocks), slots, budget, block_tokens)
+    return Scheduler(KVManager(num_blocks, block_tokens), slots, budget)
 
 
 def commit(plan, token=7):
@@ -78,7 +81,7 @@ def test_prefill_chunks_decode_anchors_and_blocks_on_boundaries():
     p3 = sch.schedule()  # two decoding sequences; c gets the other 14 and 12 of them finish its prompt
     assert summary(p3) == [("a", 10, 1, True), ("b", 4, 1, True), ("c", 18, 12, True)]
     assert (a.block_table, b.block_table, c.block_table) == ([0, 1, 5], [2, 9], [3, 4, 6, 7, 8, 10, 11, 12])
-    assert sch.pool.num_free == 100 - 13
+    assert sch.kv.pool.num_free == 100 - 13
 
 
 def test_every_live_sequence_advances_and_fifo_admission():
@@ -99,7 +102,7 @@ def test_every_live_sequence_advances_and_fifo_admission():
     for s_ in seqs[:2]:
         assert s_.sampling_done
         sch.release(s_)
-    assert sch.free_slots == [0, 1] and sch.pool.num_free == 100
+    assert sch.free_slots == [0, 1] and sch.kv.pool.num_free == 100
     p = sch.schedule()
     assert [s_.request_id for s_ in p.admitted] == [2, 3] and (seqs[2].slot, seqs[3].slot) == (0, 1)
 
@@ -134,7 +137,7 @@ def test_preemption_frees_the_newest_and_requeues_it_first():
     assert (a.block_table, b.block_table) == ([0, 2], [1, 3])
     commit(p)
     p = sch.schedule()  # 9 tokens each: a third block each
-    assert (a.block_table, b.block_table, sch.pool.num_free) == ([0, 2, 4], [1, 3, 5], 0)
+    assert (a.block_table, b.block_table, sch.kv.pool.num_free) == ([0, 2, 4], [1, 3, 5], 0)
     commit(p)
     for _ in range(3):  # kv_valid 9 -> 12 fits the 3 blocks
         p = sch.schedule()
@@ -147,7 +150,7 @@ def test_preemption_frees_the_newest_and_requeues_it_first():
     assert b.status is SeqStatus.WAITING and b.slot is None and b.block_table == [] and b.kv_valid == 0
     assert [s_.request_id for s_ in sch.waiting] == ["b", "c"]  # ahead of the never-started request
     assert a.block_table == [0, 2, 4, 5]  # b's blocks were freed tail first: 5, 3, 1
-    assert sch.pool.free_ids() == [3, 1]
+    assert sch.kv.pool.free_ids() == [3, 1]
     assert sch.num_preemptions == 1 and b.num_preemptions == 1
     assert b.tokens == list(range(8)) + [7] * 5  # prompt + what it generated: recomputed from kv_valid 0
     commit(p)
@@ -171,7 +174,7 @@ def test_a_preempted_request_resumes_with_prompt_and_generated_tokens():
     (sb,) = [s_ for s_ in resumed.scheduled if s_.seq is b]
     assert sb.start == 0 and sb.fresh  # recompute from an empty state...
     assert b.tokens[:6] == list(range(6)) and len(b.tokens) == 12  # ...over prompt + generated
-    assert sch.pool.num_free == 4 - len(b.block_table)
+    assert sch.kv.pool.num_free == 4 - len(b.block_table)
 
 
 def test_memory_pressure_preempts_newest_computed_sequence():
@@ -194,7 +197,7 @@ def test_admitted_then_shed_is_not_a_preemption():
     a, b = seq("a", 9, max_tokens=4), seq("b", 4)
     sch.add(a)
     p = sch.schedule()
-    assert summary(p) == [("a", 0, 8, False)] and sch.pool.num_free == 1
+    assert summary(p) == [("a", 0, 8, False)] and sch.kv.pool.num_free == 1
     commit(p)
     sch.add(b)
     p = sch.schedule()
@@ -215,3 +218,73 @@ def test_a_preempted_request_with_a_token_in_flight_is_not_readmitted_until_read
     commit(p)
     p = sch.schedule()
     assert summary(p) == [("a", 0, 4, True)]
+
+
+# ---- admission that does not thrash
+def test_a_victim_stays_out_until_the_blocks_to_finish_it_exist():
+    sch = make(num_blocks=6, slots=2, budget=8)
+    a, b, c = seq("a", 8), seq("b", 8), seq("c", 3)  # a and b need 4 blocks each to finish (8 + 8 - 1 tokens)
+    for s_ in (a, b, c):
+        sch.add(s_)
+    for _ in range(7):  # 2 prefill steps, 4 decode steps to 12 tokens each, then the 13th needs a 4th block
+        p = sch.schedule()
+        commit(p)
+    assert p.preempted == [b] and summary(p) == [("a", 12, 1, True)]
+    assert (sch.kv.pool.num_free, sch.kv.blocks_to_finish(a), sch.kv.blocks_to_finish(b)) == (2, 0, 4)
+    for start in (13, 14):
+        # a slot and 2 blocks are free, enough for b's first chunk, but not for b to finish: b stays out,
+        # and c behind it (FIFO), where it used to be readmitted at once and preempted again
+        p = sch.schedule()
+        assert (p.admitted, p.preempted, summary(p)) == ([], [], [("a", start, 1, True)])
+        assert [s_.request_id for s_ in sch.waiting] == ["b", "c"] and sch.free_slots == [1]
+        commit(p)
+    assert a.sampling_done
+    sch.release(a)
+    p = sch.schedule()  # 6 blocks free: b (4 to finish) is readmitted, and c after it
+    assert [s_.request_id for s_ in p.admitted] == ["b", "c"]
+    assert summary(p) == [("b", 0, 5, False), ("c", 0, 3, True)]
+    commit(p)
+    while sch.running:
+        p = sch.schedule()
+        commit(p)
+        for s_ in list(sch.running):
+            if s_.sampling_done and s_.pending == 0:
+                sch.release(s_)
+    assert (sch.num_preemptions, b.num_preemptions, len(b.generated), len(c.generated)) == (1, 1, 8, 8)
+    assert sch.kv.pool.num_free == 6
+
+
+@st.composite
+def tight_workloads(draw):
+    bt = draw(st.sampled_from([2, 4, 8]))
+    reqs = [(draw(st.integers(1, 24)), draw(st.integers(1, 16))) for _ in range(draw(st.integers(1, 12)))]
+    need = max(BlockPool.blocks_for(p + m - 1, bt) for p, m in reqs)
+    slots = draw(st.integers(1, 6))
+    return dict(bt=bt, reqs=reqs, slots=slots, budget=draw(st.integers(slots, 32)),
+                num_blocks=need + draw(st.integers(0, 8)))
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(w=tight_workloads())
+def test_tight_pools_finish_every_request_with_at_most_one_preemption_each(w):
+    """Whatever the pool, slots and budget: every request finishes, none is preempted twice (a victim
+    comes back only when it and every running sequence can finish), and every block comes back."""
+    sch = make(num_blocks=w["num_blocks"], slots=w["slots"], budget=w["budget"], block_tokens=w["bt"])
+    seqs = [seq(i, p, max_tokens=m) for i, (p, m) in enumerate(w["reqs"])]
+    for s_ in seqs:
+        sch.add(s_)
+    steps = 0
+    while sch.running or sch.waiting:
+        p = sch.schedule()
+        for s_ in sch.running:
+            assert len(s_.block_table) == BlockPool.blocks_for(s_.kv_valid, w["bt"])
+        commit(p)
+        for s_ in list(sch.running):
+            if s_.sampling_done and s_.pending == 0:
+                sch.release(s_)
+        steps += 1
+        assert steps < 2000, "no progress"
+    assert all(len(s_.generated) == s_.params.max_tokens for s_ in seqs)
+    assert max(s_.num_preemptions for s_ in seqs) <= 1
+    assert sch.num_preemptions == sum(s_.num_preemptions for s_ in seqs)
+    assert sch.kv.pool.num_free == w["num_blocks"] and not any(sch.kv.pool.ref_counts)

@@ -1,14 +1,15 @@
-"""Runtime: slots and sequences, the KV block pool, the token-budget scheduler, batch packing,
-sampling and the engine loop (design.md, "One engine step")."""
+"""Runtime: slots and sequences, the KV manager (block pool + prefix cache), the token-budget scheduler,
+batch packing, sampling and the engine loop (design.md, "One engine step")."""
 
 from .block_pool import BlockPool, NoFreeBlocks
 from .engine import Engine
+from .kv_manager import KVManager
 from .outputs import Delta, Output
 from .sampling import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler, StepPlan, split_budget
 from .sequence import Sequence, SeqStatus
 
 __all__ = [
-    "BlockPool", "Delta", "Engine", "NoFreeBlocks", "Output", "SamplingParams", "ScheduledSeq", "Scheduler",
+    "BlockPool", "Delta", "Engine", "KVManager", "NoFreeBlocks", "Output", "SamplingParams", "ScheduledSeq", "Scheduler",
     "SeqStatus", "Sequence", "StepPlan", "split_budget",
 ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import operator
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -27,7 +27,8 @@ from .batch import PackedBatch, pack, token_buckets
 from .block_pool import BlockPool
 from .memory import device_memory, resolve_num_blocks
 from .outputs import Delta, Output, TextState
-from .prefix_cache import DEFAULT_CACHE_BYTES, Capture, PrefixCache, empty_stats, model_identity
+from .kv_manager import KVManager, StepSnapshots
+from .prefix_cache import DEFAULT_CACHE_BYTES, model_identity
 from .sampling import SamplingParams, sample
 from .scheduler import ScheduledSeq, Scheduler, StepPlan
 from .speculative import Speculator, load_draft
@@ -39,7 +40,7 @@ class _InFlight:
     sampling: list[ScheduledSeq]
     tokens: mx.array | None  # [R] sampled ids, still on the device
     rows: dict[Sequence, int]  # row of each sampling sequence in `tokens`
-    captures: list[Capture] = field(default_factory=list)  # prefix-cache snapshots, published at read-back
+    snapshots: StepSnapshots | None = None  # the step's prefix-cache captures, published at read-back
     spec: Any = None  # speculative._Verification: the step's verifying sequences, applied at read-back
 
 
@@ -140,20 +141,16 @@ class Engine:
         if prefix_interval and num_blocks is None and kv_bytes is None and device_memory()[0] is not None:
             # the default KV budget was taken from free device memory: leave the snapshots' share out
             self.num_blocks = max(1, self.num_blocks - budget // per_block)
-        self.pool = BlockPool(self.num_blocks)
-        self.prefix = None
-        if prefix_interval:
-            per_entry = ModelCache.bytes_per_slot(self.config, model.dtype)
-            if prefix_interval % block_tokens:  # plus the copy of the partial last block
-                per_entry += per_block
-            identity = model_identity(model, getattr(drafter, "source", drafter))  # entries carry drafter rows
-            self.prefix = PrefixCache(self.pool, prefix_interval, block_tokens, budget, identity, per_entry)
-        self.scheduler = Scheduler(self.pool, slots, step_tokens, block_tokens, prefix_cache=self.prefix)
+        per_entry = ModelCache.bytes_per_slot(self.config, model.dtype)
+        if prefix_interval and prefix_interval % block_tokens:  # plus the copy of the partial last block
+            per_entry += per_block
+        identity = model_identity(model, getattr(drafter, "source", drafter))  # entries carry drafter rows
+        self.kv = KVManager(self.num_blocks, block_tokens, prefix_interval, budget, identity, per_entry)
+        self.scheduler = Scheduler(self.kv, slots, step_tokens)
         # one spare bundle and slot beyond what the scheduler hands out: the padding sequence's scratch
         self.cache = model.make_cache(self.num_blocks + 1, slots + 1, block_tokens)
         self.spec = None if drafter is None else Speculator(
-            model, drafter, n_draft, self.cache, self.prefix.interval if self.prefix is not None else 0,
-            verify_commit)
+            model, drafter, n_draft, self.cache, self.kv, verify_commit)
         self.scratch = (slots, self.num_blocks)
         auto = compile_decode is None
         if auto:
@@ -269,12 +266,8 @@ class Engine:
         c["padding_tokens"] += plan_batch.padding
         c["prefill_tokens"] += sum(s.num_tokens for s in scheduled if s.start < s.seq.prompt_len)
         cache = self.cache
-        if plan_batch.reset_slots:  # zeroed lazily, inside this step's graph: no sync
-            rows = mx.array(plan_batch.reset_slots, dtype=mx.int32)
-            for pool in (*cache.conv_states, *cache.rec_states):
-                pool[rows] = 0
-        if self.prefix is not None:  # prefix-cache hits: their snapshot replaces the zeroed state
-            self.prefix.restore([s.seq for s in scheduled if s.fresh], cache)
+        # fresh slots zeroed, prefix-cache hits restored (lazily, inside this step's graph: no sync)
+        snapshots = self.kv.step_snapshots(scheduled, plan_batch.reset_slots, cache)
         spec = None
         if self.spec is not None:  # drafting, taps, verification (speculative.py)
             tokens, spec = self.spec.launch(plan, plan_batch, cache)
@@ -288,11 +281,9 @@ class Engine:
                 logits = self.model.forward(plan_batch.input_ids, plan_batch.layout, cache, plan_batch.logits_rows)
             samp = plan_batch.sampling
             tokens = sample(logits, [s.seq.params for s in samp], [s.seq.seed for s in samp], [s.sample_index for s in samp])
-        caps = self.prefix.capture(scheduled, cache) if self.prefix is not None else []
         mx.async_eval(*([tokens] if tokens is not None else []), *cache.arrays())
-        if caps:  # a separate evaluation runs after the step's in-place KV writes (kv_write_kernels.py)
-            mx.async_eval(*(a for c in caps for a in c.arrays()))
-        return _InFlight(plan_batch.sampling, tokens, {s.seq: r for r, s in enumerate(plan_batch.sampling)}, caps, spec)
+        snapshots.capture()  # a separate evaluation, after the step's in-place KV writes (kv_write_kernels.py)
+        return _InFlight(plan_batch.sampling, tokens, {s.seq: r for r, s in enumerate(plan_batch.sampling)}, snapshots, spec)
 
     def _commit(self, flight: _InFlight) -> list[Delta]:
         """Read the step's tokens (the one sync) and apply them: append, check stops, finish."""
@@ -321,8 +312,8 @@ class Engine:
                     done[seq] = "stop_string"
                 elif len(seq.tokens) - seq.prompt_len >= p.max_tokens:
                     done[seq] = "length"
-        if flight.captures:  # every captured prefix's tokens are on the host now
-            self.prefix.publish(flight.captures)
+        if flight.snapshots is not None:  # every captured prefix's tokens are on the host now
+            flight.snapshots.publish()
         deltas = []
         for seq, toks in new.items():
             if seq in done:
@@ -403,6 +394,16 @@ class Engine:
             bar.close()
         return outputs
 
+    @property
+    def pool(self):
+        """The KV manager's block pool (read-only view)."""
+        return self.kv.pool
+
+    @property
+    def prefix(self):
+        """The KV manager's prefix cache, None when off (read-only view)."""
+        return self.kv.prefix
+
     def stats(self) -> dict:
         s = {
             "total_blocks": self.pool.num_blocks,
@@ -413,12 +414,12 @@ class Engine:
             "kv_cache_usage": self.pool.num_used / self.pool.num_blocks,
             **self.scheduler.stats(),
             **self.counters,
-            **(self.prefix.stats() if self.prefix is not None else empty_stats()),
+            **self.kv.stats(),
             **(self.spec.stats() if self.spec is not None else {}),
         }
         return s
 
     def clear_prefix_cache(self) -> int:
         """Drop every prefix-cache entry (their bundles return to the pool); returns how many."""
-        return self.prefix.clear() if self.prefix is not None else 0
+        return self.kv.clear()
 

@@ -5,7 +5,8 @@ prefix: the conv + recurrent state of every GDN layer right after it (copies gat
 and the KV bundles holding it (ref counted, read-only from then on). A new request restores the
 longest entry shorter than itself: the state is copied into its slot, the bundles go into its block
 table, and it starts at kv_valid = the entry's length. GDN state cannot be trimmed, so a hit is only
-possible at an exact snapshot; the scheduler cuts prefill chunks on interval boundaries to take them.
+possible at an exact snapshot; prefill chunks are cut on interval boundaries to take them. The store
+only: kv_manager.KVManager decides when to look up, restore, capture and evict, and writes the sequence.
 
 Keys are chained: key(k) = xxh3_64(key(k-1) as 8 bytes LE ‖ tokens of interval k as int32 LE), with
 key(0) = xxh3_64(model identity), so entries never cross models or drafters. A lookup compares the
@@ -18,7 +19,7 @@ write), and a hit writes the copy into a fresh block of its own. Only whole bloc
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -134,77 +135,58 @@ class PrefixCache:
                 return e
         return None
 
-    # ---- admission (scheduler) and restore (engine)
-    def attach(self, seq) -> None:
-        """On admission: map the longest hit into seq (shared bundles, kv_valid) and pin it until restored."""
+    # ---- hits (KVManager.admit) and restores (KVManager.step_snapshots)
+    def find_hit(self, seq) -> PrefixEntry | None:
+        """Count a lookup for seq and return its longest hit, pinned against eviction until unpin()."""
         c = self.counters
         c["prefix_lookups"] += 1
         c["prefix_query_tokens"] += seq.num_tokens
-        seq.cached_tokens = 0
         e = self.lookup(seq)
-        if e is None:
-            return
-        e.pins += 1
-        own = []
-        if e.tail is not None:  # the partial block is rewritten into a block of seq's own
-            if not self.evict_for_blocks(1):
-                e.pins -= 1
-                return
-            own = self.pool.allocate(1)
-        self.pool.share(e.blocks)
-        seq.block_table, seq.kv_valid, seq.restore = e.blocks + own, e.length, e
-        seq.cached_tokens = min(e.length, seq.prompt_len)
+        if e is not None:
+            e.pins += 1
+        return e
+
+    def count_hit(self, e: PrefixEntry) -> None:
         self.entries.move_to_end(e.key)
-        c["prefix_hits"] += 1
-        c["prefix_hit_tokens"] += e.length
+        self.counters["prefix_hits"] += 1
+        self.counters["prefix_hit_tokens"] += e.length
 
-    def detach(self, seq) -> None:
-        """The restore is launched, or seq left before it was: unpin."""
-        if seq.restore is not None:
-            seq.restore.pins -= 1
-            seq.restore = None
+    @staticmethod
+    def unpin(e: PrefixEntry) -> None:
+        """Its restore is launched, or the sequence left before it was."""
+        e.pins -= 1
 
-    def restore(self, seqs, cache) -> None:
-        """Copy each hit's snapshot into its slot (and its partial block into seq's own block), lazily in
-        the step's graph; the entry's arrays are only read."""
-        for seq in seqs:
-            e = seq.restore
-            if e is None:
-                continue
-            rows = mx.array([seq.slot], dtype=mx.int32)
-            for pool, s in zip(_state_pools(cache), e.state):
-                pool[rows] = s
-            if e.tail is not None:
-                dst = mx.array([seq.block_table[e.length // self.block_tokens]], dtype=mx.int32)
-                for pool, t in zip(_kv_pools(cache), e.tail):
-                    pool[dst] = t
-            self.detach(seq)
+    def restore(self, seq, cache) -> None:
+        """Copy seq's hit (seq.restore) into its slot, and its partial block into seq's own block, lazily
+        in the step's graph; the entry's arrays are only read."""
+        e = seq.restore
+        rows = mx.array([seq.slot], dtype=mx.int32)
+        for pool, s in zip(_state_pools(cache), e.state):
+            pool[rows] = s
+        if e.tail is not None:
+            dst = mx.array([seq.block_table[e.length // self.block_tokens]], dtype=mx.int32)
+            for pool, t in zip(_kv_pools(cache), e.tail):
+                pool[dst] = t
 
-    # ---- capture (engine, at launch) and publish (engine, at read-back)
-    def capture(self, scheduled, cache) -> list[Capture]:
-        """Snapshots of the sequences whose computed length lands on a boundary in this step; call after
-        the step's graph is built, and evaluate Capture.arrays() with it (a pending read of a pool would
-        make the next step's in-place write copy the pool)."""
-        caps, I, bt = [], self.interval, self.block_tokens
-        for s in scheduled:
-            seq, end = s.seq, s.start + s.num_tokens
-            if end % I:
-                continue
-            if len(seq.tokens) >= end:  # tokens known now: skip what is cached already
-                e = self._find(seq, end // I)
-                if e is not None:
-                    self.entries.move_to_end(e.key)
-                    continue
-            blocks = seq.block_table[: end // bt]
-            self.pool.share(blocks)
-            rows = mx.array([seq.slot], dtype=mx.int32)
-            state = [mx.take(p, rows, axis=0) for p in _state_pools(cache)]
-            tail = None
-            if end % bt:
-                b = mx.array([seq.block_table[end // bt]], dtype=mx.int32)
-                tail = [mx.take(p, b, axis=0) for p in _kv_pools(cache)]
-            caps.append(Capture(seq, end, blocks, state, tail))
-        return caps
+    # ---- capture (at launch) and publish (at read-back)
+    def capture(self, seq, end: int, cache) -> Capture | None:
+        """A snapshot of seq's state after `end` tokens (a boundary its step reaches), or None when that
+        prefix is cached already; call after the step's graph is built."""
+        bt = self.block_tokens
+        if len(seq.tokens) >= end:  # tokens known now: skip what is cached already
+            e = self._find(seq, end // self.interval)
+            if e is not None:
+                self.entries.move_to_end(e.key)
+                return None
+        blocks = seq.block_table[: end // bt]
+        self.pool.share(blocks)
+        rows = mx.array([seq.slot], dtype=mx.int32)
+        state = [mx.take(p, rows, axis=0) for p in _state_pools(cache)]
+        tail = None
+        if end % bt:
+            b = mx.array([seq.block_table[end // bt]], dtype=mx.int32)
+            tail = [mx.take(p, b, axis=0) for p in _kv_pools(cache)]
+        return Capture(seq, end, blocks, state, tail)
 
     def publish(self, caps: list[Capture]) -> None:
         for c in caps:
@@ -251,12 +233,18 @@ class PrefixCache:
             n += 1
         return n
 
+    def reclaimable(self) -> int:
+        """Bundles that evicting every unpinned entry would free (no sequence holds them)."""
+        held = Counter(b for e in self.entries.values() if e.pins == 0 for b in e.blocks)
+        return sum(1 for b, n in held.items() if self.pool.ref_counts[b] == n)
+
     def stats(self) -> dict:
-        return {**self.counters, "prefix_entries": len(self.entries), "prefix_bytes": self.nbytes}
+        blocks = len({b for e in self.entries.values() for b in e.blocks})
+        return {**self.counters, "prefix_entries": len(self.entries), "prefix_bytes": self.nbytes, "prefix_blocks": blocks}
 
 
 def empty_stats() -> dict:
     """stats() of a cache that is off: the same keys, all zero."""
     return dict.fromkeys(
         ("prefix_lookups", "prefix_hits", "prefix_hit_tokens", "prefix_query_tokens", "prefix_evictions",
-         "prefix_entries", "prefix_bytes"), 0)
+         "prefix_entries", "prefix_bytes", "prefix_blocks"), 0)

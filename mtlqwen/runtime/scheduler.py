@@ -1,10 +1,13 @@
-"""The token-budget scheduler (pure Python: it sees KV memory only through BlockPool calls).
+"""The token-budget scheduler (pure Python: it sees KV memory only through the KV manager).
 
 Each step: admit waiting requests into free slots (FIFO), then give every live sequence its tokens —
 a decoding sequence sends its anchor (1 token), the rest of the step budget is split equally among the
 prefilling sequences (`split_budget`) — then reserve the bundles those tokens need. When the pool
 cannot cover the step, the newest sequence is preempted (blocks and slot freed, request re-queued at
 the front for recompute from kv_valid 0: GDN state cannot be rolled back) and the split is redone.
+A preempted request is readmitted only once the pool can hold it and every running sequence up to
+max_tokens, so it is not preempted again while the pool is short (no thrash); new requests are admitted
+as soon as a slot is free and their step's blocks exist.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_pool import BlockPool
+from .kv_manager import KVManager
 from .sequence import Sequence, SeqStatus
 
 
@@ -70,24 +73,19 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(
-        self, pool: BlockPool, num_slots: int, step_tokens: int, block_tokens: int, decode_tokens: int = 1,
-        prefix_cache=None,
-    ):
+    """Decides who runs and how many tokens; KV memory is the KV manager's (kv_manager.KVManager)."""
+
+    def __init__(self, kv: KVManager, num_slots: int, step_tokens: int, decode_tokens: int = 1):
         if num_slots < 1:
             raise ValueError(f"slots must be >= 1, got {num_slots}")
         if step_tokens < num_slots * decode_tokens:
             # otherwise some live sequence could not advance in a step
             raise ValueError(f"step_tokens ({step_tokens}) must be >= slots x tokens per decode ({num_slots} x {decode_tokens})")
-        self.pool, self.num_slots, self.step_tokens = pool, num_slots, step_tokens
-        self.block_tokens, self.decode_tokens = block_tokens, decode_tokens
+        self.kv, self.num_slots, self.step_tokens, self.decode_tokens = kv, num_slots, step_tokens, decode_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
         self.free_slots: list[int] = list(range(num_slots))
         self.num_preemptions = 0
-        # prefix_cache.PrefixCache or None: looked up on admission, evicted from before preempting
-        self.prefix_cache = prefix_cache
-        self.prefix_interval = prefix_cache.interval if prefix_cache is not None else 0
 
     # ---- queue management
     def add(self, seq: Sequence) -> None:
@@ -104,23 +102,28 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
 
     def _free_resources(self, seq: Sequence) -> None:
-        if self.prefix_cache is not None:
-            self.prefix_cache.detach(seq)
-        self.pool.free(seq.block_table)
-        seq.block_table = []
+        self.kv.free(seq)
         self.free_slots.append(seq.slot)
         self.free_slots.sort()
         seq.slot = None
+
+    def _room_to_finish(self, seq: Sequence) -> bool:
+        """The pool can hold seq and every running sequence up to max_tokens."""
+        return self.kv.available() >= sum(self.kv.blocks_to_finish(s) for s in (*self.running, seq))
 
     def _admit(self) -> list[Sequence]:
         admitted = []
         # a request with a token still in flight (preempted mid-step) waits until it is read back
         while self.free_slots and self.waiting and self.waiting[0].pending == 0:
-            seq = self.waiting.popleft()
+            seq = self.waiting[0]
+            if seq.num_preemptions and not self._room_to_finish(seq):
+                # a victim stays out (and the queue behind it) until the blocks to finish it exist:
+                # readmitted sooner, it recomputes its context only to be preempted again (thrash)
+                break
+            self.waiting.popleft()
             seq.slot = self.free_slots.pop(0)
-            seq.status, seq.kv_valid, seq.fresh = SeqStatus.RUNNING, 0, True
-            if self.prefix_cache is not None:
-                self.prefix_cache.attach(seq)  # a hit maps shared bundles and starts kv_valid past them
+            seq.status, seq.fresh = SeqStatus.RUNNING, True
+            self.kv.admit(seq)  # a prefix hit maps shared bundles and starts kv_valid past them
             self.running.append(seq)
             admitted.append(seq)
         return admitted
@@ -135,24 +138,18 @@ class Scheduler:
             seq.num_preemptions += 1
             self.num_preemptions += 1
             preempted.append(seq)
-        seq.kv_valid = 0
         self.waiting.appendleft(seq)
 
     # ---- the per-step plan
     def token_counts(self, seqs: list[Sequence]) -> list[int]:
         """Decoding sequences send their anchor (+ spec_drafts when speculating); prefilling ones split
-        what is left (split_budget)."""
+        what is left (split_budget), each chunk ending on the next snapshot boundary at the latest."""
         counts = [s.need + (s.spec_drafts if s.need == 1 else 0) if s.need <= self.decode_tokens else 0 for s in seqs]
         pre = [i for i, s in enumerate(seqs) if s.need > self.decode_tokens]
         shares = split_budget([seqs[i].need for i in pre], self.step_tokens - sum(counts))
         for i, n in zip(pre, shares):
-            counts[i] = n
-            if self.prefix_interval:  # end the chunk on the next boundary: the GDN state there is captured
-                counts[i] = min(n, self.prefix_interval - seqs[i].kv_valid % self.prefix_interval)
+            counts[i] = self.kv.chunk_tokens(seqs[i], n)
         return counts
-
-    def _new_blocks(self, seq: Sequence, n: int) -> int:
-        return max(0, BlockPool.blocks_for(seq.kv_valid + n, self.block_tokens) - len(seq.block_table))
 
     def schedule(self) -> StepPlan:
         plan = StepPlan(admitted=self._admit())
@@ -160,20 +157,17 @@ class Scheduler:
             # a sequence whose last token is already sampled only waits for read-back
             live = [s for s in self.running if not s.sampling_done]
             counts = self.token_counts(live)
-            need = sum(self._new_blocks(s, n) for s, n in zip(live, counts))
-            if need <= self.pool.num_free or (self.prefix_cache is not None and self.prefix_cache.evict_for_blocks(need)):
+            if self.kv.reserve(sum(self.kv.new_blocks(s, n) for s, n in zip(live, counts))):
                 break
             self._preempt(live[-1], plan.admitted, plan.preempted)
         for seq, n in zip(live, counts):
             if n == 0:
                 continue
-            seq.block_table.extend(self.pool.allocate(self._new_blocks(seq, n)))
-            # shared (prefix-cache) bundles are whole blocks below kv_valid: a step never writes one
-            assert all(self.pool.ref_counts[b] == 1 for b in seq.block_table[seq.kv_valid // self.block_tokens :])
+            self.kv.allocate(seq, n)
             drafts = max(0, seq.kv_valid + n - seq.num_tokens)  # a verification runs past the request
             samples = seq.kv_valid + n - drafts == seq.num_tokens
             plan.scheduled.append(ScheduledSeq(seq, seq.kv_valid, n, samples, seq.num_generated, seq.fresh, drafts))
-            seq.kv_valid += n - drafts  # drafts count once accepted (Speculator.commit)
+            self.kv.advance(seq, n - drafts)  # drafts count once accepted (Speculator.commit)
             seq.fresh = False
             if samples:
                 seq.pending += 1

@@ -21,7 +21,8 @@ class Sequence:
     """`tokens` is the request: prompt then the sampled tokens read back so far. `pending` counts tokens
     sampled by steps still in flight (the host has not read them yet); they come after `tokens`.
     `kv_valid` counts tokens whose K/V and GDN state are computed or being computed by a launched step;
-    in decode kv_valid == num_tokens - 1 and the last token is the anchor."""
+    in decode kv_valid == num_tokens - 1 and the last token is the anchor. kv_valid, block_table and
+    restore are written only by kv_manager.KVManager."""
 
     request_id: Any
     tokens: list[int]
@@ -65,10 +66,6 @@ class Sequence:
         return self.num_tokens - self.kv_valid
 
     @property
-    def decoding(self) -> bool:
-        return self.need == 1
-
-    @property
     def sampling_done(self) -> bool:
         """max_tokens reached counting in-flight tokens: nothing more to schedule, only to read back."""
         return self.num_generated >= self.params.max_tokens
@@ -77,11 +74,6 @@ class Sequence:
     def active(self) -> bool:
         """Occupies a slot."""
         return self.status is SeqStatus.RUNNING
-
-    @property
-    def busy(self) -> bool:
-        """A launched step still owes this sequence a token."""
-        return self.pending > 0
 
     @property
     def generated(self) -> list[int]:

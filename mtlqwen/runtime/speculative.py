@@ -27,6 +27,7 @@ import mlx.core as mx
 
 from ..kernels import SeqLayout
 from ..model.dflash import Drafter, DrafterCache, load_drafter
+from .kv_manager import KVManager
 from .rejection import sample_drafts, step_keys, verify
 from .sampling import sample
 from .scheduler import ScheduledSeq, StepPlan
@@ -90,12 +91,12 @@ class Speculator:
     """verify_commit: "candidates" or "replay" for every verification, or None to choose per step by the
     step's longest draft run (commit_mode_for)."""
 
-    def __init__(self, model, drafter: Drafter, n_draft: int, cache, prefix_interval: int = 0,
+    def __init__(self, model, drafter: Drafter, n_draft: int, cache, kv: KVManager,
                  verify_commit: str | None = None):
         self.model, self.drafter, self.n_draft, self.cache = model, drafter, n_draft, cache
         self.verify_commit = verify_commit
         self.compiled = None  # a CompiledDecode when the engine compiles speculative steps (Engine(compile_decode=True))
-        self.interval = prefix_interval
+        self.kv = kv  # the snapshot boundary rule and the one writer of kv_valid
         self.dcache: DrafterCache = drafter.make_cache(cache)
         cache.drafter_cache = self.dcache  # the prefix cache copies partial bundles with their drafter K/V
         self.taps = tuple(drafter.tap_layers)
@@ -114,11 +115,7 @@ class Speculator:
         known at read-back)."""
         if not (seq.active and seq.params.speculative and seq.pending == 0 and seq.need == 1 and seq.kv_valid > 0):
             return 0
-        n = min(self.n_draft, seq.params.max_tokens - seq.num_generated - 1)
-        if self.interval:
-            end = (seq.kv_valid + 1) % self.interval  # kv_valid after a plain step, within its interval
-            n = 0 if end == 0 else min(n, self.interval - end - 1)
-        return max(0, n)
+        return self.kv.max_drafts(seq, max(0, min(self.n_draft, seq.params.max_tokens - seq.num_generated - 1)))
 
     def plan(self, seqs) -> None:
         for seq in seqs:  # every live sequence: a stale count must not survive a preemption
@@ -202,7 +199,7 @@ class Speculator:
         c = self.counters
         out = []
         for j, s in enumerate(v.seqs):
-            s.seq.kv_valid += k[j]  # the anchor was counted at scheduling; the accepted drafts now
+            self.kv.advance(s.seq, k[j])  # the anchor was counted at scheduling; the accepted drafts now
             c["draft_tokens"] += v.n[j]
             c["accepted_tokens"] += k[j]
             c["spec_steps"] += 1

@@ -1,0 +1,188 @@
+"""The one owner of KV memory and prefix state: block pool, prefix cache, the snapshot boundary rule.
+
+block_pool.py is its primitive (ids and ref counts) and prefix_cache.py its store (keys, entries,
+snapshots); the rules that tie them to sequences live here and nowhere else:
+  - a sequence's block table, `kv_valid` and pending restore are written only here: `admit` starts
+    kv_valid at 0 or past a prefix hit, `allocate` gives the bundles a step's tokens need, `advance`
+    is the one place kv_valid grows, `free` drops every reference;
+  - the boundary rule: a snapshot is taken where the computed length is a multiple of the interval
+    (`on_boundary`); prefill chunks end on the next one (`chunk_tokens`) and a verification stops short
+    of it (`max_drafts`), since a verification's state is only known at read-back;
+  - what the pool can give without preempting: free bundles plus those only unpinned entries hold
+    (`available`, `reserve`), and what a sequence may still ask for (`blocks_to_finish`);
+  - one snapshot hook per engine step (`step_snapshots`): zero or restore fresh slots before the
+    forward, capture boundary states after it, publish them when the step's tokens are read back.
+
+The scheduler decides who runs and how many tokens; it asks here how many bundles that takes, whether
+they exist, and to allocate or free them (the seam of vLLM v1's scheduler and KV-cache manager).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .block_pool import BlockPool
+from .prefix_cache import DEFAULT_CACHE_BYTES, Capture, PrefixCache, empty_stats
+
+
+class KVManager:
+    """num_blocks bundles of block_tokens tokens; prefix_interval > 0 turns the prefix cache on, with
+    prefix_cache_bytes for its snapshots, identity for its root key and entry_bytes the size of one."""
+
+    def __init__(self, num_blocks: int, block_tokens: int, prefix_interval: int = 0,
+                 prefix_cache_bytes: int = DEFAULT_CACHE_BYTES, identity: str = "", entry_bytes: int = 0):
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+        self.pool = BlockPool(num_blocks)
+        self.block_tokens = block_tokens
+        self.prefix = (PrefixCache(self.pool, prefix_interval, block_tokens, prefix_cache_bytes, identity, entry_bytes)
+                       if prefix_interval else None)
+
+    @property
+    def interval(self) -> int:
+        """Tokens between snapshots; 0 when the prefix cache is off (stored once, in the cache's keys)."""
+        return self.prefix.interval if self.prefix is not None else 0
+
+    # ---- the boundary rule
+    def to_boundary(self, pos: int) -> int | None:
+        """Tokens from position pos to the next snapshot boundary after it; None without a cache."""
+        i = self.interval
+        return i - pos % i if i else None
+
+    def on_boundary(self, length: int) -> bool:
+        """A computed length whose GDN state is snapshotted."""
+        return self.interval > 0 and length > 0 and length % self.interval == 0
+
+    def chunk_tokens(self, seq, n: int) -> int:
+        """A prefill chunk of n tokens, cut at the next boundary so the state there is captured."""
+        b = self.to_boundary(seq.kv_valid)
+        return n if b is None else min(n, b)
+
+    def max_drafts(self, seq, n: int) -> int:
+        """Drafts (at most n) a decoding sequence may verify: anchor + drafts stay short of the next
+        boundary, which a plain step then reaches (its state is captured at launch)."""
+        b = self.to_boundary(seq.kv_valid)
+        return n if b is None else max(0, min(n, b - 2))
+
+    # ---- sequences
+    def advance(self, seq, n: int) -> None:
+        """kv_valid covers n more tokens: scheduled by a launched step, restored, or accepted drafts."""
+        seq.kv_valid += n
+
+    def admit(self, seq) -> None:
+        """seq takes a slot: nothing computed, or the longest prefix hit mapped in (its whole bundles
+        shared, a fresh one for a partial last block, the restore pinned until launched)."""
+        seq.kv_valid, seq.block_table, seq.cached_tokens = 0, [], 0
+        if self.prefix is None:
+            return
+        e = self.prefix.find_hit(seq)
+        if e is None:
+            return
+        own = []
+        if e.tail is not None:  # copy on write: the partial block is rewritten into a block of seq's own
+            if not self.reserve(1):
+                self.prefix.unpin(e)
+                return
+            own = self.pool.allocate(1)
+        self.pool.share(e.blocks)
+        seq.block_table, seq.restore = e.blocks + own, e
+        seq.cached_tokens = min(e.length, seq.prompt_len)
+        self.advance(seq, e.length)
+        self.prefix.count_hit(e)
+
+    def free(self, seq) -> None:
+        """seq leaves its slot (finished, cancelled or preempted): a pending restore is unpinned, every
+        bundle reference dropped, and kv_valid is back to 0 (GDN state cannot be rolled back)."""
+        self._unpin(seq)
+        self.pool.free(seq.block_table)
+        seq.block_table, seq.kv_valid = [], 0
+
+    def _unpin(self, seq) -> None:
+        if seq.restore is not None:
+            self.prefix.unpin(seq.restore)
+            seq.restore = None
+
+    # ---- blocks
+    def new_blocks(self, seq, n: int) -> int:
+        """Bundles seq's table lacks to hold n more tokens past kv_valid."""
+        return max(0, BlockPool.blocks_for(seq.kv_valid + n, self.block_tokens) - len(seq.block_table))
+
+    def blocks_to_finish(self, seq) -> int:
+        """Bundles seq may still add before max_tokens (the last sampled token needs no KV; drafts never
+        run past max_tokens)."""
+        total = BlockPool.blocks_for(seq.prompt_len + seq.params.max_tokens - 1, self.block_tokens)
+        return max(0, total - len(seq.block_table))
+
+    def available(self) -> int:
+        """Bundles the pool can give without preempting: free ones, plus those only unpinned entries hold."""
+        return self.pool.num_free + (self.prefix.reclaimable() if self.prefix is not None else 0)
+
+    def reserve(self, n: int) -> bool:
+        """Make n bundles free, evicting least recently used entries if needed; False if they can't be."""
+        return self.pool.num_free >= n or (self.prefix is not None and self.prefix.evict_for_blocks(n))
+
+    def allocate(self, seq, n: int) -> None:
+        """Extend seq's table to hold n more tokens (reserve() first)."""
+        seq.block_table.extend(self.pool.allocate(self.new_blocks(seq, n)))
+        # shared (prefix-cache) bundles are whole blocks below kv_valid: a step never writes one
+        assert all(self.pool.ref_counts[b] == 1 for b in seq.block_table[seq.kv_valid // self.block_tokens :])
+
+    # ---- the engine's hook
+    def step_snapshots(self, scheduled, reset_slots: list[int], cache) -> StepSnapshots:
+        """Call before the step's forward is built: zeroes the GDN state of reset_slots (fresh sequences,
+        the padding slot) and copies each hit's snapshot over it, lazily in the step's graph. The returned
+        object captures after the forward and publishes at read-back."""
+        if reset_slots:
+            rows = mx.array(reset_slots, dtype=mx.int32)
+            for p in (*cache.conv_states, *cache.rec_states):
+                p[rows] = 0
+        if self.prefix is not None:
+            restoring = [s.seq for s in scheduled if s.fresh and s.seq.restore is not None]
+            for seq in restoring:
+                self.prefix.restore(seq, cache)
+                self._unpin(seq)
+        return StepSnapshots(self, scheduled, cache)
+
+    # ---- reporting
+    def stats(self) -> dict:
+        return self.prefix.stats() if self.prefix is not None else empty_stats()
+
+    def clear(self) -> int:
+        """Drop every prefix entry no pending restore pins; returns how many."""
+        return self.prefix.clear() if self.prefix is not None else 0
+
+
+class StepSnapshots:
+    """One step's prefix snapshots: `capture()` once the forward is built (states of sequences whose
+    computed length lands on a boundary), `publish()` when the step's tokens are on the host (a decoding
+    sequence's anchor is only known then), `discard()` if the step failed."""
+
+    def __init__(self, kv: KVManager, scheduled, cache):
+        self.kv, self.scheduled, self.cache = kv, scheduled, cache
+        self.captures: list[Capture] = []
+
+    def capture(self) -> None:
+        """Take the snapshots and launch their evaluation: call after the step's own async_eval, so it
+        runs after the in-place KV writes (a pending read of a pool would make the next write copy it)."""
+        prefix = self.kv.prefix
+        if prefix is None:
+            return
+        for s in self.scheduled:
+            end = s.start + s.num_tokens
+            if self.kv.on_boundary(end):
+                c = prefix.capture(s.seq, end, self.cache)
+                if c is not None:
+                    self.captures.append(c)
+        if self.captures:
+            mx.async_eval(*(a for c in self.captures for a in c.arrays()))
+
+    def publish(self) -> None:
+        if self.captures:
+            self.kv.prefix.publish(self.captures)
+            self.captures = []
+
+    def discard(self) -> None:
+        """The step failed: its snapshots are dropped with their bundle references."""
+        for c in self.captures:
+            self.kv.pool.free(c.blocks)
+        self.captures = []
