@@ -12,7 +12,8 @@ import pytest
 
 from mtlqwen import Engine, SamplingParams
 from mtlqwen.demo import PAIR_DIR, DemoPairMissing, heldout_loss, load_demo_pair, pair_dir
-from mtlqwen.model.builtin import BYTE_VOCAB, ByteTokenizer, is_builtin, load_builtin
+from mtlqwen.demo import is_builtin, load_builtin
+from mtlqwen.model.builtin import BYTE_VOCAB, ByteTokenizer
 
 PAIR = Path(os.environ.get("MTLQWEN_DEMO_PAIR", PAIR_DIR))
 PACKAGE_BUDGET = 25 * 10**6  # bytes: the pair ships inside the wheel

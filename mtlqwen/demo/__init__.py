@@ -15,6 +15,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..model.builtin import ByteTokenizer, random_model
+from ..model.qwen35 import Qwen35Model
+
 PAIR_DIR = Path(__file__).resolve().parent / "pair"
 LOSS_WINDOW = 512  # tokens per held-out window (each scored from a fresh state, as in training)
 
@@ -70,7 +73,6 @@ def _load_target(d: Path, dequantize: bool):
     from ..model import load  # noqa: PLC0415
     from ..model.config import load_config  # noqa: PLC0415
     from ..model.loading import _internal_overrides, read_safetensors  # noqa: PLC0415
-    from ..model.qwen35 import Qwen35Model  # noqa: PLC0415
     from ..model.quantize import validate_quant  # noqa: PLC0415
     from ..model.weights import check_weights, sanitize  # noqa: PLC0415
 
@@ -148,3 +150,42 @@ def heldout_loss(model, token_ids: list[int], window: int = LOSS_WINDOW) -> tupl
     if n == 0:
         raise ValueError("held-out loss needs at least 2 tokens")
     return total / n, n
+
+
+# What a front end runs when no checkpoint is named (the demo pair stands above the model package).
+RANDOM_MODEL = "random"  # the --model name of the random-weight demo model
+
+
+@dataclass
+class BuiltinModel:
+    """What a front end runs when no checkpoint is named: model, tokenizer, the drafter to speculate
+    with (None for random weights) and a note for the user."""
+
+    model: Qwen35Model
+    tokenizer: object
+    drafter: object | None
+    note: str
+
+
+def is_builtin(name) -> bool:
+    """Whether a --model value names a built-in model (absent, or "random") rather than a checkpoint."""
+    return name is None or name == RANDOM_MODEL
+
+
+def load_builtin(name: str | None = None, pair_path=None) -> BuiltinModel:
+    """name None: the trained demo pair (its DFlash drafter included) when the package has it, else the
+    random model with a note saying why; name "random": the random-weight model with the byte tokenizer.
+    pair_path: a demo-pair directory to use instead of the packaged one (mtlqwen.demo's layout)."""
+    if not is_builtin(name):
+        raise ValueError(f"{name!r} is not a built-in model (None or {RANDOM_MODEL!r})")
+    random_note = ("running the small built-in Qwen3.5 model with RANDOM weights (its text is meaningless; "
+                   "it shows the engine works). Pass --model for a real checkpoint.")
+    if name == RANDOM_MODEL:
+        return BuiltinModel(random_model(), ByteTokenizer(), None, "--model random: " + random_note)
+    try:
+        pair = load_demo_pair(pair_path)
+    except DemoPairMissing as e:
+        return BuiltinModel(random_model(), ByteTokenizer(), None, f"No --model given and {e}; {random_note}")
+    note = ("No --model given: running the built-in demo model (a small Qwen3.5 trained on the Python "
+            "standard library) with its DFlash drafter. Pass --model for a real checkpoint.")
+    return BuiltinModel(pair.model, pair.tokenizer, pair.drafter, note)

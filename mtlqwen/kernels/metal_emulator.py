@@ -35,7 +35,7 @@ import numpy as np
 
 import mlx.core as mx
 
-from .check_metal import _TYPE, _tmpl_value, kernel_name, metal_source, signature
+from .metal_source import _TYPE, _tmpl_value, kernel_name, metal_source, signature
 from .portable import REGISTRY, KernelExample, PortableKernel
 
 HERE = Path(__file__).parent

@@ -1,11 +1,10 @@
-"""The models that need no --model: the trained demo pair shipped in the package (mtlqwen.demo), and
-random-weight Qwen3.5 models built in memory (`--model random`, tests, and real-size shapes such as
-Qwen3.5-9B at 4-bit for benchmarks when real weights cannot be downloaded)."""
+"""Random-weight Qwen3.5 models built in memory (`--model random`, tests, and real-size shapes such as
+Qwen3.5-9B at 4-bit for benchmarks when real weights cannot be downloaded) and the byte tokenizer they use.
+The trained demo pair, and the choice between it and these, live in mtlqwen.demo."""
 
 from __future__ import annotations
 
 import codecs
-from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -86,46 +85,6 @@ def random_model(
     model = Qwen35Model(config, random_weights(config, seed, dtype, quantize))
     model.source = "built-in random weights"
     return model
-
-
-RANDOM_MODEL = "random"  # the --model name of the random-weight demo model
-
-
-@dataclass
-class BuiltinModel:
-    """What a front end runs when no checkpoint is named: model, tokenizer, the drafter to speculate
-    with (None for random weights) and a note for the user."""
-
-    model: Qwen35Model
-    tokenizer: object
-    drafter: object | None
-    note: str
-
-
-def is_builtin(name) -> bool:
-    """Whether a --model value names a built-in model (absent, or "random") rather than a checkpoint."""
-    return name is None or name == RANDOM_MODEL
-
-
-def load_builtin(name: str | None = None, pair_path=None) -> BuiltinModel:
-    """name None: the trained demo pair (its DFlash drafter included) when the package has it, else the
-    random model with a note saying why; name "random": the random-weight model with the byte tokenizer.
-    pair_path: a demo-pair directory to use instead of the packaged one (mtlqwen.demo's layout)."""
-    if not is_builtin(name):
-        raise ValueError(f"{name!r} is not a built-in model (None or {RANDOM_MODEL!r})")
-    random_note = ("running the small built-in Qwen3.5 model with RANDOM weights (its text is meaningless; "
-                   "it shows the engine works). Pass --model for a real checkpoint.")
-    if name == RANDOM_MODEL:
-        return BuiltinModel(random_model(), ByteTokenizer(), None, "--model random: " + random_note)
-    from ..demo import DemoPairMissing, load_demo_pair  # noqa: PLC0415
-
-    try:
-        pair = load_demo_pair(pair_path)
-    except DemoPairMissing as e:
-        return BuiltinModel(random_model(), ByteTokenizer(), None, f"No --model given and {e}; {random_note}")
-    note = ("No --model given: running the built-in demo model (a small Qwen3.5 trained on the Python "
-            "standard library) with its DFlash drafter. Pass --model for a real checkpoint.")
-    return BuiltinModel(pair.model, pair.tokenizer, pair.drafter, note)
 
 
 class ByteTokenizer:

@@ -338,7 +338,10 @@ def covers(q_shape, q_dtype, k_pool: mx.array, v_pool: mx.array, layout: SeqLayo
     """Whether the kernel handles this attention (else the reference runs)."""
     T, nH, hd = q_shape
     nKV = k_pool.shape[2]
-    return not (nH % nKV or hd % 32 or hd > 512 or k_pool.dtype not in _KIND or q_dtype not in _KIND
+    # up to 16 query rows a threadgroup keep hd + 34 floats each in threadgroup memory: at hd 512 that is
+    # 34,944 bytes, past Metal's 32 KiB (the emulator's limit check), so Metal stops at 256
+    max_hd = 256 if gpu_backend() == "metal" else 512
+    return not (nH % nKV or hd % 32 or hd > max_hd or k_pool.dtype not in _KIND or q_dtype not in _KIND
                 or v_pool.dtype != k_pool.dtype or 128 % (hd // 4) or layout.num_seqs == 0 or T == 0
                 or nH // nKV > 16)
 
