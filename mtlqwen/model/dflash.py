@@ -271,7 +271,7 @@ class Drafter:
         bl = self._block_layout(layout, B)
         self.rope.ensure(max(bl.kv_valid) + B)
         ids = mx.array([t for a in anchors for t in [a] + [c.mask_token_id] * n_draft], dtype=mx.int32)
-        x = self.target.embed.rows(ids)  # [S*B, H]
+        x = self.target.embed_rows(ids)  # [S*B, H] (vocab-parallel under tensor parallelism)
         if c.input_embedding_scale != 1.0:
             x = x * c.input_embedding_scale
         pos = bl.array("positions")
@@ -292,7 +292,7 @@ class Drafter:
     def draft_logits(self, anchors, layout: SeqLayout, cache: DrafterCache, n_draft: int) -> mx.array:
         """Draft logits [S, n_draft, vocab] through the target's head (q for rejection sampling)."""
         c = self.config
-        logits = linear(self.draft_hidden(anchors, layout, cache, n_draft), self.target.lm_head)
+        logits = self.target.head(self.draft_hidden(anchors, layout, cache, n_draft))
         if c.output_multiplier != 1.0:
             logits = logits * c.output_multiplier
         if c.final_logit_softcapping:

@@ -9,6 +9,8 @@ import mlx.core as mx
 
 from .config import ConfigError, QuantSpec, Qwen35Config, load_config
 from .qwen35 import Qwen35Model
+from .distributed import check_same_checkpoint, checkpoint_fingerprint
+from .sharding import Shard, check_split, shard_config, shard_weights
 from .quantize import parse_quantize_arg, quantize_weights, validate_quant
 from .weights import CheckpointError, check_weights, sanitize
 
@@ -91,7 +93,10 @@ def evaluate(weights: dict[str, mx.array], progress=None) -> None:
         progress(total, total)
 
 
-def load_model_dir(model_dir: Path, quantize=None, progress=None) -> Qwen35Model:
+def load_model_dir(model_dir: Path, quantize=None, progress=None, group=None) -> Qwen35Model:
+    if group is not None and group.size() > 1:  # before any tensor is read: a mismatch fails fast
+        check_same_checkpoint(checkpoint_fingerprint(model_dir, f"quantize={quantize!r}"), group)
+        check_split(load_config(model_dir), group.size())  # after: every rank reaches the collective
     config = load_config(model_dir)
     _internal_overrides(config)
     weights = sanitize(read_safetensors(model_dir), config)
@@ -102,14 +107,21 @@ def load_model_dir(model_dir: Path, quantize=None, progress=None) -> Qwen35Model
         if config.quantization is not None:
             raise ConfigError("this checkpoint is already quantized; load it without quantize=")
         weights = quantize_weights(weights, config, parse_quantize_arg(quantize))
+    if group is None or group.size() == 1:
+        evaluate(weights, progress)
+        return Qwen35Model(config, weights)
+    # this rank's shard only: the lazily read full tensors are dropped once their slices are evaluated
+    weights = shard_weights(weights, config, Shard(group.rank(), group.size()))
     evaluate(weights, progress)
-    return Qwen35Model(config, weights)
+    return Qwen35Model(shard_config(config, group.size()), weights, group=group, full_config=config)
 
 
-def load(path_or_repo: str | Path, quantize=None, progress=None) -> Qwen35Model:
+def load(path_or_repo: str | Path, quantize=None, progress=None, group=None) -> Qwen35Model:
     """Load a Qwen3.5 / 3.6 checkpoint: official Hugging Face layout or an mlx-lm conversion (possibly
     quantized). `quantize="4bit"` / `"8bit"` / `(bits, group_size)` quantizes a float checkpoint at load.
-    progress: called as progress(done_bytes, total_bytes) while the tensors are read (see `evaluate`)."""
-    model = load_model_dir(resolve_model_path(path_or_repo), quantize=quantize, progress=progress)
+    progress: called as progress(done_bytes, total_bytes) while the tensors are read (see `evaluate`).
+    group: an mx.distributed group (e.g. `mx.distributed.init()`) for tensor parallelism: this rank loads
+    and keeps only its shard (sharding.py); every rank must call it with the same checkpoint."""
+    model = load_model_dir(resolve_model_path(path_or_repo), quantize=quantize, progress=progress, group=group)
     model.source = str(path_or_repo)
     return model

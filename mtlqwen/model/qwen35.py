@@ -36,6 +36,7 @@ from ..kernels import (
 )
 from .cache import ModelCache
 from .config import Qwen35Config
+from .sharding import Shard, embed_vocab, gather_vocab
 
 # How verified sequences get their GDN state (a verifying forward's verify_commit): "candidates" keeps the
 # state after every verified token and picks one; "replay" keeps the inputs and reruns the accepted tokens.
@@ -252,8 +253,9 @@ class DecoderLayer:
     them (out_proj + add + post-attention norm; down_proj + add + the next layer's input norm), so a layer
     takes and returns (h, normed h)."""
 
-    def __init__(self, w, i: int, c: Qwen35Config, mixer):
+    def __init__(self, w, i: int, c: Qwen35Config, mixer, group=None):
         p = f"model.layers.{i}"
+        self.group = group  # tensor parallel: the blocks return partial sums, all-reduced here
         self.kind = c.layer_types[i]
         self.input_norm = w[f"{p}.input_layernorm.weight"]
         self.post_norm = w[f"{p}.post_attention_layernorm.weight"]
@@ -263,6 +265,11 @@ class DecoderLayer:
 
     def __call__(self, h, x, layout: SeqLayout, cache: ModelCache, next_norm: mx.array):
         """h: residual stream [T, H]; x: input_layernorm(h). Returns (new h, next_norm(new h))."""
+        if self.group is not None:  # one all_sum per mixer and per MLP; the fused add+norm cannot carry it
+            g = self.group
+            h, x = add_rms_norm(h, mx.distributed.all_sum(linear(self.mixer(x, layout, cache), self.mixer.out_proj),
+                                                          group=g), self.post_norm, self.eps)
+            return add_rms_norm(h, mx.distributed.all_sum(self.mlp(x), group=g), next_norm, self.eps)
         h, x = linear_add_rms_norm(self.mixer(x, layout, cache), self.mixer.out_proj, h, self.post_norm, self.eps)
         return self.mlp.add_norm(x, h, next_norm, self.eps)
 
@@ -276,8 +283,12 @@ class Qwen35Model:
     (n_draft + 1) states of traffic per layer and sequence; "replay" keeps only the verify rows' inputs and
     reruns anchor + accepted drafts from the pre-step state at commit (a second, shorter delta-rule pass)."""
 
-    def __init__(self, config: Qwen35Config, weights: dict[str, mx.array]):
+    def __init__(self, config: Qwen35Config, weights: dict[str, mx.array], group=None, full_config=None):
+        """group: an mx.distributed group of size > 1 for tensor parallelism, with `config` and `weights`
+        this rank's shard (sharding.py) and `full_config` the checkpoint's; None: one process."""
         self.config, self.weights = config, weights
+        self.group, self.full_config = group, full_config or config
+        self.shard = Shard(group.rank(), group.size()) if group is not None else Shard(0, 1)
         c = config
         self.rope = RopeTables(c.rotary_dim, c.rope_theta)
         self.embed = _lin(weights, "model.embed_tokens", c)
@@ -293,7 +304,7 @@ class Qwen35Model:
             else:
                 mixer = AttentionMixer(weights, f"model.layers.{i}.self_attn", c, n_attn, self.rope)
                 n_attn += 1
-            self.layers.append(DecoderLayer(weights, i, c, mixer))
+            self.layers.append(DecoderLayer(weights, i, c, mixer, group))
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -310,7 +321,7 @@ class Qwen35Model:
             if verify_commit not in VERIFY_COMMITS:
                 raise ValueError(f"verify_commit must be one of {VERIFY_COMMITS}, got {verify_commit!r}")
             cache.candidates = {"mode": verify_commit}  # a fresh stash; the commit follows its mode
-        h = self.embed.rows(input_ids)
+        h = self.embed_rows(input_ids)
         x = rms_norm(h, self.layers[0].input_norm, self.config.rms_norm_eps)
         captured = []
         n = len(self.layers)
@@ -320,6 +331,18 @@ class Qwen35Model:
             if i in taps:
                 captured.append(h)
         return x, captured
+
+    def embed_rows(self, ids: mx.array) -> mx.array:
+        """Embedding rows [T, H] of token ids [T] (vocab-parallel under a group)."""
+        if self.group is None:
+            return self.embed.rows(ids)
+        return embed_vocab(self.embed, ids, self.config.vocab_size, self.shard, self.group)
+
+    def head(self, h: mx.array) -> mx.array:
+        """lm_head: hidden [R, H] -> logits [R, vocab] (gathered over the vocabulary under a group)."""
+        if self.group is None:
+            return linear(h, self.lm_head)
+        return gather_vocab(linear(h, self.lm_head), self.config.vocab_size, self.group)
 
     def hidden(self, input_ids: mx.array, layout: SeqLayout, cache: ModelCache) -> mx.array:
         """input_ids [T] -> final-normed hidden states [T, H]; writes KV and GDN state into `cache`."""
@@ -333,7 +356,7 @@ class Qwen35Model:
         h = self._run(input_ids, layout, cache, (), verify_commit)[0]
         if logits_rows is not None:
             h = h[logits_rows]
-        return linear(h, self.lm_head)
+        return self.head(h)
 
     def forward_with_taps(
         self, input_ids: mx.array, layout: SeqLayout, cache: ModelCache, taps: tuple[int, ...],
@@ -346,7 +369,7 @@ class Qwen35Model:
         by_layer = dict(zip(order, captured))
         if logits_rows is not None:
             h = h[logits_rows]
-        return linear(h, self.lm_head), mx.concatenate([by_layer[t] for t in taps], axis=-1)
+        return self.head(h), mx.concatenate([by_layer[t] for t in taps], axis=-1)
 
     def commit_candidates(self, cache: ModelCache, accepted: list[int]) -> None:
         """After a forward with verifying sequences: verifying sequence j (in layout order) keeps the GDN
