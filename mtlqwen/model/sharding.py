@@ -217,11 +217,13 @@ def vocab_range(vocab: int, shard: Shard) -> tuple[int, int]:
 
 
 def gather_vocab(local: mx.array, vocab: int, group) -> mx.array:
-    """Per-rank logits [T, V/N] -> full logits [T, vocab], identical on every rank."""
-    n = group.size()
-    T, per = local.shape
-    full = mx.distributed.all_gather(local, group=group)  # [N * T, V/N], rank-major
-    return full.reshape(n, T, per).transpose(1, 0, 2).reshape(T, n * per)[:, :vocab]
+    """Per-rank logits [..., V/N] -> full logits [..., vocab], identical on every rank."""
+    n, lead, per = group.size(), local.shape[:-1], local.shape[-1]
+    flat = local.reshape(-1, per)  # [T, V/N]
+    full = mx.distributed.all_gather(flat, group=group)  # [N * T, V/N], rank-major
+    T = flat.shape[0]
+    full = full.reshape(n, T, per).transpose(1, 0, 2).reshape(T, n * per)[:, :vocab]
+    return full.reshape(*lead, vocab)
 
 
 def embed_vocab(embed, ids: mx.array, vocab: int, shard: Shard, group) -> mx.array:

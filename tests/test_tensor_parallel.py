@@ -1,0 +1,197 @@
+"""Tensor parallelism (model/sharding.py, model/distributed.py).
+
+Two kinds of test: single-process simulated ranks (shard the weights, run every rank's blocks on the same
+input, sum the partial outputs, compare with the whole model), and real runs of 2 ranks over the ring
+back-end on 127.0.0.1 (`mlx.launch -n 2 --backend ring`, tests/tp_worker.py) whose outputs must equal the
+single-process engine's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import hf_checkpoints as H
+import mtlqwen
+from dflash_checkpoints import write_tiny_drafter
+from mtlqwen import Qwen35Model, SeqLayout
+from mtlqwen.kernels import linear
+from mtlqwen.model.builtin import demo_config, random_weights
+from mtlqwen.model.sharding import (
+    Shard, ShardError, _vocab_rows, check_split, padded_vocab, shard_config, shard_weights, vocab_range,
+)
+
+WORKER = Path(__file__).with_name("tp_worker.py")
+LAUNCH_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    dense = H.write_tiny_checkpoint(root / "dense", moe=False, r=2, num_layers=4, seed=41)
+    return {
+        "dense": dense,
+        "moe": H.write_tiny_checkpoint(root / "moe", moe=True, r=2, num_layers=4, seed=42),
+        "other": H.write_tiny_checkpoint(root / "other", moe=False, r=2, num_layers=4, seed=43),
+        "draft": write_tiny_drafter(root / "draft", dense, num_layers=2, block_size=16),
+    }
+
+
+# ---- simulated ranks, one process
+
+def _ranks(model: Qwen35Model, n: int) -> list[Qwen35Model]:
+    c = model.config
+    return [Qwen35Model(shard_config(c, n), shard_weights(model.weights, c, Shard(r, n))) for r in range(n)]
+
+
+def _check_blocks(model: Qwen35Model, n: int, tol: float) -> None:
+    """Every layer: mixer + out_proj and MLP/MoE, whole vs sum over ranks, for a prefill then a decode
+    step (the decode reads the KV / GDN state each rank wrote); each rank's state is its slice of the whole."""
+    ranks = _ranks(model, n)
+    H_ = model.config.hidden_size
+    caches = [m.make_cache(2, 1, 16) for m in [model, *ranks]]
+    for step, (T, kv) in enumerate([(6, 0), (1, 6)]):
+        x = mx.random.normal((T, H_), key=mx.random.key(step))
+        lay = SeqLayout([0, T], [kv], [[0]], [0], 16)
+        for i, layer in enumerate(model.layers):
+            whole = linear(layer.mixer(x, lay, caches[0]), layer.mixer.out_proj)
+            parts = [linear(r.layers[i].mixer(x, lay, cr), r.layers[i].mixer.out_proj)
+                     for r, cr in zip(ranks, caches[1:])]
+            np.testing.assert_allclose(np.array(sum(parts)), np.array(whole), atol=tol, rtol=tol)
+            np.testing.assert_allclose(np.array(sum(r.layers[i].mlp(x) for r in ranks)), np.array(layer.mlp(x)),
+                                       atol=tol, rtol=tol)
+    c = model.config
+    Hv = c.linear_num_value_heads
+    for j, rec in enumerate(caches[0].rec_states):  # [slots, Hv, dv, dk]: rank r holds its value heads
+        got = mx.concatenate([cr.rec_states[j] for cr in caches[1:]], axis=1)
+        assert got.shape == rec.shape and Hv % n == 0
+        np.testing.assert_allclose(np.array(got), np.array(rec), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_simulated_ranks_match_whole_blocks(ckpts, kind):
+    _check_blocks(mtlqwen.load(ckpts[kind]), 2, 2e-5)
+
+
+def test_simulated_ranks_quantized(ckpts):
+    """4-bit g32: row splits of packed tensors and column splits on group boundaries give exact partials."""
+    _check_blocks(mtlqwen.load(ckpts["dense"], quantize="4bit-g32"), 2, 2e-5)
+
+
+def test_replicated_kv_heads_four_ranks():
+    """2 KV heads over 4 ranks: each KV head is kept by the 2 ranks whose query heads read it."""
+    c = dataclasses.replace(demo_config(), num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                            linear_num_key_heads=4, linear_num_value_heads=8)
+    model = Qwen35Model(c, random_weights(c, seed=3, dtype=mx.float32))
+    assert shard_config(c, 4).num_key_value_heads == 1
+    _check_blocks(model, 4, 3e-5)
+    kw = f"model.layers.{c.full_attention_layers[0]}.self_attn.k_proj.weight"
+    per_rank = [shard_weights({kw: model.weights[kw]}, c, Shard(r, 4))[kw] for r in range(4)]
+    assert mx.array_equal(per_rank[0], per_rank[1]) and mx.array_equal(per_rank[2], per_rank[3])
+    assert mx.array_equal(per_rank[0], model.weights[kw][: c.head_dim])
+
+
+def test_vocab_shards_pad_and_cover():
+    t = mx.arange(10 * 3, dtype=mx.float32).reshape(10, 3)
+    rows = [_vocab_rows(t, 10, Shard(r, 4)) for r in range(4)]  # 10 -> 12 rows, 3 per rank
+    assert padded_vocab(10, 4) == 12 and [vocab_range(10, Shard(r, 4)) for r in range(4)][-1] == (9, 12)
+    assert all(x.shape == (3, 3) for x in rows)
+    full = mx.concatenate(rows)
+    assert mx.array_equal(full[:10], t) and mx.array_equal(full[10:], mx.zeros((2, 3)))
+
+
+def test_impossible_splits_are_refused(ckpts):
+    c = mtlqwen.load(ckpts["dense"]).config
+    with pytest.raises(ShardError, match=r"num_attention_heads=4 is not divisible by 3"):
+        check_split(c, 3)
+    with pytest.raises(ShardError, match="linear_num_key_heads=2 is not divisible by 4"):
+        check_split(c, 4)
+    moe = mtlqwen.load(ckpts["moe"], quantize="4bit-g32")  # expert down_proj: 32 columns, 16 per rank
+    with pytest.raises(ShardError, match=r"switch_mlp.down_proj: the column split .* 32-column groups"):
+        shard_weights(moe.weights, moe.config, Shard(0, 2))
+
+
+def test_tensor_parallel_flag_alone_is_an_error():
+    """A process not started by a launcher has no group: the --tensor-parallel error says how to launch."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
+    code = ("from mtlqwen.model.distributed import tensor_parallel_group\n"
+            "try:\n    tensor_parallel_group()\nexcept Exception as e:\n    print(type(e).__name__, e)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60).stdout
+    assert out.startswith("ShardError --tensor-parallel: no distributed group") and "mlx.launch" in out
+
+
+# ---- 2 ranks over the ring back-end
+
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 free (the ring back-end listens on starting port + rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p > 65000:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no free pair of ports")
+
+
+def _launch(args: list[str], tmp_path: Path, tag: str) -> subprocess.CompletedProcess:
+    launcher = shutil.which("mlx.launch")
+    assert launcher, "mlx.launch (installed with mlx) is not on PATH"
+    cmd = [launcher, "-n", "2", "--backend", "ring", "--hosts", "127.0.0.1", "-p", str(_free_port_pair()),
+           sys.executable, str(WORKER), *args, str(tmp_path / tag)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=tmp_path)
+
+
+def _single(ckpt: Path, tmp_path: Path, extra=()) -> dict:
+    subprocess.run([sys.executable, str(WORKER), str(ckpt), *extra, str(tmp_path / "single"), "--single"],
+                   check=True, timeout=LAUNCH_TIMEOUT_S, cwd=tmp_path)
+    return json.loads((tmp_path / "single.rank0.json").read_text())
+
+
+def _two_ranks(ckpt: Path, tmp_path: Path, extra=()) -> list[dict]:
+    p = _launch([str(ckpt), *extra], tmp_path, "tp")
+    missing = [r for r in range(2) if not (tmp_path / f"tp.rank{r}.json").is_file()]  # mlx.launch exits 0 anyway
+    assert p.returncode == 0 and not missing, p.stdout[-3000:] + p.stderr[-3000:]
+    return [json.loads((tmp_path / f"tp.rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "draft"])
+def test_two_ranks_equal_single_process(ckpts, tmp_path, kind):
+    """Batched greedy + one seeded sampled request, then a wave of prefix hits: both ranks produce the
+    single-process engine's tokens and cache hits, each holding about half the weights and half the pools."""
+    ckpt = ckpts["moe" if kind == "moe" else "dense"]
+    extra = ["--draft", str(ckpts["draft"])] if kind == "draft" else []
+    ref = _single(ckpt, tmp_path, extra)
+    ranks = _two_ranks(ckpt, tmp_path, extra)
+    assert [o["cached_tokens"] for o in ref["outputs"]] == [0, 0, 0, 32, 16, 32]
+    assert all(len(o["tokens"]) == 12 for o in ref["outputs"])
+    for rep in ranks:
+        assert rep["size"] == 2
+        assert rep["outputs"] == ref["outputs"]
+        assert rep["prefix_hits"] == ref["prefix_hits"] == 3
+        assert 0.49 < rep["weight_bytes"] / ref["weight_bytes"] < 0.51  # replicated: norms, router only
+        assert rep["cache_bytes"] * 2 == ref["cache_bytes"]
+
+
+def test_ranks_with_different_checkpoints_are_refused(ckpts, tmp_path):
+    """Both ranks stop with the error before loading any tensor (mlx.launch itself exits 0 when a rank fails,
+    so the test reads the ranks' output and checks that no rank wrote a report)."""
+    p = _launch([str(ckpts["dense"]), "--rank1-checkpoint", str(ckpts["other"])], tmp_path, "bad")
+    out = p.stdout + p.stderr
+    assert out.count("ShardError: ranks [1] load a different checkpoint than rank 0") == 2, out[-3000:]
+    assert not list(tmp_path.glob("bad.rank*.json"))
