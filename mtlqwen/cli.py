@@ -68,6 +68,9 @@ def main(argv=None) -> int:
     from .model import CheckpointError, ConfigError  # noqa: PLC0415
 
     try:
+        from .frontends.args import start_tensor_parallel  # noqa: PLC0415
+
+        start_tensor_parallel(args)
         return args.func(args)
     except (OSError, CheckpointError, ConfigError, ValueError) as e:  # OSError: missing paths, unwritable logs
         print(f"mtlqwen {args.command}: error: {e}", file=sys.stderr)

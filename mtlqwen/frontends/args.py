@@ -31,6 +31,26 @@ def add_model_args(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("--quantize", default=None, metavar="SPEC",
                    help="quantize a float checkpoint at load: 4bit, 8bit, or e.g. 4bit-g32 (groups 32/64/128); "
                         "needs --model")
+    p.add_argument("--tensor-parallel", action="store_true",
+                   help="shard the model over the ranks of an mx.distributed launch, e.g. `mlx.launch "
+                        "--backend ring -n 2 -- mtlqwen ... --tensor-parallel`; only rank 0 prints or serves")
+
+
+def start_tensor_parallel(args) -> None:
+    """--tensor-parallel: join the launched group (args.group; None without the flag). Ranks other than 0
+    print nothing on standard output and show no progress bars; their errors still reach standard error."""
+    args.group = None
+    if not getattr(args, "tensor_parallel", False):
+        return
+    import os  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from ..model.distributed import tensor_parallel_group  # noqa: PLC0415
+
+    args.group = tensor_parallel_group()
+    if args.group.rank() != 0:
+        args.quiet = True
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (for the life of the process)
 
 
 def add_quiet_arg(p: argparse.ArgumentParser) -> None:
@@ -80,16 +100,23 @@ def sampling_from_args(args):
 
 def load_model_and_tokenizer(args, progress=None):
     """(model, tokenizer, note): the checkpoint's, or the built-in random demo model with a byte tokenizer.
-    progress: called as progress(done_bytes, total_bytes) while the checkpoint's tensors load."""
+    progress: called as progress(done_bytes, total_bytes) while the checkpoint's tensors load.
+    With --tensor-parallel (args.group, start_tensor_parallel), this rank's shard of the model."""
+    group = getattr(args, "group", None)
     if args.model is None:
         from ..model.builtin import ByteTokenizer, random_model  # noqa: PLC0415
 
         note = ("No --model given: running the small built-in Qwen3.5 model with RANDOM weights "
                 "(its text is meaningless; it shows the engine works). Pass --model for a real checkpoint.")
-        return random_model(), ByteTokenizer(), note
+        model = random_model()
+        if group is not None:  # the same seeded weights on every rank: each keeps its shard
+            from ..model.loading import shard_model  # noqa: PLC0415
+
+            model = shard_model(model.config, model.weights, group)
+        return model, ByteTokenizer(), note
     from .. import load, load_tokenizer  # noqa: PLC0415
 
-    model = load(args.model, quantize=args.quantize, progress=progress)
+    model = load(args.model, quantize=args.quantize, progress=progress, group=group)
     return model, load_tokenizer(args.model), None
 
 

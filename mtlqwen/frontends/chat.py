@@ -178,6 +178,7 @@ def _command(text: str, convo: Conversation, thinking_switch: bool) -> bool | No
 
 def cmd_chat(args) -> int:
     from ..runtime import Engine  # noqa: PLC0415
+    from ..runtime.replicated import replicate  # noqa: PLC0415
 
     check_model_args(args)
     kwargs = parse_template_args(args.chat_template_args)
@@ -189,7 +190,8 @@ def cmd_chat(args) -> int:
         model, tok, note = load_model_and_tokenizer(args, progress=load_bar.update)
     finally:
         load_bar.close()
-    engine = Engine(model, tokenizer=tok, **engine_kw)
+    # --tensor-parallel: ranks other than 0 follow rank 0's engine and exit here
+    engine = replicate(Engine(model, tokenizer=tok, **engine_kw), getattr(args, "group", None))
     context = engine.max_model_len
     check_max_tokens(sampling.max_tokens, context)
     sampling.check_vocab(engine.config.vocab_size)  # e.g. --top-k: refused now, not at every turn

@@ -63,6 +63,7 @@ def cmd_generate(args) -> int:
     import mlx.core as mx  # noqa: PLC0415
 
     from ..runtime import Engine  # noqa: PLC0415
+    from ..runtime.replicated import replicate  # noqa: PLC0415
 
     check_model_args(args)
     if args.ignore_chat_template and _template_flags(args):
@@ -77,7 +78,7 @@ def cmd_generate(args) -> int:
     finally:
         load_bar.close()
     ids = _prompt_ids(args, tok, prompt, template_kwargs)
-    engine = Engine(model, tokenizer=tok, slots=1)
+    engine = replicate(Engine(model, tokenizer=tok, slots=1), getattr(args, "group", None))  # rank 0 goes on
     check_max_tokens(sampling.max_tokens, engine.max_model_len)
     max_tokens, trimmed = fit_reply(len(ids), sampling.max_tokens, engine.max_model_len,
                                     "shorten the prompt")

@@ -142,6 +142,16 @@ def _check_context(model, max_model_len: int | None) -> None:
                          f"use {ctx} or less (or leave it out)")
 
 
+def _follow_rank0(args, engine_kw: dict, group) -> int:
+    """A rank other than 0 of `serve --tensor-parallel`: the same engine, stepped as rank 0 says."""
+    from ..runtime import Engine  # noqa: PLC0415
+    from ..runtime.replicated import follow  # noqa: PLC0415
+
+    model, tok, _ = load_model_and_tokenizer(args)
+    follow(Engine(model, tokenizer=tok, **engine_kw), group)
+    return 0
+
+
 def cmd_serve(args) -> int:
     try:
         import uvicorn  # noqa: PLC0415
@@ -165,6 +175,9 @@ def cmd_serve(args) -> int:
                    min_p=defaults.min_p, max_tokens=defaults.max_tokens, seed=defaults.seed)  # flags fail early
     api_key = args.api_key or os.environ.get("MTLQWEN_API_KEY") or None
     names = served_names(args)
+    group = getattr(args, "group", None)
+    if group is not None and group.rank() != 0:  # --tensor-parallel: only rank 0 binds and serves
+        return _follow_rank0(args, engine_kw, group)
     sock = bind(args.host, args.port)  # before anything is loaded: a port in use fails here, alone
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
@@ -172,12 +185,13 @@ def cmd_serve(args) -> int:
 
     def build():
         from ..runtime import Engine  # noqa: PLC0415
+        from ..runtime.replicated import replicate  # noqa: PLC0415
 
         model, tok, note = load_model_and_tokenizer(args)
         if note:
             log.warning(note)
         _check_context(model, args.max_model_len)
-        return Engine(model, tokenizer=tok, **engine_kw), tok
+        return replicate(Engine(model, tokenizer=tok, **engine_kw), group), tok
 
     metrics = Metrics(names[0])
     loop = EngineLoop(build, metrics, load_delay=args.debug_load_delay)

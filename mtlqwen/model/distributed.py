@@ -85,3 +85,11 @@ def broadcast_json(obj, group, root: int = 0):
     """A JSON-serialisable value of rank `root` on every rank."""
     data = json.dumps(obj).encode() if group.rank() == root else None
     return json.loads(broadcast_bytes(data, group, root).decode())
+
+
+def agreed_seed(group) -> int:
+    """A random 63-bit seed drawn on rank 0 and shared: the engines' per-request seeds then agree."""
+    import random  # noqa: PLC0415
+
+    data = str(random.SystemRandom().getrandbits(63)).encode() if group.rank() == 0 else None
+    return int(broadcast_bytes(data, group).decode())

@@ -111,6 +111,11 @@ def load_model_dir(model_dir: Path, quantize=None, progress=None, group=None) ->
         evaluate(weights, progress)
         return Qwen35Model(config, weights)
     # this rank's shard only: the lazily read full tensors are dropped once their slices are evaluated
+    return shard_model(config, weights, group, progress)
+
+
+def shard_model(config: Qwen35Config, weights: dict[str, mx.array], group, progress=None) -> Qwen35Model:
+    """The rank's Qwen35Model of a whole model (config + weights, e.g. `model.config, model.weights`)."""
     weights = shard_weights(weights, config, Shard(group.rank(), group.size()))
     evaluate(weights, progress)
     return Qwen35Model(shard_config(config, group.size()), weights, group=group, full_config=config)

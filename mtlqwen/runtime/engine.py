@@ -162,6 +162,11 @@ class Engine:
         self.pad_buckets = bool(pad_buckets)
         self.buckets = token_buckets(step_tokens) if self.pad_buckets else None
         self.eos = set(self.config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", None) or ())
+        group = getattr(model, "group", None)
+        if seed is None and group is not None:  # tensor parallel: every rank draws the same request seeds
+            from ..model.distributed import agreed_seed  # noqa: PLC0415
+
+            seed = agreed_seed(group)
         self._rng = random.Random(seed)
         self._seqs: dict[Any, Sequence] = {}
         self._next_id = 0
