@@ -12,9 +12,11 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -195,3 +197,69 @@ def test_ranks_with_different_checkpoints_are_refused(ckpts, tmp_path):
     out = p.stdout + p.stderr
     assert out.count("ShardError: ranks [1] load a different checkpoint than rank 0") == 2, out[-3000:]
     assert not list(tmp_path.glob("bad.rank*.json"))
+
+
+# ---- the command-line front-ends behind rank 0 (the built-in random model: no checkpoint needed)
+
+def _launch_cli(args: list[str], **kw) -> subprocess.Popen | subprocess.CompletedProcess:
+    launcher = shutil.which("mlx.launch")
+    assert launcher, "mlx.launch (installed with mlx) is not on PATH"
+    cmd = [launcher, "-n", "2", "--backend", "ring", "--hosts", "127.0.0.1", "-p", str(_free_port_pair()), "--",
+           sys.executable, "-m", "mtlqwen", *args, "--tensor-parallel"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, **kw)
+
+
+def test_generate_two_ranks_prints_once_and_matches(tmp_path):
+    args = ["generate", "--prompt", "Hello there", "-m", "12", "--quiet"]
+    ref = subprocess.run([sys.executable, "-m", "mtlqwen", *args], capture_output=True, text=True,
+                         timeout=LAUNCH_TIMEOUT_S, cwd=tmp_path)
+    assert ref.returncode == 0, ref.stderr
+    p = _launch_cli(args, cwd=tmp_path)
+    assert p.stdout.count("==========") == 2, p.stdout + p.stderr  # rank 1 prints nothing
+    completion = lambda out: out.split("==========")[1]  # noqa: E731
+    assert completion(p.stdout) == completion(ref.stdout)
+    assert "Generation: 12 tokens" in p.stdout
+
+
+def test_serve_two_ranks_answers_from_rank0(tmp_path):
+    """serve --tensor-parallel: rank 0 binds and answers; its reply is the single-process engine's."""
+    import urllib.request  # noqa: PLC0415
+
+    from mtlqwen import Engine, SamplingParams  # noqa: PLC0415
+    from mtlqwen.model.builtin import ByteTokenizer, random_model  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = shutil.which("mlx.launch")
+    cmd = [launcher, "-n", "2", "--backend", "ring", "--hosts", "127.0.0.1", "-p", str(_free_port_pair()), "--",
+           sys.executable, "-m", "mtlqwen", "serve", "--port", str(port), "--slots", "2", "--tensor-parallel"]
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=tmp_path)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                if json.load(urllib.request.urlopen(f"{base}/health", timeout=5))["status"] == "ok":
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        body = json.dumps({"prompt": "Hello there", "max_tokens": 8, "temperature": 0}).encode()
+        req = urllib.request.Request(f"{base}/v1/completions", body, {"content-type": "application/json"})
+        reply = json.load(urllib.request.urlopen(req, timeout=120))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+    ref = Engine(random_model(), tokenizer=ByteTokenizer(), slots=1).generate(
+        "Hello there", SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert reply["choices"][0]["text"] == ref.text
+    assert reply["usage"]["completion_tokens"] == 8
+    assert (tmp_path / "serve.log").read_text().count("listening on") == 1  # rank 0 alone serves
