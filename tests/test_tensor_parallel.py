@@ -235,7 +235,10 @@ def test_serve_two_ranks_answers_from_rank0(tmp_path):
     cmd = [launcher, "-n", "2", "--backend", "ring", "--hosts", "127.0.0.1", "-p", str(_free_port_pair()), "--",
            sys.executable, "-m", "mtlqwen", "serve", "--port", str(port), "--slots", "2", "--tensor-parallel"]
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=tmp_path)
+    # its own process group: the interrupt reaches the launcher and both ranks (the launcher does not
+    # forward it), so nothing outlives the test
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=tmp_path,
+                            start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + LAUNCH_TIMEOUT_S
@@ -251,11 +254,11 @@ def test_serve_two_ranks_answers_from_rank0(tmp_path):
         req = urllib.request.Request(f"{base}/v1/completions", body, {"content-type": "application/json"})
         reply = json.load(urllib.request.urlopen(req, timeout=120))
     finally:
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
         log.close()
     ref = Engine(random_model(), tokenizer=ByteTokenizer(), slots=1).generate(
@@ -263,3 +266,18 @@ def test_serve_two_ranks_answers_from_rank0(tmp_path):
     assert reply["choices"][0]["text"] == ref.text
     assert reply["usage"]["completion_tokens"] == 8
     assert (tmp_path / "serve.log").read_text().count("listening on") == 1  # rank 0 alone serves
+
+
+def test_memory_sizing_counts_one_shard(ckpts):
+    """The pool sizing reads the rank's config: the same KV budget buys twice the bundles on 2 ranks, and
+    a rank's pools are half the whole model's."""
+    from mtlqwen import Engine  # noqa: PLC0415
+    from mtlqwen.model.cache import ModelCache  # noqa: PLC0415
+
+    model = mtlqwen.load(ckpts["dense"])
+    rank0 = _ranks(model, 2)[0]
+    budget = 40 * ModelCache.bytes_per_block(model.config, 8, model.dtype)
+    whole = Engine(model, slots=2, block_tokens=8, kv_bytes=budget, prefix_interval=0)
+    shard = Engine(rank0, slots=2, block_tokens=8, kv_bytes=budget, prefix_interval=0)
+    assert (whole.num_blocks, shard.num_blocks) == (40, 80)
+    assert ModelCache.bytes_per_slot(rank0.config, model.dtype) * 2 == ModelCache.bytes_per_slot(model.config, model.dtype)

@@ -28,7 +28,9 @@ def resolve_num_blocks(
     num_blocks: int | None = None, kv_bytes: int | None = None, extra_block_bytes: int = 0,
 ) -> int:
     """num_blocks, else kv_bytes / bytes per bundle, else a device default capped at what `slots`
-    full-context sequences could ever use. extra_block_bytes: what else a bundle holds (drafter K/V)."""
+    full-context sequences could ever use. extra_block_bytes: what else a bundle holds (drafter K/V).
+    Under tensor parallelism `config` is the rank's shard (sharding.shard_config): the bytes per bundle
+    and per slot are this rank's, so a budget buys N times the bundles of one process."""
     per_block = ModelCache.bytes_per_block(config, block_tokens, dtype) + extra_block_bytes
     if num_blocks is not None and kv_bytes is not None:
         raise ValueError("give num_blocks or kv_bytes, not both")
