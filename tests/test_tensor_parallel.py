@@ -172,12 +172,17 @@ def _two_ranks(ckpt: Path, tmp_path: Path, extra=()) -> list[dict]:
     return [json.loads((tmp_path / f"tp.rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "draft"])
+TWO_RANK_RUNS = {"dense": [], "moe": [], "draft": ["--draft"], "4bit": ["--quantize", "4bit-g32"],
+                 "compiled": ["--compile"]}
+
+
+@pytest.mark.parametrize("kind", list(TWO_RANK_RUNS))
 def test_two_ranks_equal_single_process(ckpts, tmp_path, kind):
     """Batched greedy + one seeded sampled request, then a wave of prefix hits: both ranks produce the
-    single-process engine's tokens and cache hits, each holding about half the weights and half the pools."""
+    single-process engine's tokens and cache hits, each holding about half the weights and half the pools.
+    Also with a (replicated) drafter, 4-bit weights, and decode steps through mx.compile."""
     ckpt = ckpts["moe" if kind == "moe" else "dense"]
-    extra = ["--draft", str(ckpts["draft"])] if kind == "draft" else []
+    extra = [a if a != "--draft" else f"--draft={ckpts['draft']}" for a in TWO_RANK_RUNS[kind]]
     ref = _single(ckpt, tmp_path, extra)
     ranks = _two_ranks(ckpt, tmp_path, extra)
     assert [o["cached_tokens"] for o in ref["outputs"]] == [0, 0, 0, 32, 16, 32]

@@ -1,6 +1,6 @@
 """One rank of the tensor-parallel tests, started by `mlx.launch --backend ring -n 2` (test_tensor_parallel.py).
 
-usage: tp_worker.py CHECKPOINT OUT_PREFIX [--draft DIR] [--single] [--rank1-checkpoint DIR]
+usage: tp_worker.py CHECKPOINT OUT_PREFIX [--draft DIR] [--single] [--rank1-checkpoint DIR] [--quantize SPEC] [--compile]
 Runs `workload` on a model sharded over the launched group (or, with --single, on the whole model in one
 process, the reference) and writes OUT_PREFIX.rank<R>.json: every request's tokens and cached_tokens,
 this rank's weight and cache-pool bytes.
@@ -42,12 +42,16 @@ def main() -> int:
     ap.add_argument("out")
     ap.add_argument("--draft", default=None)
     ap.add_argument("--single", action="store_true")
+    ap.add_argument("--quantize", default=None, help="quantize at load, e.g. 4bit-g32")
+    ap.add_argument("--compile", action="store_true", help="compile_decode=True (mx.compile over the collectives)")
     ap.add_argument("--rank1-checkpoint", default=None, help="rank 1 loads this one (the mismatch test)")
     a = ap.parse_args()
     group = None if a.single else mx.distributed.init(strict=True, backend="ring")
     ckpt = a.rank1_checkpoint if a.rank1_checkpoint and group is not None and group.rank() == 1 else a.checkpoint
-    model = mtlqwen.load(ckpt, group=group)
+    model = mtlqwen.load(ckpt, quantize=a.quantize, group=group)
     kw = {"draft": a.draft, "n_draft": 3} if a.draft else {}
+    if a.compile:
+        kw["compile_decode"] = True
     engine = Engine(model, slots=3, step_tokens=32, block_tokens=8, num_blocks=64, prefix_interval=16, seed=1234, **kw)
     outputs = workload(engine)
     rank = 0 if group is None else group.rank()
