@@ -286,3 +286,21 @@ def test_memory_sizing_counts_one_shard(ckpts):
     shard = Engine(rank0, slots=2, block_tokens=8, kv_bytes=budget, prefix_interval=0)
     assert (whole.num_blocks, shard.num_blocks) == (40, 80)
     assert ModelCache.bytes_per_slot(rank0.config, model.dtype) * 2 == ModelCache.bytes_per_slot(model.config, model.dtype)
+
+
+def test_chat_two_ranks_replies_once_and_matches(tmp_path):
+    """chat --tensor-parallel: the launcher hands every rank the input lines; rank 0 reads them and drives
+    the engines. (The launcher never passes end-of-input on, so the session ends with /exit.)"""
+    feed = "Hello there\n/exit\n"
+    ref = subprocess.run([sys.executable, "-m", "mtlqwen", "chat", "-m", "8"], input=feed, capture_output=True,
+                         text=True, timeout=LAUNCH_TIMEOUT_S, cwd=tmp_path)
+    assert ref.returncode == 0, ref.stderr
+    p = _launch_cli(["chat", "-m", "8"], input=feed, cwd=tmp_path)
+    reply = lambda out: out.split(">> ")[1]  # noqa: E731  the text after the first prompt marker
+    assert p.stdout.count("commands: ") == 1, p.stdout + p.stderr  # rank 1 prints nothing
+    assert reply(p.stdout) == reply(ref.stdout) and reply(ref.stdout).strip()
+
+
+def test_generate_prompt_from_stdin_is_refused_under_tensor_parallel(tmp_path):
+    p = _launch_cli(["generate", "--prompt", "-"], input="x", cwd=tmp_path)
+    assert "--prompt - cannot be used with --tensor-parallel" in p.stderr

@@ -70,6 +70,10 @@ def cmd_generate(args) -> int:
         raise ValueError(f"{_template_flags(args)[0]} does not apply with --ignore-chat-template")
     template_kwargs = parse_template_args(args.chat_template_args)
     sampling = sampling_from_args(args)
+    group = getattr(args, "group", None)
+    if group is not None and args.prompt == "-":
+        raise ValueError("--prompt - cannot be used with --tensor-parallel: mlx.launch never passes the end of "
+                         "standard input on to the ranks; give the prompt as --prompt TEXT")
     prompt = _read_prompt(args.prompt)
     bars = progress_enabled(args.quiet)
     load_bar = Bar("loading", enabled=bars)
@@ -78,7 +82,7 @@ def cmd_generate(args) -> int:
     finally:
         load_bar.close()
     ids = _prompt_ids(args, tok, prompt, template_kwargs)
-    engine = replicate(Engine(model, tokenizer=tok, slots=1), getattr(args, "group", None))  # rank 0 goes on
+    engine = replicate(Engine(model, tokenizer=tok, slots=1), group)  # --tensor-parallel: rank 0 goes on
     check_max_tokens(sampling.max_tokens, engine.max_model_len)
     max_tokens, trimmed = fit_reply(len(ids), sampling.max_tokens, engine.max_model_len,
                                     "shorten the prompt")
