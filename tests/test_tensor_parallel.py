@@ -132,6 +132,17 @@ def test_tensor_parallel_flag_alone_is_an_error():
     assert out.startswith("ShardError --tensor-parallel: no distributed group") and "mlx.launch" in out
 
 
+def test_tensor_parallel_group_of_one_is_an_error(monkeypatch):
+    """A launcher that starts a single rank (e.g. mpirun -n 1) gives a group of size 1: refused."""
+    from mtlqwen.model import distributed  # noqa: PLC0415
+
+    single = mx.distributed.init()  # not strict: the singleton group
+    assert single.size() == 1
+    monkeypatch.setattr(distributed.mx.distributed, "init", lambda strict=False, backend="any": single)
+    with pytest.raises(ShardError, match="needs at least 2 ranks, but this group has 1"):
+        distributed.tensor_parallel_group()
+
+
 # ---- 2 ranks over the ring back-end
 
 def _free_port_pair() -> int:

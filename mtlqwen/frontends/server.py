@@ -148,6 +148,7 @@ def _follow_rank0(args, engine_kw: dict, group) -> int:
     from ..runtime.replicated import follow  # noqa: PLC0415
 
     model, tok, _ = load_model_and_tokenizer(args)
+    _check_context(model, args.max_model_len)  # as rank 0's build(): both stop on the same error
     follow(Engine(model, tokenizer=tok, **engine_kw), group)
     return 0
 
