@@ -45,6 +45,7 @@ def ckpts(tmp_path_factory):
         "dense": dense,
         "moe": H.write_tiny_checkpoint(root / "moe", moe=True, r=2, num_layers=4, seed=42),
         "other": H.write_tiny_checkpoint(root / "other", moe=False, r=2, num_layers=4, seed=43),
+        "tied": H.write_tiny_checkpoint(root / "tied", moe=False, tied=True, r=2, num_layers=4, seed=44),
         "draft": write_tiny_drafter(root / "draft", dense, num_layers=2, block_size=16),
     }
 
@@ -183,7 +184,7 @@ def _two_ranks(ckpt: Path, tmp_path: Path, extra=()) -> list[dict]:
     return [json.loads((tmp_path / f"tp.rank{r}.json").read_text()) for r in range(2)]
 
 
-TWO_RANK_RUNS = {"dense": [], "moe": [], "draft": ["--draft"], "4bit": ["--quantize", "4bit-g32"],
+TWO_RANK_RUNS = {"dense": [], "moe": [], "tied": [], "draft": ["--draft"], "4bit": ["--quantize", "4bit-g32"],
                  "compiled": ["--compile"]}
 
 
@@ -191,8 +192,8 @@ TWO_RANK_RUNS = {"dense": [], "moe": [], "draft": ["--draft"], "4bit": ["--quant
 def test_two_ranks_equal_single_process(ckpts, tmp_path, kind):
     """Batched greedy + one seeded sampled request, then a wave of prefix hits: both ranks produce the
     single-process engine's tokens and cache hits, each holding about half the weights and half the pools.
-    Also with a (replicated) drafter, 4-bit weights, and decode steps through mx.compile."""
-    ckpt = ckpts["moe" if kind == "moe" else "dense"]
+    Also with tied embeddings, a (replicated) drafter, 4-bit weights, and decode steps through mx.compile."""
+    ckpt = ckpts[kind if kind in ("moe", "tied") else "dense"]  # tied: one vocab shard is embedding and head
     extra = [a if a != "--draft" else f"--draft={ckpts['draft']}" for a in TWO_RANK_RUNS[kind]]
     ref = _single(ckpt, tmp_path, extra)
     ranks = _two_ranks(ckpt, tmp_path, extra)
