@@ -186,9 +186,11 @@ def cmd_chat(args) -> int:
     bars = progress_enabled(args.quiet)
     load_bar = Bar("loading", enabled=bars)
     try:
-        model, tok, note = load_model_and_tokenizer(args, progress=load_bar.update)
+        model, tok, note, drafter = load_model_and_tokenizer(args, progress=load_bar.update)
     finally:
         load_bar.close()
+    if drafter is not None and not engine_kw.get("draft"):  # the demo pair speculates with its drafter
+        engine_kw["draft"] = drafter
     engine = Engine(model, tokenizer=tok, **engine_kw)
     context = engine.max_model_len
     check_max_tokens(sampling.max_tokens, context)

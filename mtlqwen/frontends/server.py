@@ -173,7 +173,9 @@ def cmd_serve(args) -> int:
     def build():
         from ..runtime import Engine  # noqa: PLC0415
 
-        model, tok, note = load_model_and_tokenizer(args)
+        model, tok, note, drafter = load_model_and_tokenizer(args)
+        if drafter is not None and not engine_kw.get("draft"):
+            engine_kw["draft"] = drafter
         if note:
             log.warning(note)
         _check_context(model, args.max_model_len)
