@@ -53,27 +53,17 @@ class ModelCache:
         rec = c.linear_num_value_heads * c.linear_value_head_dim * c.linear_key_head_dim * 4
         return (conv + rec) * len(c.linear_attention_layers)
 
-    def reset_slot(self, slot: int) -> None:
-        """A fresh sequence starts from zero conv and recurrent state."""
-        for pools in (self.conv_states, self.rec_states):
-            for i, pool in enumerate(pools):
-                pool[slot] = mx.zeros(pool.shape[1:], dtype=pool.dtype)
-        mx.eval(self.conv_states, self.rec_states)
+    def clear_stash(self) -> None:
+        """Drop what a verifying forward left for commit_candidates (its step was abandoned)."""
+        self.candidates = {}
 
-    def slot_state(self, slot: int) -> tuple[list[mx.array], list[mx.array]]:
-        """Copies of one slot's GDN state (conv, recurrent), e.g. for a prefix-cache snapshot."""
-        conv = [mx.array(p[slot]) for p in self.conv_states]
-        rec = [mx.array(p[slot]) for p in self.rec_states]
-        mx.eval(conv, rec)
-        return conv, rec
-
-    def load_slot_state(self, slot: int, conv: list[mx.array], rec: list[mx.array]) -> None:
-        """Copy a saved GDN state into a slot; the saved arrays are never written afterwards."""
-        for pool, s in zip(self.conv_states, conv):
-            pool[slot] = s
-        for pool, s in zip(self.rec_states, rec):
-            pool[slot] = s
-        mx.eval(self.conv_states, self.rec_states)
+    def reset(self) -> None:
+        """Every pool back to zeros (new arrays: the old contents may be undefined after a failed evaluation)."""
+        for pools in (self.k_pools, self.v_pools, self.conv_states, self.rec_states):
+            for i, p in enumerate(pools):
+                pools[i] = mx.zeros(p.shape, dtype=p.dtype)
+        self.clear_stash()
+        mx.eval(self.arrays())
 
     def arrays(self) -> list[mx.array]:
         return [*self.k_pools, *self.v_pools, *self.conv_states, *self.rec_states]

@@ -10,6 +10,7 @@ MLX's data dependencies through the pool arrays).
 
 from __future__ import annotations
 
+import logging
 import operator
 import random
 import time
@@ -33,14 +34,26 @@ from .scheduler import ScheduledSeq, Scheduler, StepPlan
 from .speculative import Speculator, load_draft
 from .sequence import Sequence, SeqStatus
 
+log = logging.getLogger("mtlqwen.engine")
+
 
 @dataclass
 class _InFlight:
+    seqs: list[Sequence]  # every sequence the step computes: the ones a failure of the step takes down
     sampling: list[ScheduledSeq]
     tokens: mx.array | None  # [R] sampled ids, still on the device
     rows: dict[Sequence, int]  # row of each sampling sequence in `tokens`
     captures: list[Capture] = field(default_factory=list)  # prefix-cache snapshots, published at read-back
     spec: Any = None  # speculative._Verification: the step's verifying sequences, applied at read-back
+
+
+class _EvalFailed(Exception):
+    """Evaluating a step raised (at launch or at read-back): device state is undefined. `flight`: the
+    step being launched, when it was its launch."""
+
+    def __init__(self, cause: Exception, flight=None):
+        super().__init__(str(cause))
+        self.cause, self.flight = cause, flight
 
 
 def _as_params(sampling) -> SamplingParams:
@@ -239,23 +252,52 @@ class Engine:
 
     # ---- the loop
     def step(self) -> list[Delta]:
-        """Advance every live sequence by one step; returns the deltas read back in this call."""
+        """Advance every live sequence by one step; returns the deltas read back in this call. An error
+        while computing the step fails the requests it touched (finish_reason "error", `error` says why)
+        and the engine goes on serving the others and the next ones (failures below)."""
         held, self._held = self._held, []
-        return held + self._step()
+        return held + self._advance()
 
-    def _step(self) -> list[Delta]:
-        deltas, self._events = self._events, []
+    def _advance(self) -> list[Delta]:
+        out, self._events = self._events, []
+        try:
+            self._step(out)
+        except Exception as e:  # not attributable to a step: treat the device state as unsound
+            out += self._fail_all(e, [self._inflight])
+        return out
+
+    def _step(self, deltas: list[Delta]) -> None:
         if self.spec is not None:
             if self._inflight is not None and self.spec.must_sync(self._inflight):
-                deltas += self._commit(self._inflight)  # drafting needs its tokens and kv_valid on the host
-                self._inflight = None
+                flight, self._inflight = self._inflight, None  # drafting needs its tokens and kv_valid on the host
+                self._read_back(flight, None, deltas)
             self.spec.plan(self._seqs.values())
         plan = self.scheduler.schedule()
-        launched = self._launch(plan) if plan.scheduled else None
+        launched, failure = None, None
+        if plan.scheduled:
+            try:
+                launched = self._launch(plan)
+            except _EvalFailed as e:
+                deltas += self._fail_all(e.cause, [self._inflight, e.flight])
+                return
+            except Exception as e:  # raised while building the step: nothing of it ran
+                failure = e
         if self._inflight is not None:
-            deltas += self._commit(self._inflight)
+            flight, self._inflight = self._inflight, None
+            if not self._read_back(flight, launched, deltas):
+                launched, failure = None, None  # the reset failed the new step's sequences too
+        if failure is not None:
+            deltas += self._fail_step(plan, failure)
         self._inflight = launched
-        return deltas
+
+    def _read_back(self, flight: _InFlight, launched: _InFlight | None, deltas: list[Delta]) -> bool:
+        """Commit a step; False when its read-back failed and the engine was reset (both steps dropped)."""
+        try:
+            deltas += self._commit(flight)
+            return True
+        except _EvalFailed as e:
+            deltas += self._fail_all(e.cause, [flight, launched])
+            return False
 
     def _launch(self, plan: StepPlan) -> _InFlight:
         prev, scheduled = self._inflight, plan.scheduled
@@ -289,47 +331,115 @@ class Engine:
             samp = plan_batch.sampling
             tokens = sample(logits, [s.seq.params for s in samp], [s.seq.seed for s in samp], [s.sample_index for s in samp])
         caps = self.prefix.capture(scheduled, cache) if self.prefix is not None else []
-        mx.async_eval(*([tokens] if tokens is not None else []), *cache.arrays())
-        if caps:  # a separate evaluation runs after the step's in-place KV writes (kv_write_kernels.py)
-            mx.async_eval(*(a for c in caps for a in c.arrays()))
-        return _InFlight(plan_batch.sampling, tokens, {s.seq: r for r, s in enumerate(plan_batch.sampling)}, caps, spec)
+        flight = _InFlight([s.seq for s in scheduled], plan_batch.sampling, tokens,
+                           {s.seq: r for r, s in enumerate(plan_batch.sampling)}, caps, spec)
+        try:  # the CPU evaluates part of the graph here already: a failing kernel can raise now
+            mx.async_eval(*([tokens] if tokens is not None else []), *cache.arrays())
+            if caps:  # a separate evaluation runs after the step's in-place KV writes (kv_write_kernels.py)
+                mx.async_eval(*(a for c in caps for a in c.arrays()))
+        except Exception as e:
+            raise _EvalFailed(e, flight) from e
+        return flight
 
     def _commit(self, flight: _InFlight) -> list[Delta]:
-        """Read the step's tokens (the one sync) and apply them: append, check stops, finish."""
-        tokens = flight.tokens.tolist() if flight.tokens is not None else []
+        """Read the step's tokens (the one sync) and apply them: append, check stops, finish. A failed
+        read-back raises _EvalFailed; an error applying one request's tokens fails that request."""
+        try:
+            tokens = flight.tokens.tolist() if flight.tokens is not None else []
+            verified = self.spec.read(flight.spec) if flight.spec is not None else None
+        except Exception as e:
+            raise _EvalFailed(e) from e
         now = time.perf_counter()
         new: dict[Sequence, list[int]] = {}
         done: dict[Sequence, str] = {}
+        failed: dict[Sequence, str] = {}
         runs = [(s, [tok]) for s, tok in zip(flight.sampling, tokens)]
         if flight.spec is not None:  # each verification yields its accepted drafts + one token
-            runs += self.spec.commit(flight.spec)
+            try:
+                runs += self.spec.commit(flight.spec, verified)
+            except Exception as e:  # the verifying sequences' state is not committed: they fail
+                msg = self._reason(e)
+                for s in flight.spec.seqs:
+                    s.seq.pending -= 1
+                    failed[s.seq] = msg
         for s, toks in runs:
             seq = s.seq
             seq.pending -= 1
-            for tok in toks:
-                if seq.status is SeqStatus.FINISHED or seq in done:
-                    break  # finished or cancelled after this step was launched, or stopped inside a run
-                seq.tokens.append(tok)
-                new.setdefault(seq, []).append(tok)
-                self.counters["generated_tokens"] += 1
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                p = seq.params
-                if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
-                    done[seq] = "stop"
-                elif seq.text is not None and seq.text.add(tok):
-                    done[seq] = "stop_string"
-                elif len(seq.tokens) - seq.prompt_len >= p.max_tokens:
-                    done[seq] = "length"
+            try:
+                self._append(seq, toks, new, done, now)
+            except Exception as e:  # e.g. the detokenizer: this request alone
+                failed[seq] = self._reason(e)
         if flight.captures:  # every captured prefix's tokens are on the host now
             self.prefix.publish(flight.captures)
         deltas = []
         for seq, toks in new.items():
+            if seq in failed:
+                continue
             if seq in done:
                 deltas.append(self._finish(seq, done[seq], toks, now))
             else:
                 deltas.append(Delta(seq.request_id, toks, seq.text.delta(False) if seq.text else ""))
+        for seq, msg in failed.items():
+            if seq.status is not SeqStatus.FINISHED:
+                deltas.append(self._finish(seq, "error", new.get(seq, []), now, msg))
         return deltas
+
+    def _append(self, seq: Sequence, toks: list[int], new: dict, done: dict, now: float) -> None:
+        for tok in toks:
+            if seq.status is SeqStatus.FINISHED or seq in done:
+                break  # finished or cancelled after this step was launched, or stopped inside a run
+            seq.tokens.append(tok)
+            new.setdefault(seq, []).append(tok)
+            self.counters["generated_tokens"] += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            p = seq.params
+            if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
+                done[seq] = "stop"
+            elif seq.text is not None and seq.text.add(tok):
+                done[seq] = "stop_string"
+            elif len(seq.tokens) - seq.prompt_len >= p.max_tokens:
+                done[seq] = "length"
+
+    # ---- failures
+    # A step that raises while it is built (host code: packing, graph construction, the sampler) has not
+    # run: the cache's pools are lazy graphs of valid ops, so only the step's sequences are failed and
+    # their slots and blocks freed (a new sequence in the slot starts from zeroed state as always). A step
+    # whose evaluation fails (async_eval at launch or the read-back raises) leaves pool contents undefined (MLX marks the arrays
+    # evaluated with whatever the failed kernel left), so every running sequence fails and the cache,
+    # drafter context and prefix cache start again from zero. Waiting requests are untouched either way.
+    @staticmethod
+    def _reason(e: BaseException) -> str:
+        return f"generation failed: {type(e).__name__}: {e}"
+
+    def _fail_step(self, plan: StepPlan, e: Exception) -> list[Delta]:
+        log.error("a step failed while it was built; failing its %d requests", len(plan.scheduled), exc_info=e)
+        self.cache.clear_stash()  # a verifying forward may have stashed part of its states
+        msg, now = self._reason(e), time.perf_counter()
+        return [self._finish(s.seq, "error", [], now, msg) for s in plan.scheduled if s.seq.status is SeqStatus.RUNNING]
+
+    def _fail_all(self, e: Exception, flights: list[_InFlight | None]) -> list[Delta]:
+        log.error("a step failed on the device; failing the running requests and resetting the cache", exc_info=e)
+        msg, now = self._reason(e), time.perf_counter()
+        hit = {seq for f in flights if f is not None for seq in f.seqs}
+        for f in flights:
+            if f is not None:
+                self._drop_captures(f)
+        self._inflight = None
+        out = [self._finish(seq, "error", [], now, msg) for seq in list(self._seqs.values())
+               if seq.status is SeqStatus.RUNNING or seq in hit]
+        self.cache.reset()
+        if self.spec is not None:
+            self.spec.reset()
+        if self.prefix is not None:  # entries' bundles live in the pools just zeroed
+            self.prefix.clear()
+        return out
+
+    def _drop_captures(self, flight: _InFlight) -> None:
+        """Unpublished snapshots of a dropped step: their bundle references go back."""
+        for c in flight.captures:
+            self.pool.free(c.blocks)
+        flight.captures = []
 
     def _finish(self, seq: Sequence, reason: str, toks: list[int], now: float, error: str | None = None) -> Delta:
         self.scheduler.release(seq)
@@ -365,7 +475,7 @@ class Engine:
                 out = Output(None, n, [], "", "error", str(e))
                 yield i, Delta(None, [], "", True, "error", str(e), out)
         while mine:
-            for d in self._step():
+            for d in self._advance():
                 i = mine.get(d.request_id)
                 if i is None:
                     self._held.append(d)

@@ -188,9 +188,15 @@ class Speculator:
         mx.async_eval(*self.dcache.arrays())
         return tokens, state
 
-    def commit(self, v: _Verification) -> list[tuple[ScheduledSeq, list[int]]]:
-        """Apply a verification: GDN candidates, drafter context, kv_valid. Returns each sequence's tokens."""
-        k, nxt, drafts = v.accepted.tolist(), v.next_token.tolist(), v.drafts.tolist()
+    @staticmethod
+    def read(v: _Verification) -> tuple[list[int], list[int], list[list[int]]]:
+        """The verification's results on the host (accepted, next token, drafts): the read-back's sync."""
+        return v.accepted.tolist(), v.next_token.tolist(), v.drafts.tolist()
+
+    def commit(self, v: _Verification, verified=None) -> list[tuple[ScheduledSeq, list[int]]]:
+        """Apply a verification: GDN candidates, drafter context, kv_valid. Returns each sequence's tokens.
+        verified: what read(v) returned (read here when None)."""
+        k, nxt, drafts = verified if verified is not None else self.read(v)
         self.model.commit_candidates(self.cache, k)
         # drafter context of the anchor + accepted drafts: positions P .. P + k
         qsl, rows = [0], []
@@ -208,6 +214,10 @@ class Speculator:
             c["spec_steps"] += 1
             out.append((s, drafts[j][: k[j]] + [nxt[j]]))
         return out
+
+    def reset(self) -> None:
+        """After a failed step evaluation (Engine._fail_all): the drafter context starts from zero."""
+        self.dcache.reset()
 
     def stats(self) -> dict:
         c = self.counters
