@@ -27,7 +27,7 @@ import mlx.core as mx
 
 from ..kernels import SeqLayout
 from ..model.dflash import Drafter, DrafterCache, load_drafter
-from .rejection import sample_drafts, step_keys, verify
+from .rejection import position_noise, sample_drafts, verify
 from .sampling import sample
 from .scheduler import ScheduledSeq, StepPlan
 
@@ -150,12 +150,12 @@ class Speculator:
             N, qsl = max(n), lay.query_start_loc
             drafts, q_logits = self.propose(vs, vl, N)
             hot = [j for j, s in enumerate(vs) if not s.seq.params.greedy]
-            q, keys = None, None
-            if hot:
-                keys = step_keys([vs[j].seq.seed for j in hot], [vs[j].sample_index for j in hot])
+            noise = None
+            if hot:  # each sequence's noise rows are keyed by its own (seed, generated index), never by N
+                noise = position_noise([vs[j].seq.seed for j in hot], [vs[j].sample_index for j in hot], N + 1,
+                                       q_logits.shape[-1])
                 h = mx.array(hot, dtype=mx.int32)
-                d_h, q = sample_drafts(q_logits[h], [vs[j].seq.params for j in hot], keys)
-                drafts[h] = d_h
+                drafts[h] = sample_drafts(q_logits[h], [vs[j].seq.params for j in hot], noise)
             at = [qsl[i] + 1 + t for i, nj in zip(ver, n) for t in range(nj)]
             src = [j * N + t for j, nj in enumerate(n) for t in range(nj)]
             ids[mx.array(at, dtype=mx.int32)] = drafts.reshape(-1)[mx.array(src, dtype=mx.int32)]
@@ -180,7 +180,7 @@ class Speculator:
                 pl, prow = lay.subset(plain)
                 self.drafter.write_context(taps[mx.array(prow, dtype=mx.int32)], pl, self.dcache)
             tl = logits[R:].reshape(len(ver), N + 1, -1)
-            k, nxt = verify(tl, drafts, n, [s.seq.params for s in vs], q, keys)
+            k, nxt = verify(tl, drafts, n, [s.seq.params for s in vs], noise)
             state = _Verification(vs, vl, n, drafts, k, nxt, taps, [qsl[i] for i in ver])
             mx.async_eval(k, nxt, drafts)
         else:
