@@ -6,9 +6,45 @@ The model never decides which block or slot a sequence uses; the runtime does, a
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import mlx.core as mx
 
+from ..kernels import SeqLayout
 from .config import Qwen35Config
+
+
+@dataclass
+class GDNStash:
+    """One GDN layer's part of a verification. rec: the state after every verify row [Tv, Hv, dv, dk]
+    ("candidates" mode) or the verify rows' delta-rule inputs (q, k, v, a, b) ("replay" mode);
+    old_conv: the verifying slots' conv rows before the step [Sv, K-1, C]; raw: the verify rows' conv
+    inputs [Tv, C]."""
+
+    rec: mx.array | tuple[mx.array, ...]
+    old_conv: mx.array
+    raw: mx.array
+
+    def tree(self) -> tuple:
+        """The arrays as a nested tuple (what an `mx.compile` trace returns); from_tree inverts it."""
+        return (self.rec, self.old_conv, self.raw)
+
+    @classmethod
+    def from_tree(cls, t) -> GDNStash:
+        rec, old_conv, raw = t
+        return cls(tuple(rec) if isinstance(rec, (list, tuple)) else rec, old_conv, raw)
+
+
+@dataclass
+class VerifyStash:
+    """What a forward with verifying sequences (SeqLayout.verify) leaves for Qwen35Model.commit_candidates:
+    the commit mode it was run in, the layout of the verifying sequences alone, each GDN layer's part
+    (by GDN state index)."""
+
+    mode: str
+    layout: SeqLayout | None = None
+    layers: dict[int, GDNStash] = field(default_factory=dict)
 
 
 class ModelCache:
@@ -35,10 +71,11 @@ class ModelCache:
         self.conv_states = [mx.zeros(conv_shape, dtype=dtype) for _ in range(n_gdn)]
         self.rec_states = [mx.zeros(rec_shape, dtype=mx.float32) for _ in range(n_gdn)]
         mx.eval(self.k_pools, self.v_pools, self.conv_states, self.rec_states)
-        # Filled by a forward with verifying sequences (SeqLayout.verify), consumed by
-        # Qwen35Model.commit_candidates: per GDN layer the candidate states of those sequences (or, in
-        # replay mode, their delta-rule inputs), plus "layout" and "mode".
-        self.candidates: dict = {}
+        # Set by a forward with verifying sequences, taken by Qwen35Model.commit_candidates.
+        self.verify_stash: VerifyStash | None = None
+        # A speculative engine's model.dflash.DrafterCache: drafter K/V indexed by the same bundle ids, so
+        # whoever copies a bundle (the prefix cache's partial blocks) copies its drafter rows too.
+        self.drafter_cache: Any = None
 
     @staticmethod
     def bytes_per_block(config: Qwen35Config, block_tokens: int, dtype: mx.Dtype = mx.bfloat16) -> int:
@@ -55,7 +92,7 @@ class ModelCache:
 
     def clear_stash(self) -> None:
         """Drop what a verifying forward left for commit_candidates (its step was abandoned)."""
-        self.candidates = {}
+        self.verify_stash = None
 
     def reset(self) -> None:
         """Every pool back to zeros (new arrays: the old contents may be undefined after a failed evaluation)."""
@@ -63,7 +100,14 @@ class ModelCache:
             for i, p in enumerate(pools):
                 pools[i] = mx.zeros(p.shape, dtype=p.dtype)
         self.clear_stash()
+        if self.drafter_cache is not None:
+            self.drafter_cache.reset()
         mx.eval(self.arrays())
+
+    def bundle_pools(self) -> list[mx.array]:
+        """Every pool a bundle id indexes: the target's K and V, then the drafter's when there is one."""
+        d = self.drafter_cache
+        return [*self.k_pools, *self.v_pools, *(d.arrays() if d is not None else ())]
 
     def arrays(self) -> list[mx.array]:
         return [*self.k_pools, *self.v_pools, *self.conv_states, *self.rec_states]

@@ -428,9 +428,7 @@ class Engine:
         self._inflight = None
         out = [self._finish(seq, "error", [], now, msg) for seq in list(self._seqs.values())
                if seq.status is SeqStatus.RUNNING or seq in hit]
-        self.cache.reset()
-        if self.spec is not None:
-            self.spec.reset()
+        self.cache.reset()  # with the drafter's context pools
         if self.prefix is not None:  # entries' bundles live in the pools just zeroed
             self.prefix.clear()
         return out

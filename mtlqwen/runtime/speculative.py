@@ -97,7 +97,7 @@ class Speculator:
         self.compiled = None  # a CompiledDecode when the engine compiles speculative steps (Engine(compile_decode=True))
         self.interval = prefix_interval
         self.dcache: DrafterCache = drafter.make_cache(cache)
-        cache.drafter_cache = self.dcache  # the prefix cache copies partial bundles with their drafter K/V
+        cache.drafter_cache = self.dcache  # ModelCache's declared field: copied and reset with the bundles
         self.taps = tuple(drafter.tap_layers)
         self.counters = {"draft_tokens": 0, "accepted_tokens": 0, "spec_steps": 0}
 
@@ -214,10 +214,6 @@ class Speculator:
             c["spec_steps"] += 1
             out.append((s, drafts[j][: k[j]] + [nxt[j]]))
         return out
-
-    def reset(self) -> None:
-        """After a failed step evaluation (Engine._fail_all): the drafter context starts from zero."""
-        self.dcache.reset()
 
     def stats(self) -> dict:
         c = self.counters
