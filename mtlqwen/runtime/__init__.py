@@ -2,6 +2,7 @@
 sampling and the engine loop (design.md, "One engine step")."""
 
 from .block_pool import BlockPool, NoFreeBlocks
+from .config import EngineConfig
 from .engine import Engine
 from .outputs import Delta, Output
 from .sampling import SamplingParams
@@ -9,6 +10,6 @@ from .scheduler import ScheduledSeq, Scheduler, StepPlan, split_budget
 from .sequence import Sequence, SeqStatus
 
 __all__ = [
-    "BlockPool", "Delta", "Engine", "NoFreeBlocks", "Output", "SamplingParams", "ScheduledSeq", "Scheduler",
+    "BlockPool", "Delta", "Engine", "EngineConfig", "NoFreeBlocks", "Output", "SamplingParams", "ScheduledSeq", "Scheduler",
     "SeqStatus", "Sequence", "StepPlan", "split_budget",
 ]

@@ -21,14 +21,13 @@ from typing import Any, Iterator
 import mlx.core as mx
 
 from ..kernels import use_kernels
-from ..model.cache import ModelCache
 from ..model.compiled import CompiledDecode
-from ..model.qwen35 import VERIFY_COMMITS
 from .batch import PackedBatch, pack, token_buckets
 from .block_pool import BlockPool
-from .memory import device_memory, resolve_num_blocks
+from .config import EngineConfig
+from .memory import plan_memory
 from .outputs import Delta, Output, TextState
-from .prefix_cache import DEFAULT_CACHE_BYTES, Capture, PrefixCache, empty_stats, model_identity
+from .prefix_cache import Capture, PrefixCache, empty_stats, model_identity
 from .sampling import SamplingParams, sample
 from .scheduler import ScheduledSeq, Scheduler, StepPlan
 from .speculative import Speculator, load_draft
@@ -67,6 +66,25 @@ def _as_params(sampling) -> SamplingParams:
     return sampling
 
 
+def _load(model_or_path, tokenizer):
+    """(model, tokenizer) from what Engine accepts: a model or a checkpoint path / repo id (its tokenizer.json
+    is the default tokenizer), a tokenizer object or path."""
+    if isinstance(model_or_path, (str, Path)):
+        from ..model import load, resolve_model_path  # noqa: PLC0415
+
+        local = resolve_model_path(model_or_path)  # a repo id is downloaded once, here
+        model = load(local)
+        if tokenizer is None and (local / "tokenizer.json").is_file():
+            tokenizer = local
+    else:
+        model = model_or_path
+    if isinstance(tokenizer, (str, Path)):
+        from ..tokenizer import load_tokenizer  # noqa: PLC0415
+
+        tokenizer = load_tokenizer(tokenizer)
+    return model, tokenizer
+
+
 def _is_single_prompt(prompts) -> bool:
     return isinstance(prompts, str) or (
         isinstance(prompts, (list, tuple)) and len(prompts) > 0 and all(isinstance(t, int) for t in prompts)
@@ -76,7 +94,8 @@ def _is_single_prompt(prompts) -> bool:
 class Engine:
     """Batched generation over a fixed number of slots with paged KV memory.
 
-    model_or_path: a Qwen35Model or what `mtlqwen.load` accepts. tokenizer: an object with
+    Options come as keywords (below) or as `config=EngineConfig(...)` (config.py; keywords override its
+    fields); `engine.engine_config` holds the validated result. model_or_path: a Qwen35Model or what `mtlqwen.load` accepts. tokenizer: an object with
     encode/decode/detokenizer (or a path for `mtlqwen.load_tokenizer`); when None and the model is a
     checkpoint directory holding tokenizer.json, that tokenizer is loaded. Without a tokenizer prompts
     must be token ids and outputs carry no text. The KV pool holds num_blocks bundles of block_tokens
@@ -101,84 +120,43 @@ class Engine:
 
     Not thread-safe: one thread calls submit/step/cancel (a server feeds it through a queue)."""
 
-    def __init__(
-        self,
-        model_or_path,
-        slots: int = 8,
-        step_tokens: int = 128,
-        block_tokens: int = 128,
-        num_blocks: int | None = None,
-        kv_bytes: int | None = None,
-        tokenizer=None,
-        max_model_len: int | None = None,
-        pad_buckets: bool = False,
-        seed: int | None = None,
-        prefix_interval: int = 512,
-        prefix_cache_bytes: int | None = None,
-        draft=None,
-        n_draft: int | None = None,
-        compile_decode: bool | None = None,
-        verify_commit: str | None = None,
-    ):
-        if verify_commit is not None and verify_commit not in VERIFY_COMMITS:
-            raise ValueError(f"verify_commit must be one of {VERIFY_COMMITS}, got {verify_commit!r}")
-        if verify_commit is not None and draft is None:
-            raise ValueError("verify_commit needs a drafter (draft=...)")
-        if isinstance(model_or_path, (str, Path)):
-            from ..model import load, resolve_model_path  # noqa: PLC0415
-
-            local = resolve_model_path(model_or_path)  # a repo id is downloaded once, here
-            model = load(local)
-            if tokenizer is None and (local / "tokenizer.json").is_file():
-                tokenizer = local
-        else:
-            model = model_or_path
-        if isinstance(tokenizer, (str, Path)):
-            from ..tokenizer import load_tokenizer  # noqa: PLC0415
-
-            tokenizer = load_tokenizer(tokenizer)
-        if block_tokens < 1:
-            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    def __init__(self, model_or_path, config: EngineConfig | None = None, *, tokenizer=None, **options):
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__} (options go by keyword)")
+        cfg = self.engine_config = EngineConfig.build(config, **options)
+        model, tokenizer = _load(model_or_path, tokenizer)
         self.model, self.config, self.tokenizer = model, model.config, tokenizer
         ctx = self.config.max_position_embeddings
-        self.max_model_len = min(ctx, max_model_len) if max_model_len else ctx
-        self.block_tokens, self.step_tokens, self.slots = block_tokens, step_tokens, slots
-        drafter, n_draft = load_draft(model, draft, n_draft, slots, step_tokens)
-        self.num_blocks = resolve_num_blocks(
-            self.config, model.dtype, block_tokens, slots, self.max_model_len, num_blocks, kv_bytes,
-            Speculator.bytes_per_block(drafter, block_tokens, model.dtype),  # drafter K/V share the bundles
-        )
-        per_block = ModelCache.bytes_per_block(self.config, block_tokens, model.dtype)
-        budget = DEFAULT_CACHE_BYTES if prefix_cache_bytes is None else prefix_cache_bytes
-        if prefix_interval and num_blocks is None and kv_bytes is None and device_memory()[0] is not None:
-            # the default KV budget was taken from free device memory: leave the snapshots' share out
-            self.num_blocks = max(1, self.num_blocks - budget // per_block)
+        self.max_model_len = min(ctx, cfg.max_model_len) if cfg.max_model_len else ctx
+        self.block_tokens, self.step_tokens, self.slots = block_tokens, step_tokens, slots = (
+            cfg.block_tokens, cfg.step_tokens, cfg.slots)
+        drafter, n_draft = load_draft(model, cfg.draft, cfg.n_draft, slots, step_tokens)
+        mem = plan_memory(self.config, model.dtype, cfg, self.max_model_len,
+                          Speculator.bytes_per_block(drafter, block_tokens, model.dtype))  # drafter K/V share the bundles
+        self.num_blocks = mem.num_blocks
         self.pool = BlockPool(self.num_blocks)
         self.prefix = None
-        if prefix_interval:
-            per_entry = ModelCache.bytes_per_slot(self.config, model.dtype)
-            if prefix_interval % block_tokens:  # plus the copy of the partial last block
-                per_entry += per_block
+        if cfg.prefix_interval:
             identity = model_identity(model, getattr(drafter, "source", drafter))  # entries carry drafter rows
-            self.prefix = PrefixCache(self.pool, prefix_interval, block_tokens, budget, identity, per_entry)
+            self.prefix = PrefixCache(self.pool, cfg.prefix_interval, block_tokens, mem.prefix_bytes, identity,
+                                      mem.prefix_entry_bytes)
         self.scheduler = Scheduler(self.pool, slots, step_tokens, block_tokens, prefix_cache=self.prefix)
         # one spare bundle and slot beyond what the scheduler hands out: the padding sequence's scratch
         self.cache = model.make_cache(self.num_blocks + 1, slots + 1, block_tokens)
         self.spec = None if drafter is None else Speculator(
             model, drafter, n_draft, self.cache, self.prefix.interval if self.prefix is not None else 0,
-            verify_commit)
+            cfg.verify_commit)
         self.scratch = (slots, self.num_blocks)
-        auto = compile_decode is None
-        if auto:
-            compile_decode = use_kernels()
+        auto = cfg.compile_decode is None
+        compile_decode = use_kernels() if auto else cfg.compile_decode
         # speculative steps compile only when asked for: their compiled path has not yet run on a GPU
         self.compiled = CompiledDecode(model) if compile_decode and (self.spec is None or not auto) else None
         if self.spec is not None:
             self.spec.compiled = self.compiled
-        self.pad_buckets = bool(pad_buckets)
+        self.pad_buckets = cfg.pad_buckets
         self.buckets = token_buckets(step_tokens) if self.pad_buckets else None
         self.eos = set(self.config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", None) or ())
-        self._rng = random.Random(seed)
+        self._rng = random.Random(cfg.seed)
         self._seqs: dict[Any, Sequence] = {}
         self._next_id = 0
         self._inflight: _InFlight | None = None
