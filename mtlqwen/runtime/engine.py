@@ -14,7 +14,7 @@ import logging
 import operator
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -64,6 +64,10 @@ def _as_params(sampling) -> SamplingParams:
         raise ValueError(f"sampling must be SamplingParams, a dict or None, got {type(sampling).__name__}")
     sampling.validate()  # catches fields changed after construction
     return sampling
+
+
+_UNSET: Any = object()  # an Engine keyword left out: EngineConfig's value stands
+_OPTIONS = frozenset(f.name for f in fields(EngineConfig))
 
 
 def _load(model_or_path, tokenizer):
@@ -120,10 +124,31 @@ class Engine:
 
     Not thread-safe: one thread calls submit/step/cancel (a server feeds it through a queue)."""
 
-    def __init__(self, model_or_path, config: EngineConfig | None = None, *, tokenizer=None, **options):
+    def __init__(
+        self,
+        model_or_path,
+        config: EngineConfig | None = None,
+        *,
+        tokenizer=None,
+        slots: int = _UNSET,
+        step_tokens: int = _UNSET,
+        block_tokens: int = _UNSET,
+        num_blocks: int | None = _UNSET,
+        kv_bytes: int | None = _UNSET,
+        max_model_len: int | None = _UNSET,
+        pad_buckets: bool = _UNSET,
+        seed: int | None = _UNSET,
+        prefix_interval: int = _UNSET,
+        prefix_cache_bytes: int | None = _UNSET,
+        draft=_UNSET,
+        n_draft: int | None = _UNSET,
+        compile_decode: bool | None = _UNSET,
+        verify_commit: str | None = _UNSET,
+    ):
         if config is not None and not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__} (options go by keyword)")
-        cfg = self.engine_config = EngineConfig.build(config, **options)
+        given = {k: v for k, v in locals().items() if v is not _UNSET and k in _OPTIONS}
+        cfg = self.engine_config = EngineConfig.build(config, **given)  # unset keywords: config's, or the defaults
         model, tokenizer = _load(model_or_path, tokenizer)
         self.model, self.config, self.tokenizer = model, model.config, tokenizer
         ctx = self.config.max_position_embeddings
