@@ -2,16 +2,18 @@
 evaluated) fails the requests it computes with the reason, and the engine goes on: a request waiting in
 the queue and the next request complete with the tokens they get alone, and nothing leaks.
 
-The outcome, exactly: every request the failing step computes ends with finish_reason "error" (its
-`error` names the exception) and keeps the tokens read back before it; when the evaluation failed, every
-running request does too (the device state is undefined then). Requests still waiting are not touched."""
+The outcome, exactly: a sampler error that one request's row raises on its own fails that request alone
+(its batch-mates complete correctly). Any other error fails every request the failing step computes
+(finish_reason "error", `error` names the exception; each keeps the tokens read back before it); when the
+evaluation failed, every running request does too (the device state is undefined then). Requests still
+waiting are not touched."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import pytest
 
-import mtlqwen.runtime.engine as engine_mod
+import mtlqwen.runtime.sampling as sampling_mod
 import mtlqwen.runtime.speculative as spec_mod
 from dflash_checkpoints import write_tiny_drafter
 from engine_checks import assert_idle, assert_reference, greedy
@@ -58,27 +60,57 @@ def check_failed(out, reason: str, reference: list[int]):
     assert out.token_ids == reference[: len(out.token_ids)]  # what was read back before the failure is right
 
 
-def test_a_sampler_error_fails_its_step_and_the_engine_serves_on(model, monkeypatch):
-    """The sampler raises for one request (as a hostile top_k once did inside MLX): that request and the
-    bystander sampled in the same step fail with the reason; the request waiting for a slot completes."""
-    real = engine_mod.sample
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_sampler_error_fails_its_request_alone_and_the_engine_serves_on(model, drafter, monkeypatch, speculative):
+    """The sampler raises for one request's row (as a hostile top_k once did inside MLX): rows are sampled
+    on their own to find it, that request fails with the reason, and the bystander sampled in the same step
+    and the request waiting for a slot complete with the tokens they get alone."""
+    real = sampling_mod.sample
 
     def faulty(logits, params, seeds, indices):
         if any(p.seed == BAD_SEED for p in params):
             raise RuntimeError("std::bad_cast")
         return real(logits, params, seeds, indices)
 
-    monkeypatch.setattr(engine_mod, "sample", faulty)
+    kw = dict(draft=drafter, n_draft=2) if speculative else {}
+    prompts = [random_token_ids(n, 512, seed=n) for n in (10, 12, 9)]
+    sps = [SamplingParams(temperature=1.0, seed=BAD_SEED, max_tokens=5), greedy(5),
+           SamplingParams(temperature=0.8, seed=5, max_tokens=4)]
+    refs = [alone(model, p, sp, **kw) for p, sp in zip(prompts, sps)]
+    monkeypatch.setattr(sampling_mod, "sample", faulty)
+    eng = Engine(model, **ENGINE, **kw)
+    initial = snapshot(eng)
+    outs = eng.generate(prompts, sps)
+    assert outs[0].token_ids == []
+    check_failed(outs[0], "RuntimeError: std::bad_cast", [])
+    assert [o.finish_reason for o in outs[1:]] == ["length", "length"]
+    assert [o.token_ids for o in outs[1:]] == refs[1:]
+    assert_reference(model, prompts[1], outs[1], 5)
+    check_served_on(model, eng, initial, **kw)
+
+
+def test_a_sampler_error_no_row_has_alone_fails_the_step(model, monkeypatch):
+    """When the batch's sampling raises but no row does on its own, the failure cannot be attributed: the
+    step's requests fail with the reason, the queued request completes."""
+    real = sampling_mod.sample
+
+    def faulty(logits, params, seeds, indices):
+        if len(params) > 1:
+            raise MemoryError("injected batch failure")
+        return real(logits, params, seeds, indices)
+
+    prompts = [random_token_ids(n, 512, seed=30 + n) for n in (10, 12, 9)]
+    sps = [greedy(5), SamplingParams(temperature=1.0, seed=3, max_tokens=5), greedy(4)]
+    refs = [alone(model, p, sp) for p, sp in zip(prompts, sps)]
+    monkeypatch.setattr(sampling_mod, "sample", faulty)
     eng = Engine(model, **ENGINE)
     initial = snapshot(eng)
-    prompts = [random_token_ids(n, 512, seed=n) for n in (10, 12, 9)]
-    sps = [SamplingParams(temperature=1.0, seed=BAD_SEED, max_tokens=5), greedy(5), greedy(4)]
     outs = eng.generate(prompts, sps)
     for out in outs[:2]:
         assert out.token_ids == []
-        check_failed(out, "RuntimeError: std::bad_cast", [])
-    assert outs[2].token_ids == alone(model, prompts[2], sps[2])
-    assert_reference(model, prompts[2], outs[2], 4)
+        check_failed(out, "MemoryError: injected batch failure", [])
+    assert outs[2].token_ids == refs[2]
+    monkeypatch.setattr(sampling_mod, "sample", real)
     check_served_on(model, eng, initial)
 
 

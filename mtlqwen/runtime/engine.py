@@ -28,7 +28,7 @@ from .config import EngineConfig
 from .memory import plan_memory
 from .outputs import Delta, Output, TextState
 from .prefix_cache import Capture, PrefixCache, empty_stats, model_identity
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample_isolating
 from .scheduler import ScheduledSeq, Scheduler, StepPlan
 from .speculative import Speculator, load_draft
 from .sequence import Sequence, SeqStatus
@@ -44,6 +44,7 @@ class _InFlight:
     rows: dict[Sequence, int]  # row of each sampling sequence in `tokens`
     captures: list[Capture] = field(default_factory=list)  # prefix-cache snapshots, published at read-back
     spec: Any = None  # speculative._Verification: the step's verifying sequences, applied at read-back
+    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)  # sampler errors of one request each
 
 
 class _EvalFailed(Exception):
@@ -291,6 +292,8 @@ class Engine:
                 launched, failure = None, None  # the reset failed the new step's sequences too
         if failure is not None:
             deltas += self._fail_step(plan, failure)
+        if launched is not None and launched.failed:  # after the previous step's tokens: they are theirs
+            deltas += self._fail_requests(launched.failed)
         self._inflight = launched
 
     def _read_back(self, flight: _InFlight, launched: _InFlight | None, deltas: list[Delta]) -> bool:
@@ -320,9 +323,9 @@ class Engine:
                 pool[rows] = 0
         if self.prefix is not None:  # prefix-cache hits: their snapshot replaces the zeroed state
             self.prefix.restore([s.seq for s in scheduled if s.fresh], cache)
-        spec = None
+        spec, failed = None, []
         if self.spec is not None:  # drafting, taps, verification (speculative.py)
-            tokens, spec = self.spec.launch(plan, plan_batch, cache)
+            tokens, spec, failed = self.spec.launch(plan, plan_batch, cache)
         elif plan_batch.logits_rows is None:  # mid-prompt chunks only: no head, no sampling
             self.model.hidden(plan_batch.input_ids, plan_batch.layout, cache)
             tokens = None
@@ -332,10 +335,12 @@ class Engine:
             else:
                 logits = self.model.forward(plan_batch.input_ids, plan_batch.layout, cache, plan_batch.logits_rows)
             samp = plan_batch.sampling
-            tokens = sample(logits, [s.seq.params for s in samp], [s.seq.seed for s in samp], [s.sample_index for s in samp])
+            tokens, bad = sample_isolating(logits, [s.seq.params for s in samp], [s.seq.seed for s in samp],
+                                           [s.sample_index for s in samp])
+            failed = [(samp[r].seq, e) for r, e in bad.items()]
         caps = self.prefix.capture(scheduled, cache) if self.prefix is not None else []
         flight = _InFlight([s.seq for s in scheduled], plan_batch.sampling, tokens,
-                           {s.seq: r for r, s in enumerate(plan_batch.sampling)}, caps, spec)
+                           {s.seq: r for r, s in enumerate(plan_batch.sampling)}, caps, spec, failed)
         try:  # the CPU evaluates part of the graph here already: a failing kernel can raise now
             mx.async_eval(*([tokens] if tokens is not None else []), *cache.arrays())
             if caps:  # a separate evaluation runs after the step's in-place KV writes (kv_write_kernels.py)
@@ -420,6 +425,16 @@ class Engine:
         self.cache.clear_stash()  # a verifying forward may have stashed part of its states
         msg, now = self._reason(e), time.perf_counter()
         return [self._finish(s.seq, "error", [], now, msg) for s in plan.scheduled if s.seq.status is SeqStatus.RUNNING]
+
+    def _fail_requests(self, failed: list[tuple[Sequence, Exception]]) -> list[Delta]:
+        """Requests whose own sampling raised: they alone fail; the step in flight writes into their freed
+        slot and blocks as it would for a cancelled request."""
+        now, out = time.perf_counter(), []
+        for seq, e in failed:
+            log.error("sampling failed for request %r", seq.request_id, exc_info=e)
+            if seq.status is not SeqStatus.FINISHED:
+                out.append(self._finish(seq, "error", [], now, self._reason(e)))
+        return out
 
     def _fail_all(self, e: Exception, flights: list[_InFlight | None]) -> list[Delta]:
         log.error("a step failed on the device; failing the running requests and resetting the cache", exc_info=e)

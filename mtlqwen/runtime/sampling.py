@@ -151,3 +151,27 @@ def sample(logits: mx.array, params: list[SamplingParams], seeds: list[int], ind
     noise = mx.stack([token_noise(seeds[r], indices[r], V) for r in rows])
     tokens[mx.array(rows)] = mx.argmax(x + noise, axis=-1).astype(mx.int32)
     return tokens
+
+
+def sample_isolating(logits: mx.array, params: list[SamplingParams], seeds: list[int],
+                     indices: list[int]) -> tuple[mx.array, dict[int, Exception]]:
+    """sample(), and when building it raises, the rows that raise on their own: those rows get token 0 and
+    their errors come back by row, the others are sampled exactly as sample() samples them (rows are
+    independent). Re-raises when no row fails alone (the failure is the batch's, not a request's)."""
+    try:
+        return sample(logits, params, seeds, indices), {}
+    except Exception:
+        failed: dict[int, Exception] = {}
+        for r in range(len(params)):
+            try:
+                sample(logits[r : r + 1], [params[r]], [seeds[r]], [indices[r]])
+            except Exception as e:  # noqa: PERF203 - only on the failure path
+                failed[r] = e
+        if not failed:
+            raise
+    ok = [r for r in range(len(params)) if r not in failed]
+    tokens = mx.zeros((len(params),), dtype=mx.int32)
+    if ok:
+        rows = mx.array(ok, dtype=mx.int32)
+        tokens[rows] = sample(logits[rows], [params[r] for r in ok], [seeds[r] for r in ok], [indices[r] for r in ok])
+    return tokens, failed

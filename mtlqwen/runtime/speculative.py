@@ -28,7 +28,7 @@ import mlx.core as mx
 from ..kernels import SeqLayout
 from ..model.dflash import Drafter, DrafterCache, load_drafter
 from .rejection import position_noise, sample_drafts, verify
-from .sampling import sample
+from .sampling import sample_isolating
 from .scheduler import ScheduledSeq, StepPlan
 
 
@@ -137,8 +137,9 @@ class Speculator:
         return self.drafter.propose_with_logits(anchors, layout, self.dcache, n)
 
     # ---- the step
-    def launch(self, plan: StepPlan, batch, cache) -> tuple[mx.array | None, _Verification | None]:
-        """Run draft + target for the packed batch; returns (tokens of the plain sampling rows, verification)."""
+    def launch(self, plan: StepPlan, batch, cache) -> tuple[mx.array | None, _Verification | None, list]:
+        """Run draft + target for the packed batch; returns (tokens of the plain sampling rows, verification,
+        (sequence, error) of the rows whose own sampling raised: sampling.sample_isolating)."""
         lay, ids = batch.layout, batch.input_ids
         ver = [i for i, v in enumerate(lay.verify or []) if v]
         rows = batch.logits_rows.tolist() if batch.logits_rows is not None else []
@@ -168,11 +169,12 @@ class Speculator:
             logits, taps = self.compiled.with_taps(ids, lay, cache, self.taps, fwd_rows, mode)
         else:
             logits, taps = self.model.forward_with_taps(ids, lay, cache, self.taps, fwd_rows, mode)
-        tokens = None
+        tokens, failed = None, []
         if R:
             samp = batch.sampling
-            tokens = sample(logits[:R], [s.seq.params for s in samp], [s.seq.seed for s in samp],
-                            [s.sample_index for s in samp])
+            tokens, bad = sample_isolating(logits[:R], [s.seq.params for s in samp], [s.seq.seed for s in samp],
+                                           [s.sample_index for s in samp])
+            failed = [(samp[r].seq, e) for r, e in bad.items()]
         state = None
         if ver:
             plain = [i for i, v in enumerate(lay.verify) if not v]
@@ -186,7 +188,7 @@ class Speculator:
         else:
             self.drafter.write_context(taps, lay, self.dcache)
         mx.async_eval(*self.dcache.arrays())
-        return tokens, state
+        return tokens, state, failed
 
     @staticmethod
     def read(v: _Verification) -> tuple[list[int], list[int], list[list[int]]]:
