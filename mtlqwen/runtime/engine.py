@@ -16,7 +16,7 @@ import random
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import mlx.core as mx
 
@@ -25,6 +25,7 @@ from ..model.compiled import CompiledDecode
 from .batch import PackedBatch, pack, token_buckets
 from .block_pool import BlockPool
 from .config import EngineConfig
+from .generate import Generation
 from .memory import plan_memory
 from .outputs import Delta, Output, TextState
 from .prefix_cache import Capture, PrefixCache, empty_stats, model_identity
@@ -90,13 +91,7 @@ def _load(model_or_path, tokenizer):
     return model, tokenizer
 
 
-def _is_single_prompt(prompts) -> bool:
-    return isinstance(prompts, str) or (
-        isinstance(prompts, (list, tuple)) and len(prompts) > 0 and all(isinstance(t, int) for t in prompts)
-    )
-
-
-class Engine:
+class Engine(Generation):
     """Batched generation over a fixed number of slots with paged KV memory.
 
     Options come as keywords (below) or as `config=EngineConfig(...)` (config.py; keywords override its
@@ -471,63 +466,6 @@ class Engine:
             now - seq.arrival_time, seq.num_preemptions, seq.cached_tokens,
         )
         return Delta(seq.request_id, toks, text, True, reason, error, out)
-
-    # ---- convenience front-ends
-    def _run(self, prompts, sampling) -> Iterator[tuple[int, Delta]]:
-        """(prompt index, delta) for these prompts until all finish; a request failing validation
-        yields one "error" delta on its own. Deltas of other requests are kept for step()."""
-        if isinstance(sampling, (list, tuple)):
-            if len(sampling) != len(prompts):
-                raise ValueError(f"{len(sampling)} sampling params for {len(prompts)} prompts")
-            per = list(sampling)
-        else:
-            per = [sampling] * len(prompts)
-        mine: dict[Any, int] = {}
-        for i, (prompt, sp) in enumerate(zip(prompts, per)):
-            try:
-                mine[self.submit(prompt, sp)] = i
-            except (ValueError, TypeError) as e:
-                n = len(prompt) if isinstance(prompt, (list, tuple)) else 0
-                out = Output(None, n, [], "", "error", str(e))
-                yield i, Delta(None, [], "", True, "error", str(e), out)
-        while mine:
-            for d in self._advance():
-                i = mine.get(d.request_id)
-                if i is None:
-                    self._held.append(d)
-                    continue
-                if d.finished:
-                    del mine[d.request_id]
-                yield i, d
-
-    def stream(self, prompts, sampling=None) -> Iterator[Delta]:
-        """Yield the deltas of these prompts' requests as they are produced."""
-        prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
-        for _, d in self._run(prompts, sampling):
-            yield d
-
-    def generate(self, prompts, sampling=None, progress: bool = False) -> list[Output]:
-        """Run prompts (strings or token-id lists; one SamplingParams for all or one each) to completion;
-        Outputs in prompt order."""
-        prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
-        bar = None
-        if progress:
-            from tqdm import tqdm  # noqa: PLC0415
-
-            bar = tqdm(total=len(prompts), unit="req", desc="generate")
-        outputs: list[Output | None] = [None] * len(prompts)
-        gen0, t0 = self.counters["generated_tokens"], time.perf_counter()
-        for i, d in self._run(prompts, sampling):
-            if not d.finished:
-                continue
-            outputs[i] = d.output
-            if bar is not None:
-                bar.update(1)
-                rate = (self.counters["generated_tokens"] - gen0) / max(time.perf_counter() - t0, 1e-9)
-                bar.set_postfix_str(f"{rate:.1f} tok/s")
-        if bar is not None:
-            bar.close()
-        return outputs
 
     def stats(self) -> dict:
         s = {
