@@ -67,9 +67,9 @@ LONG = "a" * 2030  # 2030 byte tokens without the template: 18 left of the 2048-
 @pytest.mark.parametrize("args,msg", [
     (["generate", "--model", "/no/such/dir"], "no checkpoint directory"),
     (["generate", "--quantize", "3bit", "--model", "{ckpt}"], "unsupported quantization"),
-    (["generate", "--quantize", "3bit"], "--quantize needs --model"),
-    (["generate", "--quantize", "4bit"], "--quantize needs --model"),
-    (["chat", "--quantize", "8bit"], "--quantize needs --model"),
+    (["generate", "--quantize", "3bit"], "--quantize needs a checkpoint --model"),
+    (["generate", "--quantize", "4bit"], "--quantize needs a checkpoint --model"),
+    (["chat", "--quantize", "8bit"], "--quantize needs a checkpoint --model"),
     (["generate", "--temp", "-1"], "--temp: temperature must be 0 (greedy) or in [0.01, inf), got -1.0"),
     (["chat", "--top-p", "0"], "--top-p: top_p must be in (0, 1], got 0.0"),
     (["generate", "-m", "0"], "--max-tokens: max_tokens must be >= 1, got 0"),

@@ -167,7 +167,8 @@ def test_reference_logits(ckpts, name):
     assert np.array_equal(a, b)
     # causal: the prefix's logits do not depend on later tokens
     c = hc.hf_reference_logits(ckpts[name], ids[:40])
-    np.testing.assert_allclose(c, a[:40], atol=1e-4, rtol=0)
+    # fp32 sums over one chunk (40 tokens) or two (70) round differently: 1e-5 of a logit of ~20
+    np.testing.assert_allclose(c, a[:40], atol=1e-4, rtol=2e-5)
 
 
 def test_variants_differ(ckpts):

@@ -46,13 +46,23 @@ def test_run_exits_zero_and_counts_the_declared_instantiations():
 
 
 def test_covered_shapes_past_the_examples_fit_apples_limits():
-    """Paged attention covers head_dim 512, where 16 query rows a threadgroup need 34,944 bytes of
-    threadgroup memory: over Metal's 32 KiB, so that pipeline would fail to build on a Mac. Fails until
-    paged_attn_kernels.covers (or its tiling) keeps Metal launches within the limit."""
+    """The widest shapes paged attention covers on Metal fit Apple's limits. At head_dim 512, 16 query rows
+    a threadgroup would need 34,944 bytes of threadgroup memory (over Metal's 32 KiB: the pipeline would
+    fail to build on a Mac), so on Metal the op declines it and the reference runs; CUDA keeps 512."""
     edges = metal_cases.edge_trials()
     results, _, violations = check_metal.run_trials([k for t in edges for k in t.kernels], trials=edges)
     assert all(ok for _, ok, _ in results), results
     assert not violations, [v.what for v in violations]
+    from mtlqwen.kernels.attention.kernels import covers  # noqa: PLC0415
+    from mtlqwen.kernels.metal_emulator import emulating  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    q, kp, vp, layout = metal_cases._attn_batch(rng, mx.bfloat16, past=[40], qlens=[4], nkv=1, rep=4, hd=512, bt=16)
+    with emulating():
+        assert not covers(q.shape, q.dtype, kp, vp, layout)
+    from mtlqwen.kernels.backend import gpu_backend  # noqa: PLC0415
+
+    assert gpu_backend() != "metal"
 
 
 def _run(body: str, inputs, out_shape, out_dtype, grid, group, template=(), header=""):

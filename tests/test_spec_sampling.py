@@ -1,5 +1,6 @@
-"""Speculative decoding with temperature > 0: rejection sampling keeps the target's distribution, alone
-(one verification, many draws) and through the engine (many seeds, the joint law of a short completion)."""
+"""Speculative decoding with temperature > 0: the coupled verification emits the plain sampler's tokens
+and so keeps the target's distribution, alone (one verification, many draws) and through the engine (many
+seeds, the joint law of a short completion)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from dflash_checkpoints import write_tiny_drafter
 from hf_checkpoints import random_token_ids
 from mtlqwen.model.dflash import load_drafter
 from mtlqwen.runtime import Engine, SamplingParams
-from mtlqwen.runtime.rejection import probs, step_keys, verify_sampled
+from mtlqwen.runtime.rejection import position_noise, probs, sample_drafts, verify_sampled
+from mtlqwen.runtime.sampling import sample
 
 
 @pytest.fixture(scope="module")
@@ -21,26 +23,49 @@ def drafter(ckpt, model, tmp_path_factory):
     return load_drafter(write_tiny_drafter(tmp_path_factory.mktemp("drafter"), ckpt), model)
 
 
-def test_rejection_sampling_keeps_the_target_distribution():
-    """One verification, context-free target rows p_0..p_3 and draft rows q_1..q_3: the first emitted
-    token follows p_0, the second (when the first draft was accepted) p_1, and drafts are accepted at
-    the rate sum(min(p, q))."""
+def _one_verification(p_logits, q_logits, S, N, V):
+    """S seeds verify N drafts against context-free target rows p_0..p_N (the same whatever the prefix, so
+    the plain sampler's token at position t is its draw from row t). Returns k, next token, drafts and the
+    plain sampler's tokens [N + 1, S], all numpy."""
+    params, seeds = [SamplingParams(temperature=1.0)] * S, list(range(S))
+    noise = position_noise(seeds, [0] * S, N + 1, V)
+    drafts = sample_drafts(mx.broadcast_to(q_logits, (S, N, V)), params, noise)
+    k, tok = verify_sampled(mx.broadcast_to(p_logits, (S, N + 1, V)), drafts, mx.ones((S, N), dtype=mx.bool_),
+                            params, noise)
+    plain = [sample(mx.broadcast_to(p_logits[t], (S, V)), params, seeds, [t] * S) for t in range(N + 1)]
+    return np.array(k), np.array(tok), np.array(drafts), np.array(mx.stack(plain))
+
+
+def test_coupled_verification_emits_the_plain_samplers_tokens():
+    """Every token a verification emits (accepted drafts, then the correction or bonus) is the token the
+    plain sampler draws at that position with that seed, a draft is accepted exactly when it is that token,
+    and so the first token follows p_0 and the second p_1."""
     S, N, V = 2000, 3, 6
     rng = np.random.default_rng(0)
     p_logits = mx.array(rng.normal(size=(N + 1, V)) * 1.5, dtype=mx.float32)
-    q = mx.array(rng.dirichlet(np.ones(V), size=N), dtype=mx.float32)
-    params = [SamplingParams(temperature=1.0)] * S
-    keys = step_keys(list(range(S)), [0] * S)
-    drafts = mx.stack([mx.random.categorical(mx.log(q), key=k[0]) for k in keys]).astype(mx.int32)
-    k, tok = verify_sampled(mx.broadcast_to(p_logits, (S, N + 1, V)), drafts, mx.broadcast_to(q, (S, N, V)),
-                            mx.ones((S, N), dtype=mx.bool_), params, keys)
-    k, tok, d = np.array(k), np.array(tok), np.array(drafts)
-    p = np.array(probs(p_logits, [params[0]] * (N + 1)))
-    first = np.where(k >= 1, d[:, 0], tok)
-    second = np.where(k >= 2, d[:, 1], tok)[k >= 1]
-    chi_square_check(np.bincount(first, minlength=V), p[0])
-    chi_square_check(np.bincount(second, minlength=V), p[1])
-    rate = np.minimum(p[0], np.array(q[0])).sum()
+    q_logits = mx.array(np.log(rng.dirichlet(np.ones(V), size=N)), dtype=mx.float32)
+    k, tok, d, plain = _one_verification(p_logits, q_logits, S, N, V)
+    for s in range(S):
+        emitted = d[s, : k[s]].tolist() + [int(tok[s])]
+        assert emitted == plain[: k[s] + 1, s].tolist()
+        match = (d[s] == plain[:N, s]).tolist() + [False]
+        assert k[s] == match.index(False)
+    p = np.array(probs(p_logits, [SamplingParams(temperature=1.0)] * (N + 1)))
+    chi_square_check(np.bincount(plain[0], minlength=V), p[0])
+    chi_square_check(np.bincount(plain[1][k >= 1], minlength=V), p[1])
+    assert 0 < (k >= 1).mean() < 1 and (k == N).any()
+
+
+def test_coupled_acceptance_of_two_candidates_is_the_rejection_sampling_rate():
+    """With two candidate tokens the shared noise accepts a draft with probability sum(min(p, q)), the
+    most any verification keeping the target's distribution can accept."""
+    S, N, V = 4000, 1, 2
+    p_logits = mx.array([[0.8, -0.4], [0.0, 0.0]], dtype=mx.float32)
+    q_logits = mx.array([[-1.0, 1.0]], dtype=mx.float32)
+    k, _, _, _ = _one_verification(p_logits, q_logits, S, N, V)
+    p = np.array(probs(p_logits[:1], [SamplingParams(temperature=1.0)]))[0]
+    q = np.array(mx.softmax(q_logits, axis=-1))[0]
+    rate = np.minimum(p, q).sum()
     assert abs((k >= 1).mean() - rate) < 4 * math.sqrt(rate * (1 - rate) / S)
 
 

@@ -82,7 +82,7 @@ def test_commit_candidates_equals_plain_run_exactly(model, verify_commit, k):
     c = prefilled()
     lay = SeqLayout([0, 30, 35], [0, 21], [[0, 1], [3, 4]], [2, 1], bt, verify=[False, True])
     logits = model.forward(mx.array(other + ver, dtype=mx.int32), lay, c, verify_commit=verify_commit)
-    assert c.candidates["mode"] == verify_commit
+    assert c.verify_stash.mode == verify_commit
     model.commit_candidates(c, [k])
     ref = prefilled()
     ref_logits = model.forward(mx.array(ver[: k + 1], dtype=mx.int32), SeqLayout([0, k + 1], [21], [[3, 4]], [1], bt), ref)
@@ -95,7 +95,7 @@ def test_commit_candidates_equals_plain_run_exactly(model, verify_commit, k):
             assert np.array_equal(np.array(p[2]), np.array(a[2]))
     assert np.array_equal(np.array(logits[30 : 31 + k]), np.array(ref_logits))
     assert np.array_equal(np.array(logits[:30]), np.array(alone_logits))
-    assert c.candidates == {}
+    assert c.verify_stash is None
     with pytest.raises(RuntimeError):
         model.commit_candidates(c, [k])
 
@@ -167,7 +167,7 @@ def test_state_and_drafter_context_after_partial_accepts(model, drafter, verify_
             continue
         (s,) = fl.spec.seqs
         P, seq = s.start, s.seq
-        assert eng.cache.candidates["mode"] == verify_commit  # the stash waiting for this step's commit
+        assert eng.cache.verify_stash.mode == verify_commit  # the stash waiting for this step's commit
         assert seq.tokens == full[: P + 1]
         # plain run: the prompt in one chunk (as the engine did), then one token per step
         ref = model.make_cache(8, 1, bt)
@@ -383,7 +383,7 @@ def test_verify_commit_knob(model, drafter):
         while eng.has_work():
             eng.step()
             if eng._inflight is not None and eng._inflight.spec is not None:
-                seen.append((eng.cache.candidates["mode"], max(eng._inflight.spec.n)))
+                seen.append((eng.cache.verify_stash.mode, max(eng._inflight.spec.n)))
         want = [(given or commit_mode_for(n), n) for _, n in seen]
         assert seen and seen == want, (given, n_draft, seen)
         if given is None and n_draft > REPLAY_MIN_DRAFTS:  # long runs replay, the short last ones do not

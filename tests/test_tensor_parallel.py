@@ -216,7 +216,7 @@ def test_ranks_with_different_checkpoints_are_refused(ckpts, tmp_path):
     assert not list(tmp_path.glob("bad.rank*.json"))
 
 
-# ---- the command-line front-ends behind rank 0 (the built-in random model: no checkpoint needed)
+# ---- the command-line front-ends behind rank 0 (`--model random`: no checkpoint needed)
 
 def _launch_cli(args: list[str], **kw) -> subprocess.Popen | subprocess.CompletedProcess:
     launcher = shutil.which("mlx.launch")
@@ -227,7 +227,7 @@ def _launch_cli(args: list[str], **kw) -> subprocess.Popen | subprocess.Complete
 
 
 def test_generate_two_ranks_prints_once_and_matches(tmp_path):
-    args = ["generate", "--prompt", "Hello there", "-m", "12", "--quiet"]
+    args = ["generate", "--model", "random", "--prompt", "Hello there", "-m", "12", "--quiet"]
     ref = subprocess.run([sys.executable, "-m", "mtlqwen", *args], capture_output=True, text=True,
                          timeout=LAUNCH_TIMEOUT_S, cwd=tmp_path)
     assert ref.returncode == 0, ref.stderr
@@ -243,7 +243,7 @@ def test_serve_two_ranks_answers_from_rank0(tmp_path):
     import urllib.request  # noqa: PLC0415
 
     from mtlqwen import Engine, SamplingParams  # noqa: PLC0415
-    from mtlqwen.model.builtin import ByteTokenizer, random_model  # noqa: PLC0415
+    from mtlqwen.demo import load_builtin  # noqa: PLC0415
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -271,14 +271,18 @@ def test_serve_two_ranks_answers_from_rank0(tmp_path):
         req = urllib.request.Request(f"{base}/v1/completions", body, {"content-type": "application/json"})
         reply = json.load(urllib.request.urlopen(req, timeout=120))
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            os.killpg(proc.pid, signal.SIGINT)  # the launcher and any rank still alive
+        except ProcessLookupError:
+            pass  # every process of the group has exited
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
         log.close()
-    ref = Engine(random_model(), tokenizer=ByteTokenizer(), slots=1).generate(
+    b = load_builtin(None)  # what serve runs without --model (the demo pair when shipped, else random weights)
+    ref = Engine(b.model, tokenizer=b.tokenizer, slots=1, draft=b.drafter).generate(
         "Hello there", SamplingParams(max_tokens=8, temperature=0.0))[0]
     assert reply["choices"][0]["text"] == ref.text
     assert reply["usage"]["completion_tokens"] == 8
@@ -304,10 +308,10 @@ def test_chat_two_ranks_replies_once_and_matches(tmp_path):
     """chat --tensor-parallel: the launcher hands every rank the input lines; rank 0 reads them and drives
     the engines. (The launcher never passes end-of-input on, so the session ends with /exit.)"""
     feed = "Hello there\n/exit\n"
-    ref = subprocess.run([sys.executable, "-m", "mtlqwen", "chat", "-m", "8"], input=feed, capture_output=True,
+    ref = subprocess.run([sys.executable, "-m", "mtlqwen", "chat", "--model", "random", "-m", "8"], input=feed, capture_output=True,
                          text=True, timeout=LAUNCH_TIMEOUT_S, cwd=tmp_path)
     assert ref.returncode == 0, ref.stderr
-    p = _launch_cli(["chat", "-m", "8"], input=feed, cwd=tmp_path)
+    p = _launch_cli(["chat", "--model", "random", "-m", "8"], input=feed, cwd=tmp_path)
     reply = lambda out: out.split(">> ")[1]  # noqa: E731  the text after the first prompt marker
     assert p.stdout.count("commands: ") == 1, p.stdout + p.stderr  # rank 1 prints nothing
     assert reply(p.stdout) == reply(ref.stdout) and reply(ref.stdout).strip()

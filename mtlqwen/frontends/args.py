@@ -12,7 +12,8 @@ import json
 
 MODEL_HELP = (
     "a local checkpoint directory or a Hugging Face repo id (official Qwen3.5/3.6 layout or an "
-    "mlx-lm/mlx-community conversion, float or 4/8-bit)"
+    "mlx-lm/mlx-community conversion, float or 4/8-bit); omitted: the built-in demo model (the trained "
+    "demo pair when the package ships it, else random weights); 'random': the random-weight model"
 )
 
 
@@ -61,8 +62,8 @@ def add_quiet_arg(p: argparse.ArgumentParser) -> None:
 def check_model_args(args) -> None:
     """Flags that cannot apply are errors, found before the model loads."""
     if args.quantize is not None:
-        if args.model is None:
-            raise ValueError("--quantize needs --model (the built-in model is not quantized at load)")
+        if args.model is None or args.model == "random":
+            raise ValueError("--quantize needs a checkpoint --model (the built-in models are not quantized at load)")
         from ..model.quantize import parse_quantize_arg  # noqa: PLC0415
 
         parse_quantize_arg(args.quantize)
@@ -99,25 +100,28 @@ def sampling_from_args(args):
 
 
 def load_model_and_tokenizer(args, progress=None):
-    """(model, tokenizer, note): the checkpoint's, or the built-in random demo model with a byte tokenizer.
+    """(model, tokenizer, note, drafter): the checkpoint's (drafter None: --draft names one), or a built-in
+    model (mtlqwen.demo): with no --model the trained demo pair and its drafter when the package ships
+    it, else the random-weight model; `--model random` the random-weight model with a byte tokenizer.
     progress: called as progress(done_bytes, total_bytes) while the checkpoint's tensors load.
     With --tensor-parallel (args.group, start_tensor_parallel), this rank's shard of the model."""
-    group = getattr(args, "group", None)
-    if args.model is None:
-        from ..model.builtin import ByteTokenizer, random_model  # noqa: PLC0415
+    from ..demo import is_builtin, load_builtin  # noqa: PLC0415
 
-        note = ("No --model given: running the small built-in Qwen3.5 model with RANDOM weights "
-                "(its text is meaningless; it shows the engine works). Pass --model for a real checkpoint.")
-        model = random_model()
-        if group is not None:  # the same seeded weights on every rank: each keeps its shard
+    group = getattr(args, "group", None)
+    if is_builtin(args.model):
+        b = load_builtin(args.model)
+        model, drafter = b.model, b.drafter
+        if group is not None:  # the same weights on every rank: each keeps its shard (the drafter reads it)
             from ..model.loading import shard_model  # noqa: PLC0415
 
             model = shard_model(model.config, model.weights, group)
-        return model, ByteTokenizer(), note
+            if drafter is not None:
+                drafter.target = model
+        return model, b.tokenizer, b.note, drafter
     from .. import load, load_tokenizer  # noqa: PLC0415
 
     model = load(args.model, quantize=args.quantize, progress=progress, group=group)
-    return model, load_tokenizer(args.model), None
+    return model, load_tokenizer(args.model), None, None
 
 
 def check_max_tokens(max_tokens: int, context: int) -> None:

@@ -187,9 +187,11 @@ def cmd_chat(args) -> int:
     bars = progress_enabled(args.quiet)
     load_bar = Bar("loading", enabled=bars)
     try:
-        model, tok, note = load_model_and_tokenizer(args, progress=load_bar.update)
+        model, tok, note, drafter = load_model_and_tokenizer(args, progress=load_bar.update)
     finally:
         load_bar.close()
+    if drafter is not None and not engine_kw.get("draft"):  # the demo pair speculates with its drafter
+        engine_kw["draft"] = drafter
     # --tensor-parallel: ranks other than 0 follow rank 0's engine and exit here
     engine = replicate(Engine(model, tokenizer=tok, **engine_kw), getattr(args, "group", None))
     context = engine.max_model_len

@@ -78,11 +78,12 @@ def cmd_generate(args) -> int:
     bars = progress_enabled(args.quiet)
     load_bar = Bar("loading", enabled=bars)
     try:
-        model, tok, note = load_model_and_tokenizer(args, progress=load_bar.update)
+        model, tok, note, drafter = load_model_and_tokenizer(args, progress=load_bar.update)
     finally:
         load_bar.close()
     ids = _prompt_ids(args, tok, prompt, template_kwargs)
-    engine = replicate(Engine(model, tokenizer=tok, slots=1), group)  # --tensor-parallel: rank 0 goes on
+    # --tensor-parallel: ranks other than 0 follow rank 0's engine and exit here
+    engine = replicate(Engine(model, tokenizer=tok, slots=1, draft=drafter), group)
     check_max_tokens(sampling.max_tokens, engine.max_model_len)
     max_tokens, trimmed = fit_reply(len(ids), sampling.max_tokens, engine.max_model_len,
                                     "shorten the prompt")
@@ -128,6 +129,9 @@ def cmd_generate(args) -> int:
         print(f"Prompt: {done} of {out.prompt_tokens} tokens, {done / max(total, 1e-9):.3f} tokens-per-sec")
     gen_time = max(total - (out.ttft or total), 1e-9)
     print(f"Generation: {n} tokens, {max(n - 1, 0) / gen_time:.3f} tokens-per-sec")
+    if engine.spec is not None:  # the acceptance length: tokens per speculative step, bonus included
+        st = engine.stats()
+        print(f"Speculative: {st.get('mean_acceptance_length', 0.0):.2f} tokens per step")
     print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
     if out.finish_reason == "cancelled":
         print("mtlqwen generate: interrupted (Ctrl-C)", file=sys.stderr)

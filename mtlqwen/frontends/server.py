@@ -147,8 +147,10 @@ def _follow_rank0(args, engine_kw: dict, group) -> int:
     from ..runtime import Engine  # noqa: PLC0415
     from ..runtime.replicated import follow  # noqa: PLC0415
 
-    model, tok, _ = load_model_and_tokenizer(args)
-    _check_context(model, args.max_model_len)  # as rank 0's build(): both stop on the same error
+    model, tok, _, drafter = load_model_and_tokenizer(args)
+    if drafter is not None and not engine_kw.get("draft"):  # as rank 0's build(), so the engines agree
+        engine_kw["draft"] = drafter
+    _check_context(model, args.max_model_len)
     follow(Engine(model, tokenizer=tok, **engine_kw), group)
     return 0
 
@@ -188,7 +190,9 @@ def cmd_serve(args) -> int:
         from ..runtime import Engine  # noqa: PLC0415
         from ..runtime.replicated import replicate  # noqa: PLC0415
 
-        model, tok, note = load_model_and_tokenizer(args)
+        model, tok, note, drafter = load_model_and_tokenizer(args)
+        if drafter is not None and not engine_kw.get("draft"):
+            engine_kw["draft"] = drafter
         if note:
             log.warning(note)
         _check_context(model, args.max_model_len)

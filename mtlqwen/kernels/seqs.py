@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 
+_ARRAY_NAMES = ("positions", "write_blocks", "write_offsets", "state_rows", "query_start_loc", "kv_valid",
+                "block_tables")
+
+
 @dataclass
 class SeqLayout:
     """Packed batch geometry. Sequence i owns rows query_start_loc[i]:query_start_loc[i+1] of every
@@ -18,7 +22,7 @@ class SeqLayout:
     block_tables: list[list[int]]  # [B][n_blocks_i]
     state_rows: list[int]  # [B] rows of the GDN state pools (the sequence slots)
     block_tokens: int = 128
-    _arrays: dict = field(default_factory=dict, repr=False)
+    _arrays: dict = field(default_factory=dict, repr=False)  # array() copies and derived() objects, by name
     # [B] or None: True for a speculative verification (anchor + drafts). The model then keeps the GDN
     # state after each of its tokens (or its inputs, to replay), to commit the state after the last
     # accepted draft (Qwen35Model's verify_commit).
@@ -29,6 +33,33 @@ class SeqLayout:
     # True inside an `mx.compile` trace: only the arrays and the query_start_loc list are real; ops index
     # by the arrays and take no other value from the lists (a value read there would be baked in).
     traced: bool = False
+
+    @classmethod
+    def for_trace(cls, query_start_loc: list[int], arrays: dict[str, mx.array], block_tokens: int,
+                  verify: list[bool] | None = None, max_len: int | None = None) -> SeqLayout:
+        """The layout inside an `mx.compile` trace: the real query_start_loc and device arrays (every name
+        `array` serves), dummy lists (traced=True: ops must not read values from them)."""
+        B = len(query_start_loc) - 1
+        width = arrays["block_tables"].shape[1]
+        lay = cls(list(query_start_loc), [0] * B, [[0] * width] * B, [0] * B, block_tokens,
+                  verify=verify, max_len=max_len, traced=True)
+        for name, a in arrays.items():
+            lay.provide(name, a)
+        return lay
+
+    def provide(self, name: str, a: mx.array) -> None:
+        """Use `a` as the device copy `array(name)` returns (e.g. block tables padded to a chosen width)."""
+        if name not in _ARRAY_NAMES:
+            raise KeyError(f"{name!r} is not a layout array ({', '.join(_ARRAY_NAMES)})")
+        self._arrays[name] = a
+
+    def derived(self, key: str, build):
+        """An object derived from this layout, built once by build() and shared by every layer that asks."""
+        if key in _ARRAY_NAMES:
+            raise KeyError(f"{key!r} names a layout array; use array()")
+        if key not in self._arrays:
+            self._arrays[key] = build()
+        return self._arrays[key]
 
     @property
     def num_seqs(self) -> int:

@@ -6,9 +6,45 @@ The model never decides which block or slot a sequence uses; the runtime does, a
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import mlx.core as mx
 
+from ..kernels import SeqLayout
 from .config import Qwen35Config
+
+
+@dataclass
+class GDNStash:
+    """One GDN layer's part of a verification. rec: the state after every verify row [Tv, Hv, dv, dk]
+    ("candidates" mode) or the verify rows' delta-rule inputs (q, k, v, a, b) ("replay" mode);
+    old_conv: the verifying slots' conv rows before the step [Sv, K-1, C]; raw: the verify rows' conv
+    inputs [Tv, C]."""
+
+    rec: mx.array | tuple[mx.array, ...]
+    old_conv: mx.array
+    raw: mx.array
+
+    def tree(self) -> tuple:
+        """The arrays as a nested tuple (what an `mx.compile` trace returns); from_tree inverts it."""
+        return (self.rec, self.old_conv, self.raw)
+
+    @classmethod
+    def from_tree(cls, t) -> GDNStash:
+        rec, old_conv, raw = t
+        return cls(tuple(rec) if isinstance(rec, (list, tuple)) else rec, old_conv, raw)
+
+
+@dataclass
+class VerifyStash:
+    """What a forward with verifying sequences (SeqLayout.verify) leaves for Qwen35Model.commit_candidates:
+    the commit mode it was run in, the layout of the verifying sequences alone, each GDN layer's part
+    (by GDN state index)."""
+
+    mode: str
+    layout: SeqLayout | None = None
+    layers: dict[int, GDNStash] = field(default_factory=dict)
 
 
 class ModelCache:
@@ -35,10 +71,11 @@ class ModelCache:
         self.conv_states = [mx.zeros(conv_shape, dtype=dtype) for _ in range(n_gdn)]
         self.rec_states = [mx.zeros(rec_shape, dtype=mx.float32) for _ in range(n_gdn)]
         mx.eval(self.k_pools, self.v_pools, self.conv_states, self.rec_states)
-        # Filled by a forward with verifying sequences (SeqLayout.verify), consumed by
-        # Qwen35Model.commit_candidates: per GDN layer the candidate states of those sequences (or, in
-        # replay mode, their delta-rule inputs), plus "layout" and "mode".
-        self.candidates: dict = {}
+        # Set by a forward with verifying sequences, taken by Qwen35Model.commit_candidates.
+        self.verify_stash: VerifyStash | None = None
+        # A speculative engine's model.dflash.DrafterCache: drafter K/V indexed by the same bundle ids, so
+        # whoever copies a bundle (the prefix cache's partial blocks) copies its drafter rows too.
+        self.drafter_cache: Any = None
 
     @staticmethod
     def bytes_per_block(config: Qwen35Config, block_tokens: int, dtype: mx.Dtype = mx.bfloat16) -> int:
@@ -53,27 +90,24 @@ class ModelCache:
         rec = c.linear_num_value_heads * c.linear_value_head_dim * c.linear_key_head_dim * 4
         return (conv + rec) * len(c.linear_attention_layers)
 
-    def reset_slot(self, slot: int) -> None:
-        """A fresh sequence starts from zero conv and recurrent state."""
-        for pools in (self.conv_states, self.rec_states):
-            for i, pool in enumerate(pools):
-                pool[slot] = mx.zeros(pool.shape[1:], dtype=pool.dtype)
-        mx.eval(self.conv_states, self.rec_states)
+    def clear_stash(self) -> None:
+        """Drop what a verifying forward left for commit_candidates (its step was abandoned)."""
+        self.verify_stash = None
 
-    def slot_state(self, slot: int) -> tuple[list[mx.array], list[mx.array]]:
-        """Copies of one slot's GDN state (conv, recurrent), e.g. for a prefix-cache snapshot."""
-        conv = [mx.array(p[slot]) for p in self.conv_states]
-        rec = [mx.array(p[slot]) for p in self.rec_states]
-        mx.eval(conv, rec)
-        return conv, rec
+    def reset(self) -> None:
+        """Every pool back to zeros (new arrays: the old contents may be undefined after a failed evaluation)."""
+        for pools in (self.k_pools, self.v_pools, self.conv_states, self.rec_states):
+            for i, p in enumerate(pools):
+                pools[i] = mx.zeros(p.shape, dtype=p.dtype)
+        self.clear_stash()
+        if self.drafter_cache is not None:
+            self.drafter_cache.reset()
+        mx.eval(self.arrays())
 
-    def load_slot_state(self, slot: int, conv: list[mx.array], rec: list[mx.array]) -> None:
-        """Copy a saved GDN state into a slot; the saved arrays are never written afterwards."""
-        for pool, s in zip(self.conv_states, conv):
-            pool[slot] = s
-        for pool, s in zip(self.rec_states, rec):
-            pool[slot] = s
-        mx.eval(self.conv_states, self.rec_states)
+    def bundle_pools(self) -> list[mx.array]:
+        """Every pool a bundle id indexes: the target's K and V, then the drafter's when there is one."""
+        d = self.drafter_cache
+        return [*self.k_pools, *self.v_pools, *(d.arrays() if d is not None else ())]
 
     def arrays(self) -> list[mx.array]:
         return [*self.k_pools, *self.v_pools, *self.conv_states, *self.rec_states]

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 
 from ..kernels import SeqLayout
+from .cache import GDNStash, VerifyStash
 
 _INPUTS = ("positions", "write_blocks", "write_offsets", "state_rows", "query_start_loc", "kv_valid")
 
@@ -59,7 +60,7 @@ class CompiledDecode:
     def with_taps(self, input_ids, layout: SeqLayout, cache, taps: tuple[int, ...], logits_rows: mx.array | None,
                   verify_commit: str = "candidates"):
         """(logits, taps) as `Qwen35Model.forward_with_taps`; a verification's stash is left in
-        `cache.candidates` with the real layout, as the uncompiled forward leaves it."""
+        `cache.verify_stash` with the real layout, as the uncompiled forward leaves it."""
         return self._run(input_ids, layout, cache, logits_rows, tuple(taps), verify_commit)
 
     def _run(self, input_ids, layout: SeqLayout, cache, logits_rows, taps, verify_commit: str = "candidates"):
@@ -86,19 +87,13 @@ class CompiledDecode:
         else:
             self._fns.move_to_end(shape)
         n_attn, n_gdn = len(cache.k_pools), len(cache.conv_states)
-        out = fn(input_ids, arrays, rows, cache.arrays())
-        head = 1 if taps is None else 2
-        pools, stash = out[head : head + len(cache.arrays())], out[head + len(cache.arrays()) :]
+        head, pools, stash = fn(input_ids, arrays, rows, cache.arrays())
         cache.k_pools[:], cache.v_pools[:] = pools[:n_attn], pools[n_attn : 2 * n_attn]
         cache.conv_states[:], cache.rec_states[:] = pools[2 * n_attn : 2 * n_attn + n_gdn], pools[2 * n_attn + n_gdn :]
-        if verify:  # per GDN layer: rec (1 array, or 5 when replaying), old conv rows, raw rows
-            per = 7 if verify_commit == "replay" else 3
-            cache.candidates = {"mode": verify_commit, "layout": layout}
-            for idx in range(n_gdn):
-                part = stash[idx * per : (idx + 1) * per]
-                rec = tuple(part[:5]) if verify_commit == "replay" else part[0]
-                cache.candidates[idx] = (rec, part[-2], part[-1])
-        return out[0], (out[1] if taps is not None else None)
+        if verify:  # the trace's stash, one GDNStash tree per GDN layer in state-index order
+            cache.verify_stash = VerifyStash(verify_commit, layout,
+                                             {idx: GDNStash.from_tree(t) for idx, t in enumerate(stash)})
+        return head[0], (head[1] if taps is not None else None)
 
     def _step_fn(self, B: int, qsl: list[int], width: int, max_len: int, block_tokens: int, has_rows: bool,
                  taps: tuple[int, ...] | None, verify: str | bool):
@@ -107,26 +102,22 @@ class CompiledDecode:
         qsl = list(qsl)
 
         def step(ids, arrays, rows, pools):
-            lay = SeqLayout(qsl, [0] * B, [[0] * width] * B, [0] * B, block_tokens,
-                            verify=[True] * B if verify else None, max_len=max_len, traced=True)
+            lay = SeqLayout.for_trace(qsl, dict(zip(_INPUTS + ("block_tables",), arrays)), block_tokens,
+                                      verify=[True] * B if verify else None, max_len=max_len)
             mode = verify or "candidates"
-            lay._arrays.update(zip(_INPUTS + ("block_tables",), arrays))
             n_attn = len(model.config.full_attention_layers)
             n_gdn = len(model.config.linear_attention_layers)
             view = SimpleNamespace(  # the model's writes rebind these lists; they are returned below
                 k_pools=list(pools[:n_attn]), v_pools=list(pools[n_attn : 2 * n_attn]),
                 conv_states=list(pools[2 * n_attn : 2 * n_attn + n_gdn]),
-                rec_states=list(pools[2 * n_attn + n_gdn :]), candidates={},
+                rec_states=list(pools[2 * n_attn + n_gdn :]), verify_stash=None,
             )
             r = rows[0] if has_rows else None
             if taps is None:
                 head = [model.forward(ids, lay, view, r)]
             else:
                 head = list(model.forward_with_taps(ids, lay, view, taps, r, mode))
-            stash = []
-            for idx in range(n_gdn if verify else 0):
-                rec, old_conv, raw = view.candidates[idx]
-                stash += [*(rec if isinstance(rec, tuple) else (rec,)), old_conv, raw]
-            return [*head, *view.k_pools, *view.v_pools, *view.conv_states, *view.rec_states, *stash]
+            stash = [view.verify_stash.layers[idx].tree() for idx in range(n_gdn)] if verify else []
+            return head, [*view.k_pools, *view.v_pools, *view.conv_states, *view.rec_states], stash
 
         return step

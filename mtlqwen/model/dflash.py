@@ -123,6 +123,13 @@ class DrafterCache:
         """K + V bytes one bundle adds for the drafter (budget the pool with target + this, §5.1)."""
         return 2 * config.num_key_value_heads * config.head_dim * dtype.size * block_tokens * config.num_hidden_layers
 
+    def reset(self) -> None:
+        """Every pool back to zeros (new arrays), as ModelCache.reset."""
+        for pools in (self.k_pools, self.v_pools):
+            for i, p in enumerate(pools):
+                pools[i] = mx.zeros(p.shape, dtype=p.dtype)
+        mx.eval(self.arrays())
+
     def arrays(self) -> list[mx.array]:
         return [*self.k_pools, *self.v_pools]
 

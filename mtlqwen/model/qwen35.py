@@ -34,7 +34,7 @@ from ..kernels import (
     write_kv,
     write_kv_inplace,
 )
-from .cache import ModelCache
+from .cache import GDNStash, ModelCache, VerifyStash
 from .config import Qwen35Config
 from .sharding import Shard, embed_vocab, gather_vocab
 
@@ -83,9 +83,7 @@ class _VerifySplit:
 
     @staticmethod
     def of(layout: SeqLayout) -> _VerifySplit:
-        if "verify_split" not in layout._arrays:
-            layout._arrays["verify_split"] = _VerifySplit(layout)
-        return layout._arrays["verify_split"]
+        return layout.derived("verify_split", lambda: _VerifySplit(layout))
 
 
 class GDNMixer:
@@ -154,14 +152,15 @@ class GDNMixer:
             vr = sp.verify_rows
             ins, raw = (q[vr], k[vr], v[vr], a[vr], b[vr]), mixed[vr]
         # ins: q, k [Tv, Hk, dk], v [Tv, Hv, dv], a, b [Tv, Hv]; raw: the verify rows' conv inputs [Tv, C]
-        if cache.candidates.get("mode") == "replay":  # outputs only; the states come from the replay at commit
+        stash = cache.verify_stash
+        if stash.mode == "replay":  # outputs only; the states come from the replay at commit
             o_v, _ = gated_delta(*ins, self.A_log, self.dt_bias, rec_pool, sp.verify)
             rec = ins
         else:
             o_v, _, rec = gated_delta_candidates(*ins, self.A_log, self.dt_bias, rec_pool, sp.verify)
         # read the verifying slots' old conv rows before the plain rows' writes below
-        cache.candidates[self.idx] = (rec, conv_pool[sp.verify_slots], raw)
-        cache.candidates["layout"] = sp.verify
+        stash.layers[self.idx] = GDNStash(rec, conv_pool[sp.verify_slots], raw)
+        stash.layout = sp.verify
         if sp.plain is None:
             return o_v
         pr = sp.plain_rows
@@ -320,7 +319,7 @@ class Qwen35Model:
         if layout.verify is not None and any(layout.verify):
             if verify_commit not in VERIFY_COMMITS:
                 raise ValueError(f"verify_commit must be one of {VERIFY_COMMITS}, got {verify_commit!r}")
-            cache.candidates = {"mode": verify_commit}  # a fresh stash; the commit follows its mode
+            cache.verify_stash = VerifyStash(verify_commit)  # a fresh stash; the commit follows its mode
         h = self.embed_rows(input_ids)
         x = rms_norm(h, self.layers[0].input_norm, self.config.rms_norm_eps)
         captured = []
@@ -375,11 +374,10 @@ class Qwen35Model:
         """After a forward with verifying sequences: verifying sequence j (in layout order) keeps the GDN
         state after its anchor and first accepted[j] drafts; its conv state becomes the last K-1 raw rows
         up to that token. Rejected tokens' K/V need no undo: the runtime does not count them in kv_valid."""
-        stash, cache.candidates = cache.candidates, {}
-        lay = stash.pop("layout", None)
-        mode = stash.pop("mode", "candidates")
-        if lay is None:
+        stash, cache.verify_stash = cache.verify_stash, None
+        if stash is None or stash.layout is None:
             raise RuntimeError("commit_candidates without a verifying forward before it")
+        lay, mode = stash.layout, stash.mode
         if len(accepted) != lay.num_seqs or any(not 0 <= k < lay.q_len(j) for j, k in enumerate(accepted)):
             raise ValueError(f"accepted {accepted} does not fit verifications of {[lay.q_len(j) for j in range(lay.num_seqs)]} tokens")
         K1, S = self.config.linear_conv_kernel_dim - 1, lay.num_seqs
@@ -396,7 +394,8 @@ class Qwen35Model:
         win = [j * K1 + r if r < K1 else S * K1 + qsl[j] + r - K1
                for j, k in enumerate(accepted) for r in range(k + 1, k + 1 + K1)]
         win, slots = mx.array(win, dtype=mx.int32), mx.array(lay.state_rows, dtype=mx.int32)
-        for idx, (rec, old_conv, raw) in stash.items():
+        for idx, part in stash.layers.items():
+            rec, old_conv, raw = part.rec, part.old_conv, part.raw
             if mode == "replay":
                 m = self.gdn_mixers[idx]
                 _, new = gated_delta(*(t[rows] for t in rec), m.A_log, m.dt_bias, cache.rec_states[idx], rl)

@@ -2,6 +2,7 @@
 batch packing, sampling and the engine loop (design.md, "One engine step")."""
 
 from .block_pool import BlockPool, NoFreeBlocks
+from .config import EngineConfig
 from .engine import Engine
 from .kv_manager import KVManager
 from .outputs import Delta, Output
@@ -10,6 +11,6 @@ from .scheduler import ScheduledSeq, Scheduler, StepPlan, split_budget
 from .sequence import Sequence, SeqStatus
 
 __all__ = [
-    "BlockPool", "Delta", "Engine", "KVManager", "NoFreeBlocks", "Output", "SamplingParams", "ScheduledSeq", "Scheduler",
+    "BlockPool", "Delta", "Engine", "EngineConfig", "KVManager", "NoFreeBlocks", "Output", "SamplingParams", "ScheduledSeq", "Scheduler",
     "SeqStatus", "Sequence", "StepPlan", "split_budget",
 ]

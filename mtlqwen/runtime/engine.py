@@ -10,38 +10,52 @@ MLX's data dependencies through the pool arrays).
 
 from __future__ import annotations
 
+import logging
 import operator
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import mlx.core as mx
 
 from ..kernels import use_kernels
-from ..model.cache import ModelCache
 from ..model.compiled import CompiledDecode
-from ..model.qwen35 import VERIFY_COMMITS
 from .batch import PackedBatch, pack, token_buckets
 from .block_pool import BlockPool
-from .memory import device_memory, resolve_num_blocks
+from .config import EngineConfig
+from .generate import Generation
+from .memory import plan_memory
 from .outputs import Delta, Output, TextState
 from .kv_manager import KVManager, StepSnapshots
-from .prefix_cache import DEFAULT_CACHE_BYTES, model_identity
-from .sampling import SamplingParams, sample
+from .prefix_cache import model_identity
+from .sampling import SamplingParams, sample_isolating
 from .scheduler import ScheduledSeq, Scheduler, StepPlan
 from .speculative import Speculator, load_draft
 from .sequence import Sequence, SeqStatus
 
+log = logging.getLogger("mtlqwen.engine")
+
 
 @dataclass
 class _InFlight:
+    seqs: list[Sequence]  # every sequence the step computes: the ones a failure of the step takes down
     sampling: list[ScheduledSeq]
     tokens: mx.array | None  # [R] sampled ids, still on the device
     rows: dict[Sequence, int]  # row of each sampling sequence in `tokens`
     snapshots: StepSnapshots | None = None  # the step's prefix-cache captures, published at read-back
     spec: Any = None  # speculative._Verification: the step's verifying sequences, applied at read-back
+    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)  # sampler errors of one request each
+
+
+class _EvalFailed(Exception):
+    """Evaluating a step raised (at launch or at read-back): device state is undefined. `flight`: the
+    step being launched, when it was its launch."""
+
+    def __init__(self, cause: Exception, flight=None):
+        super().__init__(str(cause))
+        self.cause, self.flight = cause, flight
 
 
 def _as_params(sampling) -> SamplingParams:
@@ -55,16 +69,34 @@ def _as_params(sampling) -> SamplingParams:
     return sampling
 
 
-def _is_single_prompt(prompts) -> bool:
-    return isinstance(prompts, str) or (
-        isinstance(prompts, (list, tuple)) and len(prompts) > 0 and all(isinstance(t, int) for t in prompts)
-    )
+_UNSET: Any = object()  # an Engine keyword left out: EngineConfig's value stands
+_OPTIONS = frozenset(f.name for f in fields(EngineConfig))
 
 
-class Engine:
+def _load(model_or_path, tokenizer):
+    """(model, tokenizer) from what Engine accepts: a model or a checkpoint path / repo id (its tokenizer.json
+    is the default tokenizer), a tokenizer object or path."""
+    if isinstance(model_or_path, (str, Path)):
+        from ..model import load, resolve_model_path  # noqa: PLC0415
+
+        local = resolve_model_path(model_or_path)  # a repo id is downloaded once, here
+        model = load(local)
+        if tokenizer is None and (local / "tokenizer.json").is_file():
+            tokenizer = local
+    else:
+        model = model_or_path
+    if isinstance(tokenizer, (str, Path)):
+        from ..tokenizer import load_tokenizer  # noqa: PLC0415
+
+        tokenizer = load_tokenizer(tokenizer)
+    return model, tokenizer
+
+
+class Engine(Generation):
     """Batched generation over a fixed number of slots with paged KV memory.
 
-    model_or_path: a Qwen35Model or what `mtlqwen.load` accepts. tokenizer: an object with
+    Options come as keywords (below) or as `config=EngineConfig(...)` (config.py; keywords override its
+    fields); `engine.engine_config` holds the validated result. model_or_path: a Qwen35Model or what `mtlqwen.load` accepts. tokenizer: an object with
     encode/decode/detokenizer (or a path for `mtlqwen.load_tokenizer`); when None and the model is a
     checkpoint directory holding tokenizer.json, that tokenizer is loaded. Without a tokenizer prompts
     must be token ids and outputs carry no text. The KV pool holds num_blocks bundles of block_tokens
@@ -92,77 +124,57 @@ class Engine:
     def __init__(
         self,
         model_or_path,
-        slots: int = 8,
-        step_tokens: int = 128,
-        block_tokens: int = 128,
-        num_blocks: int | None = None,
-        kv_bytes: int | None = None,
+        config: EngineConfig | None = None,
+        *,
         tokenizer=None,
-        max_model_len: int | None = None,
-        pad_buckets: bool = False,
-        seed: int | None = None,
-        prefix_interval: int = 512,
-        prefix_cache_bytes: int | None = None,
-        draft=None,
-        n_draft: int | None = None,
-        compile_decode: bool | None = None,
-        verify_commit: str | None = None,
+        slots: int = _UNSET,
+        step_tokens: int = _UNSET,
+        block_tokens: int = _UNSET,
+        num_blocks: int | None = _UNSET,
+        kv_bytes: int | None = _UNSET,
+        max_model_len: int | None = _UNSET,
+        pad_buckets: bool = _UNSET,
+        seed: int | None = _UNSET,
+        prefix_interval: int = _UNSET,
+        prefix_cache_bytes: int | None = _UNSET,
+        draft=_UNSET,
+        n_draft: int | None = _UNSET,
+        compile_decode: bool | None = _UNSET,
+        verify_commit: str | None = _UNSET,
     ):
-        if verify_commit is not None and verify_commit not in VERIFY_COMMITS:
-            raise ValueError(f"verify_commit must be one of {VERIFY_COMMITS}, got {verify_commit!r}")
-        if verify_commit is not None and draft is None:
-            raise ValueError("verify_commit needs a drafter (draft=...)")
-        if isinstance(model_or_path, (str, Path)):
-            from ..model import load, resolve_model_path  # noqa: PLC0415
-
-            local = resolve_model_path(model_or_path)  # a repo id is downloaded once, here
-            model = load(local)
-            if tokenizer is None and (local / "tokenizer.json").is_file():
-                tokenizer = local
-        else:
-            model = model_or_path
-        if isinstance(tokenizer, (str, Path)):
-            from ..tokenizer import load_tokenizer  # noqa: PLC0415
-
-            tokenizer = load_tokenizer(tokenizer)
-        if block_tokens < 1:
-            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__} (options go by keyword)")
+        given = {k: v for k, v in locals().items() if v is not _UNSET and k in _OPTIONS}
+        cfg = self.engine_config = EngineConfig.build(config, **given)  # unset keywords: config's, or the defaults
+        model, tokenizer = _load(model_or_path, tokenizer)
         self.model, self.config, self.tokenizer = model, model.config, tokenizer
         ctx = self.config.max_position_embeddings
-        self.max_model_len = min(ctx, max_model_len) if max_model_len else ctx
-        self.block_tokens, self.step_tokens, self.slots = block_tokens, step_tokens, slots
-        drafter, n_draft = load_draft(model, draft, n_draft, slots, step_tokens)
-        self.num_blocks = resolve_num_blocks(
-            self.config, model.dtype, block_tokens, slots, self.max_model_len, num_blocks, kv_bytes,
-            Speculator.bytes_per_block(drafter, block_tokens, model.dtype),  # drafter K/V share the bundles
-        )
-        per_block = ModelCache.bytes_per_block(self.config, block_tokens, model.dtype)
-        budget = DEFAULT_CACHE_BYTES if prefix_cache_bytes is None else prefix_cache_bytes
-        if prefix_interval and num_blocks is None and kv_bytes is None and device_memory()[0] is not None:
-            # the default KV budget was taken from free device memory: leave the snapshots' share out
-            self.num_blocks = max(1, self.num_blocks - budget // per_block)
-        per_entry = ModelCache.bytes_per_slot(self.config, model.dtype)
-        if prefix_interval and prefix_interval % block_tokens:  # plus the copy of the partial last block
-            per_entry += per_block
+        self.max_model_len = min(ctx, cfg.max_model_len) if cfg.max_model_len else ctx
+        self.block_tokens, self.step_tokens, self.slots = block_tokens, step_tokens, slots = (
+            cfg.block_tokens, cfg.step_tokens, cfg.slots)
+        drafter, n_draft = load_draft(model, cfg.draft, cfg.n_draft, slots, step_tokens)
+        mem = plan_memory(self.config, model.dtype, cfg, self.max_model_len,
+                          Speculator.bytes_per_block(drafter, block_tokens, model.dtype))  # drafter K/V share the bundles
+        self.num_blocks = mem.num_blocks
         identity = model_identity(model, getattr(drafter, "source", drafter))  # entries carry drafter rows
-        self.kv = KVManager(self.num_blocks, block_tokens, prefix_interval, budget, identity, per_entry)
+        self.kv = KVManager(self.num_blocks, block_tokens, cfg.prefix_interval, mem.prefix_bytes, identity,
+                            mem.prefix_entry_bytes)
         self.scheduler = Scheduler(self.kv, slots, step_tokens)
         # one spare bundle and slot beyond what the scheduler hands out: the padding sequence's scratch
         self.cache = model.make_cache(self.num_blocks + 1, slots + 1, block_tokens)
         self.spec = None if drafter is None else Speculator(
-            model, drafter, n_draft, self.cache, self.kv, verify_commit)
+            model, drafter, n_draft, self.cache, self.kv, cfg.verify_commit)
         self.scratch = (slots, self.num_blocks)
-        auto = compile_decode is None
-        if auto:
-            compile_decode = use_kernels()
+        auto = cfg.compile_decode is None
+        compile_decode = use_kernels() if auto else cfg.compile_decode
         # speculative steps compile only when asked for: their compiled path has not yet run on a GPU
         self.compiled = CompiledDecode(model) if compile_decode and (self.spec is None or not auto) else None
         if self.spec is not None:
             self.spec.compiled = self.compiled
-        self.pad_buckets = bool(pad_buckets)
+        self.pad_buckets = cfg.pad_buckets
         self.buckets = token_buckets(step_tokens) if self.pad_buckets else None
         self.eos = set(self.config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", None) or ())
-        group = getattr(model, "group", None)
+        seed, group = cfg.seed, getattr(model, "group", None)
         if seed is None and group is not None:  # tensor parallel: every rank draws the same request seeds
             from ..model.distributed import agreed_seed  # noqa: PLC0415
 
@@ -241,23 +253,54 @@ class Engine:
 
     # ---- the loop
     def step(self) -> list[Delta]:
-        """Advance every live sequence by one step; returns the deltas read back in this call."""
+        """Advance every live sequence by one step; returns the deltas read back in this call. An error
+        while computing the step fails the requests it touched (finish_reason "error", `error` says why)
+        and the engine goes on serving the others and the next ones (failures below)."""
         held, self._held = self._held, []
-        return held + self._step()
+        return held + self._advance()
 
-    def _step(self) -> list[Delta]:
-        deltas, self._events = self._events, []
+    def _advance(self) -> list[Delta]:
+        out, self._events = self._events, []
+        try:
+            self._step(out)
+        except Exception as e:  # not attributable to a step: treat the device state as unsound
+            out += self._fail_all(e, [self._inflight])
+        return out
+
+    def _step(self, deltas: list[Delta]) -> None:
         if self.spec is not None:
             if self._inflight is not None and self.spec.must_sync(self._inflight):
-                deltas += self._commit(self._inflight)  # drafting needs its tokens and kv_valid on the host
-                self._inflight = None
+                flight, self._inflight = self._inflight, None  # drafting needs its tokens and kv_valid on the host
+                self._read_back(flight, None, deltas)
             self.spec.plan(self._seqs.values())
         plan = self.scheduler.schedule()
-        launched = self._launch(plan) if plan.scheduled else None
+        launched, failure = None, None
+        if plan.scheduled:
+            try:
+                launched = self._launch(plan)
+            except _EvalFailed as e:
+                deltas += self._fail_all(e.cause, [self._inflight, e.flight])
+                return
+            except Exception as e:  # raised while building the step: nothing of it ran
+                failure = e
         if self._inflight is not None:
-            deltas += self._commit(self._inflight)
+            flight, self._inflight = self._inflight, None
+            if not self._read_back(flight, launched, deltas):
+                launched, failure = None, None  # the reset failed the new step's sequences too
+        if failure is not None:
+            deltas += self._fail_step(plan, failure)
+        if launched is not None and launched.failed:  # after the previous step's tokens: they are theirs
+            deltas += self._fail_requests(launched.failed)
         self._inflight = launched
-        return deltas
+
+    def _read_back(self, flight: _InFlight, launched: _InFlight | None, deltas: list[Delta]) -> bool:
+        """Commit a step; False when its read-back failed and the engine was reset (both steps dropped)."""
+        try:
+            deltas += self._commit(flight)
+            return True
+        except _EvalFailed as e:
+            deltas += self._fail_all(e.cause, [flight, launched])
+            return False
 
     def _launch(self, plan: StepPlan) -> _InFlight:
         prev, scheduled = self._inflight, plan.scheduled
@@ -273,9 +316,9 @@ class Engine:
         cache = self.cache
         # fresh slots zeroed, prefix-cache hits restored (lazily, inside this step's graph: no sync)
         snapshots = self.kv.step_snapshots(scheduled, plan_batch.reset_slots, cache)
-        spec = None
+        spec, failed = None, []
         if self.spec is not None:  # drafting, taps, verification (speculative.py)
-            tokens, spec = self.spec.launch(plan, plan_batch, cache)
+            tokens, spec, failed = self.spec.launch(plan, plan_batch, cache)
         elif plan_batch.logits_rows is None:  # mid-prompt chunks only: no head, no sampling
             self.model.hidden(plan_batch.input_ids, plan_batch.layout, cache)
             tokens = None
@@ -285,47 +328,124 @@ class Engine:
             else:
                 logits = self.model.forward(plan_batch.input_ids, plan_batch.layout, cache, plan_batch.logits_rows)
             samp = plan_batch.sampling
-            tokens = sample(logits, [s.seq.params for s in samp], [s.seq.seed for s in samp], [s.sample_index for s in samp])
-        mx.async_eval(*([tokens] if tokens is not None else []), *cache.arrays())
-        snapshots.capture()  # a separate evaluation, after the step's in-place KV writes (kv_write_kernels.py)
-        return _InFlight(plan_batch.sampling, tokens, {s.seq: r for r, s in enumerate(plan_batch.sampling)}, snapshots, spec)
+            tokens, bad = sample_isolating(logits, [s.seq.params for s in samp], [s.seq.seed for s in samp],
+                                           [s.sample_index for s in samp])
+            failed = [(samp[r].seq, e) for r, e in bad.items()]
+        flight = _InFlight([s.seq for s in scheduled], plan_batch.sampling, tokens,
+                           {s.seq: r for r, s in enumerate(plan_batch.sampling)}, snapshots, spec, failed)
+        try:  # the CPU evaluates part of the graph here already: a failing kernel can raise now
+            mx.async_eval(*([tokens] if tokens is not None else []), *cache.arrays())
+            snapshots.capture()  # a separate evaluation, after the step's in-place KV writes (attention/kv_write.py)
+        except Exception as e:
+            raise _EvalFailed(e, flight) from e
+        return flight
 
     def _commit(self, flight: _InFlight) -> list[Delta]:
-        """Read the step's tokens (the one sync) and apply them: append, check stops, finish."""
-        tokens = flight.tokens.tolist() if flight.tokens is not None else []
+        """Read the step's tokens (the one sync) and apply them: append, check stops, finish. A failed
+        read-back raises _EvalFailed; an error applying one request's tokens fails that request."""
+        try:
+            tokens = flight.tokens.tolist() if flight.tokens is not None else []
+            verified = self.spec.read(flight.spec) if flight.spec is not None else None
+        except Exception as e:
+            raise _EvalFailed(e) from e
         now = time.perf_counter()
         new: dict[Sequence, list[int]] = {}
         done: dict[Sequence, str] = {}
+        failed: dict[Sequence, str] = {}
         runs = [(s, [tok]) for s, tok in zip(flight.sampling, tokens)]
         if flight.spec is not None:  # each verification yields its accepted drafts + one token
-            runs += self.spec.commit(flight.spec)
+            try:
+                runs += self.spec.commit(flight.spec, verified)
+            except Exception as e:  # the verifying sequences' state is not committed: they fail
+                msg = self._reason(e)
+                for s in flight.spec.seqs:
+                    s.seq.pending -= 1
+                    failed[s.seq] = msg
         for s, toks in runs:
             seq = s.seq
             seq.pending -= 1
-            for tok in toks:
-                if seq.status is SeqStatus.FINISHED or seq in done:
-                    break  # finished or cancelled after this step was launched, or stopped inside a run
-                seq.tokens.append(tok)
-                new.setdefault(seq, []).append(tok)
-                self.counters["generated_tokens"] += 1
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                p = seq.params
-                if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
-                    done[seq] = "stop"
-                elif seq.text is not None and seq.text.add(tok):
-                    done[seq] = "stop_string"
-                elif len(seq.tokens) - seq.prompt_len >= p.max_tokens:
-                    done[seq] = "length"
+            try:
+                self._append(seq, toks, new, done, now)
+            except Exception as e:  # e.g. the detokenizer: this request alone
+                failed[seq] = self._reason(e)
         if flight.snapshots is not None:  # every captured prefix's tokens are on the host now
             flight.snapshots.publish()
         deltas = []
         for seq, toks in new.items():
+            if seq in failed:
+                continue
             if seq in done:
                 deltas.append(self._finish(seq, done[seq], toks, now))
             else:
                 deltas.append(Delta(seq.request_id, toks, seq.text.delta(False) if seq.text else ""))
+        for seq, msg in failed.items():
+            if seq.status is not SeqStatus.FINISHED:
+                deltas.append(self._finish(seq, "error", new.get(seq, []), now, msg))
         return deltas
+
+    def _append(self, seq: Sequence, toks: list[int], new: dict, done: dict, now: float) -> None:
+        for tok in toks:
+            if seq.status is SeqStatus.FINISHED or seq in done:
+                break  # finished or cancelled after this step was launched, or stopped inside a run
+            seq.tokens.append(tok)
+            new.setdefault(seq, []).append(tok)
+            self.counters["generated_tokens"] += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            p = seq.params
+            if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
+                done[seq] = "stop"
+            elif seq.text is not None and seq.text.add(tok):
+                done[seq] = "stop_string"
+            elif len(seq.tokens) - seq.prompt_len >= p.max_tokens:
+                done[seq] = "length"
+
+    # ---- failures
+    # A step that raises while it is built (host code: packing, graph construction, the sampler) has not
+    # run: the cache's pools are lazy graphs of valid ops, so only the step's sequences are failed and
+    # their slots and blocks freed (a new sequence in the slot starts from zeroed state as always). A step
+    # whose evaluation fails (async_eval at launch or the read-back raises) leaves pool contents undefined (MLX marks the arrays
+    # evaluated with whatever the failed kernel left), so every running sequence fails and the cache,
+    # drafter context and prefix cache start again from zero. Waiting requests are untouched either way.
+    @staticmethod
+    def _reason(e: BaseException) -> str:
+        return f"generation failed: {type(e).__name__}: {e}"
+
+    def _fail_step(self, plan: StepPlan, e: Exception) -> list[Delta]:
+        log.error("a step failed while it was built; failing its %d requests", len(plan.scheduled), exc_info=e)
+        self.cache.clear_stash()  # a verifying forward may have stashed part of its states
+        msg, now = self._reason(e), time.perf_counter()
+        return [self._finish(s.seq, "error", [], now, msg) for s in plan.scheduled if s.seq.status is SeqStatus.RUNNING]
+
+    def _fail_requests(self, failed: list[tuple[Sequence, Exception]]) -> list[Delta]:
+        """Requests whose own sampling raised: they alone fail; the step in flight writes into their freed
+        slot and blocks as it would for a cancelled request."""
+        now, out = time.perf_counter(), []
+        for seq, e in failed:
+            log.error("sampling failed for request %r", seq.request_id, exc_info=e)
+            if seq.status is not SeqStatus.FINISHED:
+                out.append(self._finish(seq, "error", [], now, self._reason(e)))
+        return out
+
+    def _fail_all(self, e: Exception, flights: list[_InFlight | None]) -> list[Delta]:
+        log.error("a step failed on the device; failing the running requests and resetting the cache", exc_info=e)
+        msg, now = self._reason(e), time.perf_counter()
+        hit = {seq for f in flights if f is not None for seq in f.seqs}
+        for f in flights:
+            if f is not None:
+                self._drop_captures(f)
+        self._inflight = None
+        out = [self._finish(seq, "error", [], now, msg) for seq in list(self._seqs.values())
+               if seq.status is SeqStatus.RUNNING or seq in hit]
+        self.cache.reset()  # with the drafter's context pools
+        self.kv.clear()  # entries' bundles live in the pools just zeroed
+        return out
+
+    @staticmethod
+    def _drop_captures(flight: _InFlight) -> None:
+        """Unpublished snapshots of a dropped step: their bundle references go back."""
+        if flight.snapshots is not None:
+            flight.snapshots.discard()
 
     def _finish(self, seq: Sequence, reason: str, toks: list[int], now: float, error: str | None = None) -> Delta:
         self.scheduler.release(seq)
@@ -341,63 +461,6 @@ class Engine:
             now - seq.arrival_time, seq.num_preemptions, seq.cached_tokens,
         )
         return Delta(seq.request_id, toks, text, True, reason, error, out)
-
-    # ---- convenience front-ends
-    def _run(self, prompts, sampling) -> Iterator[tuple[int, Delta]]:
-        """(prompt index, delta) for these prompts until all finish; a request failing validation
-        yields one "error" delta on its own. Deltas of other requests are kept for step()."""
-        if isinstance(sampling, (list, tuple)):
-            if len(sampling) != len(prompts):
-                raise ValueError(f"{len(sampling)} sampling params for {len(prompts)} prompts")
-            per = list(sampling)
-        else:
-            per = [sampling] * len(prompts)
-        mine: dict[Any, int] = {}
-        for i, (prompt, sp) in enumerate(zip(prompts, per)):
-            try:
-                mine[self.submit(prompt, sp)] = i
-            except (ValueError, TypeError) as e:
-                n = len(prompt) if isinstance(prompt, (list, tuple)) else 0
-                out = Output(None, n, [], "", "error", str(e))
-                yield i, Delta(None, [], "", True, "error", str(e), out)
-        while mine:
-            for d in self._step():
-                i = mine.get(d.request_id)
-                if i is None:
-                    self._held.append(d)
-                    continue
-                if d.finished:
-                    del mine[d.request_id]
-                yield i, d
-
-    def stream(self, prompts, sampling=None) -> Iterator[Delta]:
-        """Yield the deltas of these prompts' requests as they are produced."""
-        prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
-        for _, d in self._run(prompts, sampling):
-            yield d
-
-    def generate(self, prompts, sampling=None, progress: bool = False) -> list[Output]:
-        """Run prompts (strings or token-id lists; one SamplingParams for all or one each) to completion;
-        Outputs in prompt order."""
-        prompts = [prompts] if _is_single_prompt(prompts) else list(prompts)
-        bar = None
-        if progress:
-            from tqdm import tqdm  # noqa: PLC0415
-
-            bar = tqdm(total=len(prompts), unit="req", desc="generate")
-        outputs: list[Output | None] = [None] * len(prompts)
-        gen0, t0 = self.counters["generated_tokens"], time.perf_counter()
-        for i, d in self._run(prompts, sampling):
-            if not d.finished:
-                continue
-            outputs[i] = d.output
-            if bar is not None:
-                bar.update(1)
-                rate = (self.counters["generated_tokens"] - gen0) / max(time.perf_counter() - t0, 1e-9)
-                bar.set_postfix_str(f"{rate:.1f} tok/s")
-        if bar is not None:
-            bar.close()
-        return outputs
 
     @property
     def pool(self):

@@ -1,12 +1,16 @@
-"""How many KV bundles the pool gets when the user does not say."""
+"""How an engine's memory is sized: KV bundles (given, from a byte budget, or from the device) and the
+prefix cache's share."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 from ..kernels import gpu_backend
 from ..model.cache import ModelCache
 from .block_pool import BlockPool
+from .prefix_cache import DEFAULT_CACHE_BYTES
 
 CPU_KV_BYTES = 1 << 30  # a modest fixed budget off-GPU
 GPU_MEMORY_FRACTION = 0.9  # of the device's memory (working set on Metal) usable by this process
@@ -53,3 +57,31 @@ def resolve_num_blocks(
         avail -= (slots + 1) * ModelCache.bytes_per_slot(config, dtype)
         budget = max(per_block, int(avail * GPU_KV_SHARE))
     return max(1, min(cap, budget // per_block))
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How an engine's memory is divided: KV bundles, the prefix snapshots' budget and one snapshot's size."""
+
+    num_blocks: int
+    prefix_bytes: int  # the prefix cache's budget (0 when it is off)
+    prefix_entry_bytes: int  # one snapshot: GDN state of a slot, plus a partial block's K/V copy
+
+
+def plan_memory(config, dtype, engine_config, max_model_len: int, extra_block_bytes: int = 0) -> MemoryPlan:
+    """The pool and prefix-cache sizes for an EngineConfig (resolve_num_blocks; with a default, device-sized
+    pool and the prefix cache on, the snapshots' budget is taken out of the KV share)."""
+    ec = engine_config
+    num_blocks = resolve_num_blocks(config, dtype, ec.block_tokens, ec.slots, max_model_len, ec.num_blocks,
+                                    ec.kv_bytes, extra_block_bytes)
+    if not ec.prefix_interval:
+        return MemoryPlan(num_blocks, 0, 0)
+    per_block = ModelCache.bytes_per_block(config, ec.block_tokens, dtype)
+    budget = DEFAULT_CACHE_BYTES if ec.prefix_cache_bytes is None else ec.prefix_cache_bytes
+    if ec.num_blocks is None and ec.kv_bytes is None and device_memory()[0] is not None:
+        # the default KV budget was taken from free device memory: leave the snapshots' share out
+        num_blocks = max(1, num_blocks - budget // per_block)
+    per_entry = ModelCache.bytes_per_slot(config, dtype)
+    if ec.prefix_interval % ec.block_tokens:  # plus the copy of the partial last block
+        per_entry += per_block
+    return MemoryPlan(num_blocks, budget, per_entry)

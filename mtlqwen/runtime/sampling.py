@@ -1,8 +1,9 @@
 """Sampling parameters and the on-device sampler.
 
-Draws are reproducible per request: the key of the t-th generated token is derived on the host from
-(seed, t) alone, so a request's samples do not depend on what it is batched with, on chunking, or on
-being preempted and recomputed.
+Draws are reproducible per request: the t-th generated token is argmax(scaled logits + Gumbel noise) with
+the noise keyed on the host by (seed, t) alone (token_noise), so a request's samples do not depend on
+what it is batched with, on chunking, on prefix hits, on being preempted and recomputed, or on speculative
+decoding (rejection.py verifies drafts against the same noise).
 """
 
 from __future__ import annotations
@@ -102,6 +103,18 @@ def token_key(seed: int, index: int) -> mx.array:
     return mx.random.key(_splitmix64(_splitmix64(seed & _MASK64) ^ index))
 
 
+def token_noise(seed: int, index: int, vocab: int) -> mx.array:
+    """[V] fp32 Gumbel noise of a request's index-th generated token: sampling is argmax(scaled + this)."""
+    return mx.random.gumbel(shape=(vocab,), key=token_key(seed, index))
+
+
+def scaled(logits: mx.array, params: list[SamplingParams]) -> mx.array:
+    """logits [R, V] (one row per params entry, all non-greedy) -> tempered, filtered logits fp32 [R, V]."""
+    temps = mx.array([p.temperature for p in params], dtype=mx.float32)[:, None]
+    x = logits.astype(mx.float32) / temps
+    return _filter(x, params) if any(p.filtered for p in params) else x
+
+
 def _filter(x: mx.array, params: list[SamplingParams]) -> mx.array:
     """x [R, V] fp32 scaled logits -> the same with filtered-out entries at -inf."""
     R, V = x.shape
@@ -128,16 +141,37 @@ def _filter(x: mx.array, params: list[SamplingParams]) -> mx.array:
 
 def sample(logits: mx.array, params: list[SamplingParams], seeds: list[int], indices: list[int]) -> mx.array:
     """logits [R, V] (one row per sampling sequence) -> token ids [R] int32, lazily (no host sync).
-    Row r draws with token_key(seeds[r], indices[r])."""
+    Row r draws with token_noise(seeds[r], indices[r])."""
     tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
     rows = [r for r, p in enumerate(params) if not p.greedy]
     if not rows:
         return tokens
-    sub = [params[r] for r in rows]
-    temps = mx.array([p.temperature for p in sub], dtype=mx.float32)[:, None]
-    x = logits[mx.array(rows)].astype(mx.float32) / temps
-    if any(p.filtered for p in sub):
-        x = _filter(x, sub)
-    drawn = [mx.random.categorical(x[j], key=token_key(seeds[r], indices[r])) for j, r in enumerate(rows)]
-    tokens[mx.array(rows)] = mx.stack(drawn).astype(mx.int32)
+    V = logits.shape[-1]
+    x = scaled(logits[mx.array(rows)], [params[r] for r in rows])
+    noise = mx.stack([token_noise(seeds[r], indices[r], V) for r in rows])
+    tokens[mx.array(rows)] = mx.argmax(x + noise, axis=-1).astype(mx.int32)
     return tokens
+
+
+def sample_isolating(logits: mx.array, params: list[SamplingParams], seeds: list[int],
+                     indices: list[int]) -> tuple[mx.array, dict[int, Exception]]:
+    """sample(), and when building it raises, the rows that raise on their own: those rows get token 0 and
+    their errors come back by row, the others are sampled exactly as sample() samples them (rows are
+    independent). Re-raises when no row fails alone (the failure is the batch's, not a request's)."""
+    try:
+        return sample(logits, params, seeds, indices), {}
+    except Exception:
+        failed: dict[int, Exception] = {}
+        for r in range(len(params)):
+            try:
+                sample(logits[r : r + 1], [params[r]], [seeds[r]], [indices[r]])
+            except Exception as e:  # noqa: PERF203 - only on the failure path
+                failed[r] = e
+        if not failed:
+            raise
+    ok = [r for r in range(len(params)) if r not in failed]
+    tokens = mx.zeros((len(params),), dtype=mx.int32)
+    if ok:
+        rows = mx.array(ok, dtype=mx.int32)
+        tokens[rows] = sample(logits[rows], [params[r] for r in ok], [seeds[r] for r in ok], [indices[r] for r in ok])
+    return tokens, failed

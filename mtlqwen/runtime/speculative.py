@@ -28,8 +28,8 @@ import mlx.core as mx
 from ..kernels import SeqLayout
 from ..model.dflash import Drafter, DrafterCache, load_drafter
 from .kv_manager import KVManager
-from .rejection import sample_drafts, step_keys, verify
-from .sampling import sample
+from .rejection import position_noise, sample_drafts, verify
+from .sampling import sample_isolating
 from .scheduler import ScheduledSeq, StepPlan
 
 
@@ -98,7 +98,7 @@ class Speculator:
         self.compiled = None  # a CompiledDecode when the engine compiles speculative steps (Engine(compile_decode=True))
         self.kv = kv  # the snapshot boundary rule and the one writer of kv_valid
         self.dcache: DrafterCache = drafter.make_cache(cache)
-        cache.drafter_cache = self.dcache  # the prefix cache copies partial bundles with their drafter K/V
+        cache.drafter_cache = self.dcache  # ModelCache's declared field: copied and reset with the bundles
         self.taps = tuple(drafter.tap_layers)
         self.counters = {"draft_tokens": 0, "accepted_tokens": 0, "spec_steps": 0}
 
@@ -134,8 +134,9 @@ class Speculator:
         return self.drafter.propose_with_logits(anchors, layout, self.dcache, n)
 
     # ---- the step
-    def launch(self, plan: StepPlan, batch, cache) -> tuple[mx.array | None, _Verification | None]:
-        """Run draft + target for the packed batch; returns (tokens of the plain sampling rows, verification)."""
+    def launch(self, plan: StepPlan, batch, cache) -> tuple[mx.array | None, _Verification | None, list]:
+        """Run draft + target for the packed batch; returns (tokens of the plain sampling rows, verification,
+        (sequence, error) of the rows whose own sampling raised: sampling.sample_isolating)."""
         lay, ids = batch.layout, batch.input_ids
         ver = [i for i, v in enumerate(lay.verify or []) if v]
         rows = batch.logits_rows.tolist() if batch.logits_rows is not None else []
@@ -147,12 +148,12 @@ class Speculator:
             N, qsl = max(n), lay.query_start_loc
             drafts, q_logits = self.propose(vs, vl, N)
             hot = [j for j, s in enumerate(vs) if not s.seq.params.greedy]
-            q, keys = None, None
-            if hot:
-                keys = step_keys([vs[j].seq.seed for j in hot], [vs[j].sample_index for j in hot])
+            noise = None
+            if hot:  # each sequence's noise rows are keyed by its own (seed, generated index), never by N
+                noise = position_noise([vs[j].seq.seed for j in hot], [vs[j].sample_index for j in hot], N + 1,
+                                       q_logits.shape[-1])
                 h = mx.array(hot, dtype=mx.int32)
-                d_h, q = sample_drafts(q_logits[h], [vs[j].seq.params for j in hot], keys)
-                drafts[h] = d_h
+                drafts[h] = sample_drafts(q_logits[h], [vs[j].seq.params for j in hot], noise)
             at = [qsl[i] + 1 + t for i, nj in zip(ver, n) for t in range(nj)]
             src = [j * N + t for j, nj in enumerate(n) for t in range(nj)]
             ids[mx.array(at, dtype=mx.int32)] = drafts.reshape(-1)[mx.array(src, dtype=mx.int32)]
@@ -165,11 +166,12 @@ class Speculator:
             logits, taps = self.compiled.with_taps(ids, lay, cache, self.taps, fwd_rows, mode)
         else:
             logits, taps = self.model.forward_with_taps(ids, lay, cache, self.taps, fwd_rows, mode)
-        tokens = None
+        tokens, failed = None, []
         if R:
             samp = batch.sampling
-            tokens = sample(logits[:R], [s.seq.params for s in samp], [s.seq.seed for s in samp],
-                            [s.sample_index for s in samp])
+            tokens, bad = sample_isolating(logits[:R], [s.seq.params for s in samp], [s.seq.seed for s in samp],
+                                           [s.sample_index for s in samp])
+            failed = [(samp[r].seq, e) for r, e in bad.items()]
         state = None
         if ver:
             plain = [i for i, v in enumerate(lay.verify) if not v]
@@ -177,17 +179,23 @@ class Speculator:
                 pl, prow = lay.subset(plain)
                 self.drafter.write_context(taps[mx.array(prow, dtype=mx.int32)], pl, self.dcache)
             tl = logits[R:].reshape(len(ver), N + 1, -1)
-            k, nxt = verify(tl, drafts, n, [s.seq.params for s in vs], q, keys)
+            k, nxt = verify(tl, drafts, n, [s.seq.params for s in vs], noise)
             state = _Verification(vs, vl, n, drafts, k, nxt, taps, [qsl[i] for i in ver])
             mx.async_eval(k, nxt, drafts)
         else:
             self.drafter.write_context(taps, lay, self.dcache)
         mx.async_eval(*self.dcache.arrays())
-        return tokens, state
+        return tokens, state, failed
 
-    def commit(self, v: _Verification) -> list[tuple[ScheduledSeq, list[int]]]:
-        """Apply a verification: GDN candidates, drafter context, kv_valid. Returns each sequence's tokens."""
-        k, nxt, drafts = v.accepted.tolist(), v.next_token.tolist(), v.drafts.tolist()
+    @staticmethod
+    def read(v: _Verification) -> tuple[list[int], list[int], list[list[int]]]:
+        """The verification's results on the host (accepted, next token, drafts): the read-back's sync."""
+        return v.accepted.tolist(), v.next_token.tolist(), v.drafts.tolist()
+
+    def commit(self, v: _Verification, verified=None) -> list[tuple[ScheduledSeq, list[int]]]:
+        """Apply a verification: GDN candidates, drafter context, kv_valid. Returns each sequence's tokens.
+        verified: what read(v) returned (read here when None)."""
+        k, nxt, drafts = verified if verified is not None else self.read(v)
         self.model.commit_candidates(self.cache, k)
         # drafter context of the anchor + accepted drafts: positions P .. P + k
         qsl, rows = [0], []

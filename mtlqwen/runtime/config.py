@@ -1,0 +1,89 @@
+"""EngineConfig: every knob of an Engine in one validated, printable value.
+
+`Engine(model, slots=4, ...)` builds one from its keyword arguments; `Engine(model, config=EngineConfig(...))`
+takes one as is (keywords given as well override its fields). What can be checked without the model is
+checked here, once, at construction; what needs the model or the drafter (n_draft against the drafter's
+block size, the pool against a request) is checked where they are known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..model.qwen35 import VERIFY_COMMITS
+
+
+def _int(name: str, v, lo: int, optional: bool = False) -> None:
+    if v is None and optional:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name} must be an int >= {lo}{' or None' if optional else ''}, got {v!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The fields are Engine's keyword arguments (its docstring says what each one does)."""
+
+    slots: int = 8
+    step_tokens: int = 128
+    block_tokens: int = 128
+    num_blocks: int | None = None  # else kv_bytes worth, else a device-sized default (memory.py)
+    kv_bytes: int | None = None
+    max_model_len: int | None = None  # None: the model's context
+    pad_buckets: bool = False
+    seed: int | None = None  # the engine's draw of seeds for requests that give none
+    prefix_interval: int = 512  # 0 turns the prefix cache off
+    prefix_cache_bytes: int | None = None  # None: prefix_cache.DEFAULT_CACHE_BYTES
+    draft: Any = None  # a Drafter, a directory or a repo id
+    n_draft: int | None = None
+    compile_decode: bool | None = None  # None: on when the GPU kernels run (and no drafter)
+    verify_commit: str | None = None  # None: chosen per step (speculative.commit_mode_for)
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """ValueError naming the offending field."""
+        _int("slots", self.slots, 1)
+        _int("step_tokens", self.step_tokens, 1)
+        if self.step_tokens < self.slots:  # otherwise some live sequence could not advance in a step
+            raise ValueError(f"step_tokens ({self.step_tokens}) must be >= slots x tokens per decode "
+                             f"({self.slots} x 1)")
+        _int("block_tokens", self.block_tokens, 1)
+        if self.num_blocks is not None and self.kv_bytes is not None:
+            raise ValueError("give num_blocks or kv_bytes, not both")
+        _int("num_blocks", self.num_blocks, 1, optional=True)
+        _int("kv_bytes", self.kv_bytes, 1, optional=True)
+        _int("max_model_len", self.max_model_len, 1, optional=True)
+        if not isinstance(self.prefix_interval, int) or isinstance(self.prefix_interval, bool) or self.prefix_interval < 0:
+            raise ValueError(f"prefix_interval must be >= 1 (0 turns the cache off), got {self.prefix_interval!r}")
+        _int("prefix_cache_bytes", self.prefix_cache_bytes, 0, optional=True)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        for name in ("pad_buckets", "compile_decode"):
+            v = getattr(self, name)
+            if not (isinstance(v, bool) or (v is None and name == "compile_decode")):
+                raise ValueError(f"{name} must be true or false, got {v!r}")
+        if self.n_draft is not None and self.draft is None:
+            raise ValueError("n_draft needs a drafter (draft=...)")
+        if self.verify_commit is not None and self.verify_commit not in VERIFY_COMMITS:
+            raise ValueError(f"verify_commit must be one of {VERIFY_COMMITS}, got {self.verify_commit!r}")
+        if self.verify_commit is not None and self.draft is None:
+            raise ValueError("verify_commit needs a drafter (draft=...)")
+
+    @classmethod
+    def build(cls, config: EngineConfig | None = None, **options) -> EngineConfig:
+        """`config` with `options` overriding its fields (TypeError names an unknown option)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        base = {f.name: getattr(config, f.name) for f in fields(cls)} if config is not None else {}
+        return cls(**{**base, **options})
+
+    def __str__(self) -> str:
+        """One `name=value` per line, the fields that differ from the defaults marked with *."""
+        default = EngineConfig()
+        return "\n".join(f"{'*' if getattr(self, f.name) != getattr(default, f.name) else ' '} {f.name}={getattr(self, f.name)!r}"
+                         for f in fields(self))

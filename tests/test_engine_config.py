@@ -1,0 +1,73 @@
+"""EngineConfig: Engine's options validated once, printable, given as keywords or as one value."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_checks import greedy
+from hf_checkpoints import random_token_ids
+from mtlqwen.runtime import Engine, EngineConfig
+from mtlqwen.runtime.memory import plan_memory
+
+
+def test_keywords_and_a_config_build_the_same_engine(model):
+    cfg = EngineConfig(slots=2, step_tokens=32, block_tokens=16, num_blocks=12, prefix_interval=16)
+    by_config, by_keywords = Engine(model, config=cfg), Engine(model, **vars(cfg))
+    assert by_config.engine_config == by_keywords.engine_config == cfg
+    prompts = [random_token_ids(n, 512, seed=n) for n in (9, 20)]
+    outs = [[o.token_ids for o in e.generate(prompts, greedy(5))] for e in (by_config, by_keywords)]
+    assert outs[0] == outs[1]
+    assert (by_config.num_blocks, by_config.slots, by_config.prefix.interval) == (12, 2, 16)
+    # keywords override the config's fields, the rest stand
+    over = Engine(model, cfg, slots=1, prefix_interval=0)
+    assert over.engine_config == EngineConfig(slots=1, step_tokens=32, block_tokens=16, num_blocks=12, prefix_interval=0)
+    assert over.prefix is None and over.slots == 1 and over.scheduler.num_slots == 1
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(slots=0), "slots must be an int >= 1"),
+    (dict(slots=4, step_tokens=3), r"step_tokens \(3\) must be >= slots"),
+    (dict(block_tokens=0), "block_tokens must be an int >= 1"),
+    (dict(num_blocks=4, kv_bytes=1 << 20), "not both"),
+    (dict(num_blocks=0), "num_blocks must be an int >= 1"),
+    (dict(prefix_interval=-1), "prefix_interval must be >= 1"),
+    (dict(prefix_cache_bytes=-5), "prefix_cache_bytes"),
+    (dict(pad_buckets="yes"), "pad_buckets must be true or false"),
+    (dict(seed=1.5), "seed must be an int"),
+    (dict(n_draft=3), "n_draft needs a drafter"),
+    (dict(verify_commit="replay"), "verify_commit needs a drafter"),
+    (dict(draft="somewhere", verify_commit="rerun"), "verify_commit must be one of"),
+])
+def test_bad_options_fail_once_with_the_field_named(model, options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**options)
+    with pytest.raises(ValueError, match=message):
+        Engine(model, **options)
+
+
+def test_unknown_options_and_a_positional_non_config_are_refused(model):
+    with pytest.raises(TypeError, match="slot"):
+        Engine(model, slot=2)
+    with pytest.raises(TypeError, match="unknown engine option"):
+        EngineConfig.build(None, slot=2)
+    with pytest.raises(TypeError, match="config must be an EngineConfig"):
+        Engine(model, 4)
+
+
+def test_str_lists_every_field_marking_the_changed_ones():
+    text = str(EngineConfig(slots=3, prefix_interval=0))
+    lines = text.splitlines()
+    assert len(lines) == len(vars(EngineConfig()))
+    assert "* slots=3" in lines and "* prefix_interval=0" in lines and "  step_tokens=128" in lines
+
+
+def test_memory_plan_sizes_the_pool_and_the_prefix_share(model):
+    c, dt = model.config, model.dtype
+    plan = plan_memory(c, dt, EngineConfig(block_tokens=16, num_blocks=10, prefix_interval=24, prefix_cache_bytes=1 << 20), 4096)
+    from mtlqwen.model.cache import ModelCache  # noqa: PLC0415
+
+    per_block, per_slot = ModelCache.bytes_per_block(c, 16, dt), ModelCache.bytes_per_slot(c, dt)
+    assert (plan.num_blocks, plan.prefix_bytes, plan.prefix_entry_bytes) == (10, 1 << 20, per_slot + per_block)
+    plan = plan_memory(c, dt, EngineConfig(block_tokens=16, kv_bytes=7 * per_block + 1, prefix_interval=32), 4096)
+    assert (plan.num_blocks, plan.prefix_entry_bytes) == (7, per_slot)  # 32 tokens are whole blocks: no tail copy
+    assert plan_memory(c, dt, EngineConfig(num_blocks=3, prefix_interval=0), 4096).prefix_bytes == 0
