@@ -15,9 +15,10 @@ it keeps its slot but nothing is looked up, allocated or run, so the leader comp
 once, with the whole budget. Each step a held request is released — looked up and admitted as usual,
 restoring what the leader published — as soon as the cache holds `target`, or its leader left (finished,
 cancelled, preempted), or its wait reached its limit: the steps it would take to compute the prefix
-itself at the full budget (`prefill_steps`) plus one for the leader's read-back. So waiting never
-costs a request more than one step over computing alone, and a request that timed out still restores
-the boundaries the leader published meanwhile.
+itself (`prefill_steps`) with an equal share of the budget among the sequences prefilling when it
+arrived and itself, plus one for the leader's read-back. So a wait costs at most one step over
+computing alone as things stood, and a request that timed out still restores the boundaries the
+leader published meanwhile.
 """
 
 from __future__ import annotations
@@ -160,11 +161,11 @@ class Scheduler:
         return admitted
 
     # ---- shared in-flight prefixes
-    def prefill_steps(self, start: int, end: int) -> int:
-        """Steps a prefill from start to end takes at the full budget, its chunks cut at boundaries."""
+    def prefill_steps(self, start: int, end: int, share: int) -> int:
+        """Steps a prefill from start to end takes with `share` tokens a step, its chunks cut at boundaries."""
         n = 0
         while start < end:
-            start += self.kv.chunk_tokens_at(start, min(self.step_tokens, end - start))
+            start += self.kv.chunk_tokens_at(start, min(share, end - start))
             n += 1
         return n
 
@@ -173,17 +174,19 @@ class Scheduler:
         cache holds for it now (the first admitted among equals), or None."""
         if not self.kv.interval:
             return None
-        have, best = self.kv.hit_length(seq), None
+        have, best, prefilling = self.kv.hit_length(seq), None, 1
         for lead in self.running:
             if lead in self.held or lead.sampling_done:
                 continue
+            prefilling += lead.need > self.decode_tokens
             target = self.kv.shared_boundary(seq, lead)
             if target > have and lead.kv_valid < target and (best is None or target > best[1]):
                 best = (lead, target)
         if best is None:
             return None
         lead, target = best
-        return PrefixWait(lead, target, self.steps + self.prefill_steps(have, target) + 1, self.steps)
+        limit = self.prefill_steps(have, target, max(1, self.step_tokens // prefilling)) + 1
+        return PrefixWait(lead, target, self.steps + limit, self.steps)
 
     def _release_waits(self) -> list[Sequence]:
         """Admit to the cache each held request whose target is published, whose leader left, or whose
@@ -194,7 +197,7 @@ class Scheduler:
             if done or w.leader not in self.running or self.steps > w.until:
                 del self.held[seq]
                 self.counters["prefix_wait_steps"] += self.steps - w.since
-                self.counters["prefix_wait_timeouts"] += not done
+                self.counters["prefix_wait_timeouts"] += not done and w.leader in self.running
                 self.kv.admit(seq)
                 released.append(seq)
         return released
