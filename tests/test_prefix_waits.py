@@ -169,3 +169,20 @@ def test_a_cancelled_leader_releases_its_waiters(model):
     assert eng.stats()["prefix_wait_timeouts"] == 0 and not eng.scheduler.held
     assert_reference(model, p + [2], done[b])
     assert_idle(eng)
+
+
+def test_a_preempted_leader_releases_its_waiter_which_leads_in_turn():
+    sch = scheduler()
+    a, w = seq("a", SYSTEM + [1, 2, 3, 4]), seq("w", SYSTEM + [5, 6, 7, 8])
+    sch.add(a), sch.add(w)
+    plan = sch.schedule()
+    assert plan.held == [w]
+    sch._preempt(a, [], [])  # as the scheduler does under memory pressure, a's token not in flight
+    plan = sch.schedule()
+    # w's leader left: w is admitted and computes; a, readmitted behind it, now waits for w
+    assert (plan.released, plan.admitted, plan.held) == ([w], [a], [a])
+    assert summary(plan) == [("w", 0, 16)] and sch.held[a].leader is w and sch.held[a].target == 32
+    sch.release(a)  # a held request that leaves (cancelled): its slot comes back, nothing else to free
+    assert not sch.held and a.slot is None and sch.free_slots == [0]
+    s = sch.stats()
+    assert (s["prefix_waits"], s["prefix_wait_steps"], s["prefix_wait_timeouts"], s["preemptions"]) == (2, 1, 0, 1)
