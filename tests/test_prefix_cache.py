@@ -292,6 +292,15 @@ def test_shared_prefix_workloads_match_cache_off_and_each_request_alone(model, w
     kw = dict(slots=w["slots"], step_tokens=w["step_tokens"], block_tokens=w["bt"], num_blocks=w["num_blocks"])
     on = Engine(model, prefix_interval=w["interval"], **kw)
     reqs = [(arrive, prompt, greedy(n)) for arrive, prompt, n in w["reqs"]]
+    sch, schedule = on.scheduler, on.scheduler.schedule
+
+    def checked():  # a held request runs nothing, holds no blocks, and is never held past its limit
+        plan = schedule()
+        assert not set(plan.held) & {s.seq for s in plan.scheduled}
+        assert all(q.block_table == [] and sch.steps <= x.until for q, x in sch.held.items())
+        return plan
+
+    sch.schedule = checked
     outs_on = run_arrivals(on, reqs, max_steps=5000)
     outs_off = run_arrivals(Engine(model, prefix_interval=0, **kw), reqs, max_steps=5000)
     ran = [prompt + o.token_ids for (_, prompt, _), o in zip(w["reqs"], outs_on)]
