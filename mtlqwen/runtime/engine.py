@@ -443,6 +443,7 @@ class Engine(Generation):
             flight.snapshots.discard()
 
     def _finish(self, seq: Sequence, reason: str, toks: list[int], now: float, error: str | None = None) -> Delta:
+        self.kv.finish(seq, reason, self.cache)  # a turn entry from its slot, before the slot is released
         self.scheduler.release(seq)
         self._seqs.pop(seq.request_id, None)
         if seq.text is not None and reason != "stop_string":
