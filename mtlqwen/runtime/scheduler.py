@@ -98,13 +98,17 @@ class StepPlan:
 class Scheduler:
     """Decides who runs and how many tokens; KV memory is the KV manager's (kv_manager.KVManager)."""
 
-    def __init__(self, kv: KVManager, num_slots: int, step_tokens: int, decode_tokens: int = 1):
+    def __init__(self, kv: KVManager, num_slots: int, step_tokens: int, decode_tokens: int = 1,
+                 prefill_step_tokens: int | None = None):
         if num_slots < 1:
             raise ValueError(f"slots must be >= 1, got {num_slots}")
         if step_tokens < num_slots * decode_tokens:
             # otherwise some live sequence could not advance in a step
             raise ValueError(f"step_tokens ({step_tokens}) must be >= slots x tokens per decode ({num_slots} x {decode_tokens})")
         self.kv, self.num_slots, self.step_tokens, self.decode_tokens = kv, num_slots, step_tokens, decode_tokens
+        # the budget of a step in which nobody decodes: one long prompt is not cut into step_tokens
+        # chunks when no one's latency depends on it
+        self.prefill_step_tokens = max(step_tokens, prefill_step_tokens or step_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
         self.free_slots: list[int] = list(range(num_slots))
@@ -219,10 +223,12 @@ class Scheduler:
     # ---- the per-step plan
     def token_counts(self, seqs: list[Sequence]) -> list[int]:
         """Decoding sequences send their anchor (+ spec_drafts when speculating); prefilling ones split
-        what is left (split_budget), each chunk ending on the next snapshot boundary at the latest."""
+        what is left (split_budget), each chunk ending on the next snapshot boundary at the latest. The
+        budget is step_tokens while anyone decodes, prefill_step_tokens when all prefill."""
         counts = [s.need + (s.spec_drafts if s.need == 1 else 0) if s.need <= self.decode_tokens else 0 for s in seqs]
         pre = [i for i, s in enumerate(seqs) if s.need > self.decode_tokens]
-        shares = split_budget([seqs[i].need for i in pre], self.step_tokens - sum(counts))
+        budget = self.step_tokens if len(pre) < len(seqs) else self.prefill_step_tokens
+        shares = split_budget([seqs[i].need for i in pre], budget - sum(counts))
         for i, n in zip(pre, shares):
             counts[i] = self.kv.chunk_tokens(seqs[i], n)
         return counts
