@@ -1,16 +1,21 @@
-"""Prefix-cache benchmark: requests sharing a long system prompt, with the cache off and on.
+"""Prefix-cache benchmark: requests sharing a long system prompt, and a multi-turn chat, cache off and on.
 
     python benchmarks/prefix_cache_bench.py                     # Qwen3.5-9B shape, random weights, 4-bit g64
     python benchmarks/prefix_cache_bench.py --shape demo --system-len 96 --question-len 8 \\
-        --interval 32 --block-tokens 16 --gen-len 4 --repeats 1  # quick CPU smoke run
+        --interval 32 --block-tokens 16 --gen-len 4 --repeats 1 \\
+        --chat-turns 3 --turn-len 40 --turn-gen 8              # quick CPU smoke run
 
 --requests requests (8) of --system-len shared tokens (2048) + --question-len distinct tokens (64) are
 submitted at once and run to completion (EOS ignored: each generates exactly --gen-len tokens). Modes:
   off    prefix_interval=0
-  cold   the cache on but empty: every request computes the system prompt (they arrive together, so none
-         can hit); shows what boundary-cut chunks and snapshot captures cost
+  cold   the cache on but empty: the requests arrive together, so one computes the system prompt and
+         the others wait for its snapshot (README, "shared prompts arriving together"), then restore it
   warm   the cache on, after one earlier request with the same system prompt (another question) put
          the system prompt's snapshots in: each request restores the longest one and computes the rest
+  chat-off, chat
+         one conversation of --chat-turns turns, cache off / on: turn k's prompt is turn k-1's prompt, its
+         reply (--turn-gen tokens) and --turn-len new tokens; with the cache each turn restores the
+         previous turn's entry. Reported: TTFT of every turn, and turn N's over turn 1's.
 Before the modes, one short generate compiles the kernels. Reported per mode (median over --repeats):
 TTFT mean and max over the requests, total wall time, prompt tokens served from the cache.
 """
@@ -41,6 +46,46 @@ def run(engine: Engine, prompts: list[list[int]], gen_len: int) -> tuple[dict, l
     return res, [o.token_ids for o in outs]
 
 
+def chat(engine: Engine, vocab: int, args, seed: int) -> tuple[dict, list[list[int]]]:
+    """One conversation, turn by turn: (TTFT and cached tokens per turn, each turn's reply)."""
+    rng = np.random.default_rng(seed)
+    prompt, ttft, cached, replies = [], [], [], []
+    for _ in range(args.chat_turns):
+        prompt = prompt + tokens(rng, args.turn_len, vocab)
+        (out,), _, first = timed_generate(engine, [prompt], args.turn_gen)
+        ttft.append(1e3 * first[0])
+        cached.append(out.cached_tokens)
+        replies.append(out.token_ids)
+        prompt = prompt + out.token_ids
+    return {"ttft_ms": ttft, "cached_tokens": cached, "last_over_first": ttft[-1] / ttft[0]}, replies
+
+
+def run_chat(model, args, mode: str, outputs: dict) -> dict:
+    chat_len = args.chat_turns * (args.turn_len + args.turn_gen)
+    blocks = 3 * BlockPool.blocks_for(chat_len, args.block_tokens)  # the conversation, plus what entries hold
+    engine = Engine(model, slots=1, step_tokens=args.step_tokens, block_tokens=args.block_tokens, num_blocks=blocks,
+                    prefix_interval=0 if mode == "chat-off" else args.interval, max_model_len=chat_len + 1)
+    warm = tokens(np.random.default_rng(999), min(chat_len, 2 * args.step_tokens), model.config.vocab_size)
+    engine.generate([warm], SamplingParams(max_tokens=2, ignore_eos=True))  # compile the kernels
+    runs, answers = [], []
+    for r in range(args.repeats):
+        engine.clear_prefix_cache()
+        res, replies = chat(engine, model.config.vocab_size, args, seed=2000 + r)
+        runs.append(res)
+        answers.append(replies)
+    med = {"ttft_ms": [statistics.median(x["ttft_ms"][t] for x in runs) for t in range(args.chat_turns)],
+           "cached_tokens": runs[0]["cached_tokens"],
+           "last_over_first": statistics.median(x["last_over_first"] for x in runs)}
+    outputs[mode] = answers
+    if mode == "chat" and "chat-off" in outputs:  # greedy: the cache must not change a reply (bf16 near-ties aside)
+        pairs = [(a, b) for ra, rb in zip(outputs["chat-off"], answers) for a, b in zip(ra, rb)]
+        med["same_tokens_as_off"] = f"{sum(a == b for a, b in pairs)} of {len(pairs)} turns"
+    med["stats"] = {k: v for k, v in engine.stats().items() if k.startswith("prefix_")}
+    print(f"{mode:>8} TTFT per turn ms: {' '.join(f'{t:.1f}' for t in med['ttft_ms'])} | "
+          f"turn {args.chat_turns} / turn 1: {med['last_over_first']:.2f}x | cached: {med['cached_tokens']}", flush=True)
+    return med
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
@@ -52,7 +97,10 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--step-tokens", type=int, default=128)
     ap.add_argument("--block-tokens", type=int, default=128)
-    ap.add_argument("--modes", default="off,cold,warm")
+    ap.add_argument("--modes", default="off,cold,warm,chat-off,chat")
+    ap.add_argument("--chat-turns", type=int, default=10)
+    ap.add_argument("--turn-len", type=int, default=200, help="new tokens in each chat turn's prompt")
+    ap.add_argument("--turn-gen", type=int, default=128, help="tokens generated in each chat turn")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
 
@@ -71,7 +119,14 @@ def main(argv=None):
 
     results, outputs = {}, {}
     header = f"{'mode':>5} {'TTFT mean ms':>13} {'TTFT max ms':>12} {'total s':>9} {'hit tokens':>11} {'prompt tok':>11}"
-    for mode in args.modes.split(","):
+    modes = args.modes.split(",")
+    unknown = set(modes) - {"off", "cold", "warm", "chat-off", "chat"}
+    if unknown:
+        ap.error(f"unknown modes {sorted(unknown)}")
+    for mode in modes:
+        if mode.startswith("chat"):
+            results[mode] = run_chat(model, args, mode, outputs)
+            continue
         interval = 0 if mode == "off" else args.interval
         engine = Engine(model, slots=n, step_tokens=max(args.step_tokens, n), block_tokens=args.block_tokens,
                         num_blocks=blocks, prefix_interval=interval)
@@ -95,18 +150,26 @@ def main(argv=None):
             med["same_tokens_as_off"] = f"{sum(a == b for a, b in pairs)} of {len(pairs)} requests"
         med["stats"] = {k: v for k, v in engine.stats().items() if k.startswith("prefix_") or k == "preemptions"}
         results[mode] = med
-        if len(results) == 1:
+        if sum(not m.startswith("chat") for m in results) == 1:
             print(header)
         print(f"{mode:>5} {med['ttft_mean_ms']:>13.1f} {med['ttft_max_ms']:>12.1f} {med['wall_s']:>9.2f} "
               f"{med['hit_tokens']:>11.0f} {n * prompt_len:>11}", flush=True)
         del engine
     for mode, med in results.items():
+        if mode.startswith("chat"):
+            print(f"{mode} engine stats: {med['stats']}" + (f"; same tokens as off: {med['same_tokens_as_off']}"
+                                                           if "same_tokens_as_off" in med else ""))
+            continue
         print(f"{mode} engine stats: {med['stats']}" + (f"; same tokens as off: {med['same_tokens_as_off']}"
                                                         if "same_tokens_as_off" in med else ""))
     if "off" in results and "warm" in results:
         off, on = results["off"], results["warm"]
         print(f"warm vs off: TTFT mean {off['ttft_mean_ms'] / on['ttft_mean_ms']:.2f}x, "
               f"total {off['wall_s'] / on['wall_s']:.2f}x")
+    if "off" in results and "cold" in results:
+        off, on = results["off"], results["cold"]
+        print(f"cold vs off: TTFT mean {on['ttft_mean_ms'] / off['ttft_mean_ms']:.0%} of off, "
+              f"total {on['wall_s'] / off['wall_s']:.0%} of off")
     write_json(args.json, name, args, results)
     return 0
 

@@ -37,7 +37,7 @@ def test_a_failing_request_is_a_500_and_the_server_serves_on(chat_ckpt, monkeypa
     build = lambda: (Engine(chat_ckpt, tokenizer=tok, slots=2, step_tokens=64, block_tokens=16, num_blocks=40), tok)  # noqa: E731
     loop = EngineLoop(build, Metrics("tiny"))
     body = {"model": "tiny", "prompt": "hello there", "max_tokens": 6, "temperature": 0}
-    with TestClient(build_app(loop, ServerConfig(model_name="tiny", slots=2))) as client:
+    with TestClient(build_app(loop, ServerConfig(served_names=("tiny",), slots=2))) as client:
         for _ in range(600):  # the engine thread loads the model
             if loop.state != "loading":
                 break

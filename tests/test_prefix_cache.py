@@ -27,8 +27,9 @@ def model(tmp_path_factory):
     return mtlqwen.load(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny")))
 
 
-def entries(eng):
-    return list(eng.prefix.entries.values())  # least recently used first
+def entries(eng, kind=None):
+    """Entries least recently used first; of one kind ("interval" or "turn") when given."""
+    return [e for e in eng.prefix.entries.values() if kind is None or e.kind == kind]
 
 
 # ---- keys
@@ -94,28 +95,34 @@ def test_hits_share_bundles_and_ref_counts_return(model):
     eng = Engine(model, slots=2, step_tokens=32, block_tokens=8, num_blocks=40, prefix_interval=16)
     a = random_token_ids(40, 500, seed=1)
     (oa,) = eng.generate([a], greedy(3))
-    e16, e32 = entries(eng)
-    assert (e16.length, e32.length, oa.cached_tokens) == (16, 32, 0)
+    assert oa.finish_reason == "length"
+    e16, e32, t42 = entries(eng)  # and a turn entry for the 40 + 3 - 1 tokens that ran
+    assert (e16.length, e32.length, t42.length, t42.kind, oa.cached_tokens) == (16, 32, 42, "turn", 0)
     assert e32.blocks[:2] == e16.blocks and len(e32.blocks) == 4
-    refs = lambda: [eng.pool.ref_counts[b] for b in e32.blocks]  # noqa: E731
-    assert refs() == [2, 2, 1, 1]
-    assert (eng.stats()["free_blocks"], eng.stats()["prefix_blocks"]) == (40 - 4, 4)  # e16's blocks are e32's first two
+    assert t42.blocks[:4] == e32.blocks and len(t42.blocks) == 5 and t42.tail is not None  # 42 = 5 blocks + 2
+    refs = lambda: [eng.pool.ref_counts[b] for b in t42.blocks]  # noqa: E731
+    assert refs() == [3, 3, 2, 2, 1]
+    assert (eng.stats()["free_blocks"], eng.stats()["prefix_blocks"]) == (40 - 5, 5)  # nested entries share blocks
     b = a[:32] + random_token_ids(6, 500, seed=2)
     rid = eng.submit(b, greedy(4))
     eng.step()
     seq = eng._seqs[rid]
-    assert seq.block_table[:4] == e32.blocks and refs() == [3, 3, 2, 2] and seq.kv_valid > 32
+    assert seq.block_table[:4] == e32.blocks and refs() == [4, 4, 3, 3, 1] and seq.kv_valid > 32
     outs = []
     while eng.has_work():
         outs += [d.output for d in eng.step() if d.finished]
     (ob,) = outs
-    assert refs() == [2, 2, 1, 1] and ob.cached_tokens == 32
+    t41 = entries(eng)[-1]  # b's own turn entry (38 + 4 - 1 tokens) holds its first four blocks too
+    assert (t41.length, t41.blocks[:4]) == (41, e32.blocks)
+    assert refs() == [4, 4, 3, 3, 1] and ob.cached_tokens == 32  # t42 is longer than b: the 32 entry hits
     assert_reference(model, a, oa)
     assert_reference(model, b, ob)
     s = eng.stats()
     assert (s["prefix_lookups"], s["prefix_hits"], s["prefix_hit_tokens"], s["prefix_query_tokens"]) == (2, 1, 32, 78)
-    assert s["prefix_entries"] == 2 and s["prefix_bytes"] == 2 * ModelCache.bytes_per_slot(model.config, model.dtype)
-    assert s["prefix_blocks"] == 4  # b (38 + 4 tokens) reaches no boundary past 32
+    per_slot, per_block = ModelCache.bytes_per_slot(model.config, model.dtype), ModelCache.bytes_per_block(model.config, 8, model.dtype)
+    assert (s["prefix_entries"], s["prefix_turn_entries"], s["prefix_turns_kept"], s["prefix_turn_hits"]) == (4, 2, 2, 0)
+    assert s["prefix_bytes"] == 4 * per_slot + 2 * per_block and s["prefix_turn_bytes"] == 2 * (per_slot + per_block)
+    assert s["prefix_blocks"] == 6  # b (38 + 4 tokens) reaches no boundary past 32; its turn entry adds its 5th block
     assert_idle(eng)
 
 
@@ -137,45 +144,68 @@ def test_decode_publishes_generated_tokens(model):
     (o,) = eng.generate([p], greedy(10))
     assert len(o.token_ids) == 10 or o.token_ids[-1] in EOS
     if len(p) + len(o.token_ids) - 1 >= 16:  # the anchor at 15 ran: the decode crossed the boundary
-        (e,) = entries(eng)
+        e, t = entries(eng)
         assert e.length == 16 and e.tokens == pc.token_bytes((p + o.token_ids)[:16])
+        assert (t.kind, t.length, t.tokens) == ("turn", len(p) + 9, pc.token_bytes((p + o.token_ids)[:-1]))
         q = (p + o.token_ids)[:16] + [3, 4]
         (o2,) = eng.generate([q], greedy(3))
         assert o2.cached_tokens == 16
         assert_reference(model, q, o2)
+        nxt = p + o.token_ids + [3, 4]  # the next turn: restored at the turn entry, past the boundary
+        (o3,) = eng.generate([nxt], greedy(2))
+        assert o3.cached_tokens == len(p) + 9 and eng.stats()["prefix_turn_hits"] == 1
+        assert_reference(model, nxt, o3)
     assert_idle(eng)
 
 
-def test_same_prefix_published_twice_in_one_step_keeps_one_entry(model):
+def test_requests_sharing_an_uncached_prefix_wait_and_one_entry_is_kept(model):
     eng = Engine(model, slots=3, step_tokens=48, block_tokens=8, num_blocks=40, prefix_interval=16)
     p = random_token_ids(35, 500, seed=5)
-    outs = eng.generate([p, p, p[:33] + [1, 2]], greedy(3))
-    assert [e.length for e in entries(eng)] == [16, 32]
-    e16, e32 = entries(eng)
-    assert [eng.pool.ref_counts[b] for b in e32.blocks] == [2, 2, 1, 1]  # no reference leaked
+    prompts = [p, p, p[:33] + [1, 2]]
+    outs = eng.generate(prompts, greedy(3))
+    # the second and third wait for the first's 32-token snapshot instead of computing it again
+    assert [o.cached_tokens for o in outs] == [0, 32, 32]
+    assert [(e.kind, e.length) for e in entries(eng)] == [("interval", 16), ("interval", 32), ("turn", 37), ("turn", 37)]
+    e16, e32, t_same, t_other = entries(eng)  # the two identical requests keep one turn entry
+    assert t_same.tokens == pc.token_bytes((p + outs[0].token_ids)[:37]) and t_other.tokens != t_same.tokens
+    assert [eng.pool.ref_counts[b] for b in e32.blocks] == [4, 4, 3, 3]  # no reference leaked
+    s = eng.stats()
+    assert (s["prefix_waits"], s["prefix_wait_timeouts"], s["prefix_hits"], s["prefix_turns_kept"]) == (2, 0, 2, 2)
     assert outs[0].token_ids == outs[1].token_ids
-    for q, o in zip([p, p, p[:33] + [1, 2]], outs):
+    for q, o in zip(prompts, outs):
         assert_reference(model, q, o)
     assert_idle(eng)
 
 
-def test_lru_eviction_order_under_a_small_budget(model):
+def test_lru_eviction_with_a_second_chance_for_hit_entries_under_one_budget(model):
     per_entry = ModelCache.bytes_per_slot(model.config, model.dtype)
+    per_turn = per_entry + ModelCache.bytes_per_block(model.config, 8, model.dtype)  # a turn entry's partial block
     eng = Engine(model, slots=1, step_tokens=32, block_tokens=8, num_blocks=40, prefix_interval=16,
-                 prefix_cache_bytes=2 * per_entry + 100)
-    p1, p2, p3 = (random_token_ids(17, 500, seed=s) for s in (11, 12, 13))
-    eng.generate([p1], greedy(1)), eng.generate([p2], greedy(1))
-    assert [e.tokens for e in entries(eng)] == [pc.token_bytes(p1[:16]), pc.token_bytes(p2[:16])]
-    (hit,) = eng.generate([p1[:16] + [9, 9]], greedy(1))  # touches p1: p2 is now least recent
+                 prefix_cache_bytes=2 * per_entry + 2 * per_turn + 100)  # two of each kind
+    p1, p2, p3, p4 = (random_token_ids(17, 500, seed=s) for s in (11, 12, 13, 14))
+    q = p1[:16] + [9, 9]
+    view = lambda: [(e.kind, e.tokens) for e in entries(eng)]  # noqa: E731
+    iv = lambda t: ("interval", pc.token_bytes(t[:16]))  # noqa: E731
+    turn = lambda t: ("turn", pc.token_bytes(t))  # noqa: E731
+    eng.generate([p1], greedy(1)), eng.generate([p2], greedy(1))  # each: an interval entry, a turn entry at 17
+    assert view() == [iv(p1), turn(p1), iv(p2), turn(p2)]
+    (hit,) = eng.generate([q], greedy(1))  # hits p1's interval entry; its own turn entry evicts p1's turn entry
     assert hit.cached_tokens == 16
-    eng.generate([p3], greedy(1))
-    assert [e.tokens for e in entries(eng)] == [pc.token_bytes(p1[:16]), pc.token_bytes(p3[:16])]
+    assert view() == [iv(p2), turn(p2), iv(p1), turn(q)]
+    eng.generate([p3], greedy(1))  # p2's pair is least recent
+    assert view() == [iv(p1), turn(q), iv(p3), turn(p3)]
+    eng.generate([p4], greedy(1))  # p1's interval entry was hit: spared once (to the recent end), q's turn entry goes
+    assert view() == [turn(p3), iv(p4), iv(p1), turn(p4)]
+    eng.generate([p2], greedy(1))
+    assert view() == [iv(p1), turn(p4), iv(p2), turn(p2)]
+    eng.generate([p3], greedy(1))  # p1's entry has lost its mark: plain LRU again
+    assert view() == [iv(p2), turn(p2), iv(p3), turn(p3)]
     s = eng.stats()
-    assert (s["prefix_evictions"], s["prefix_entries"], s["prefix_bytes"]) == (1, 2, 2 * per_entry)
-    assert eng.pool.num_free == 40 - 4  # p2's two blocks went back with its entry
-    (stale,) = eng.generate([p2[:16] + [5]], greedy(1))  # no stale key points at p2's reused blocks
+    assert (s["prefix_evictions"], s["prefix_entries"], s["prefix_bytes"]) == (9, 4, 2 * per_entry + 2 * per_turn)
+    assert eng.pool.num_free == 40 - 4  # two blocks per kept prompt (its turn entry shares them)
+    (stale,) = eng.generate([p4[:16] + [5]], greedy(1))  # no stale key points at p4's reused blocks
     assert stale.cached_tokens == 0
-    assert_reference(model, p2[:16] + [5], stale)
+    assert_reference(model, p4[:16] + [5], stale)
     assert_idle(eng)
     with pytest.raises(ValueError, match="less than one snapshot"):
         Engine(model, slots=1, block_tokens=8, num_blocks=8, prefix_interval=16, prefix_cache_bytes=per_entry - 1)
@@ -187,7 +217,7 @@ def test_kv_pressure_evicts_entries_before_preempting(model):
     eng = Engine(model, slots=2, step_tokens=32, block_tokens=8, num_blocks=12, prefix_interval=16)
     warm = [random_token_ids(33, 500, seed=s) for s in (21, 22)]
     eng.generate(warm, greedy(1))
-    assert eng.stats()["prefix_entries"] == 4 and eng.pool.num_free == 12 - 8
+    assert (eng.stats()["prefix_entries"], eng.stats()["prefix_turn_entries"], eng.pool.num_free) == (6, 2, 12 - 8)
     # two requests that need 5 + 5 blocks: the pool has 4 free, the entries hold the rest
     prompts = [random_token_ids(36, 500, seed=s) for s in (23, 24)]
     outs = eng.generate(prompts, greedy(3))
@@ -218,8 +248,9 @@ def test_off_by_zero_interval_and_copy_on_write_for_partial_blocks(model):
     eng = Engine(model, slots=2, step_tokens=32, block_tokens=8, num_blocks=20, prefix_interval=12)
     p = random_token_ids(30, 500, seed=41)
     (o1,) = eng.generate([p], greedy(2))
-    e12, e24 = entries(eng)
+    e12, e24, t31 = entries(eng)
     assert (len(e12.blocks), len(e24.blocks)) == (1, 3) and e12.tail is not None
+    assert (t31.length, len(t31.blocks), t31.tail is not None) == (31, 3, True)
     q = p[:12] + random_token_ids(9, 500, seed=42)
     (o2,) = eng.generate([q], greedy(4))
     assert o2.cached_tokens == 12
@@ -261,15 +292,28 @@ def test_shared_prefix_workloads_match_cache_off_and_each_request_alone(model, w
     kw = dict(slots=w["slots"], step_tokens=w["step_tokens"], block_tokens=w["bt"], num_blocks=w["num_blocks"])
     on = Engine(model, prefix_interval=w["interval"], **kw)
     reqs = [(arrive, prompt, greedy(n)) for arrive, prompt, n in w["reqs"]]
+    sch, schedule = on.scheduler, on.scheduler.schedule
+
+    def checked():  # a held request runs nothing, holds no blocks, and is never held past its limit
+        plan = schedule()
+        assert not set(plan.held) & {s.seq for s in plan.scheduled}
+        assert all(q.block_table == [] and sch.steps <= x.until for q, x in sch.held.items())
+        return plan
+
+    sch.schedule = checked
     outs_on = run_arrivals(on, reqs, max_steps=5000)
     outs_off = run_arrivals(Engine(model, prefix_interval=0, **kw), reqs, max_steps=5000)
+    ran = [prompt + o.token_ids for (_, prompt, _), o in zip(w["reqs"], outs_on)]
     for (_, prompt, _), o_on, o_off in zip(w["reqs"], outs_on, outs_off):
         if o_on.token_ids != o_off.token_ids:  # only where the reference has a near tie
             assert_reference(model, prompt, o_off)
         assert_reference(model, prompt, o_on)
         # a whole-prompt hit leaves the last prompt token to run, unless generated tokens follow it (preempted)
         if o_on.num_preemptions == 0:
-            assert o_on.cached_tokens < len(prompt) and o_on.cached_tokens % w["interval"] == 0
+            n = o_on.cached_tokens
+            assert n < len(prompt)
+            # at a boundary, or at another request's turn entry: its tokens that ran (the last sampled one maybe)
+            assert n % w["interval"] == 0 or any(n in (len(r) - 1, len(r)) and r[:n] == prompt[:n] for r in ran)
     # prefix entries count as free for a victim's readmission: still never preempted twice
     assert max(o.num_preemptions for o in outs_on) <= 1
     s = on.stats()

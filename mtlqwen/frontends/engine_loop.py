@@ -157,10 +157,13 @@ class EngineLoop:
                 except Exception as e:  # an engine bug the engine did not pin on requests: the same
                     self._die(e)
                     return
+                # stats first: a client that reads /metrics right after its last delta sees this step
+                self.stats = engine.stats()
                 now = time.perf_counter()
                 for d in deltas:
                     self._deliver(d, now)
-            self.stats = engine.stats()
+            else:
+                self.stats = engine.stats()
 
     def _drain(self, block: bool) -> None:
         try:

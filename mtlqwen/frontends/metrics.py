@@ -131,6 +131,11 @@ class Metrics:
             ("prefix_cache_bytes", "Bytes held by prefix-cache snapshots.", stats.get("prefix_bytes", 0)),
             ("prefix_cache_blocks", "KV blocks held only by the prefix cache (counted in kv_blocks_used; "
              "POST /reset_prefix_cache frees them).", stats.get("prefix_blocks", 0)),
+            ("prefix_cache_turn_entries", "Prefix-cache entries at the end of a finished request (a chat's turn).",
+             stats.get("prefix_turn_entries", 0)),
+            ("prefix_cache_turn_bytes", "Bytes held by turn entries (part of prefix_cache_bytes).", stats.get("prefix_turn_bytes", 0)),
+            ("prefix_cache_waiting", "Requests holding a slot while another computes the prefix they share.",
+             stats.get("prefix_waiting", 0)),
         ]
         out: list[str] = []
         for name, help_, v in gauges:
@@ -142,6 +147,14 @@ class Metrics:
                 ("prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache.", hits),
                 ("prefix_cache_query_tokens_total", "Prompt tokens looked up in the prefix cache.",
                  first_stat(stats, PREFIX_QUERY_KEYS)),
+                ("prefix_cache_hits_total", "Requests restored from a prefix-cache entry.", stats.get("prefix_hits", 0)),
+                ("prefix_cache_turn_hits_total", "Requests restored from a turn entry.", stats.get("prefix_turn_hits", 0)),
+                ("prefix_cache_evictions_total", "Prefix-cache entries evicted (budget or KV pressure).",
+                 stats.get("prefix_evictions", 0)),
+                ("prefix_cache_waits_total", "Requests that waited for another's snapshot of a shared prefix.",
+                 stats.get("prefix_waits", 0)),
+                ("prefix_cache_wait_timeouts_total", "Waits that reached their limit and computed the prefix anyway.",
+                 stats.get("prefix_wait_timeouts", 0)),
                 ("engine_steps_total", "Engine steps (one batched forward pass each).", stats.get("steps", 0)),
                 ("spec_decode_num_draft_tokens_total", "Draft tokens proposed by speculative decoding.",
                  first_stat(stats, SPEC_DRAFT_KEYS)),

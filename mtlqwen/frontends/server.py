@@ -41,6 +41,9 @@ def register(subparsers) -> None:
                    help="requests allowed to wait for a slot; beyond it the server answers 429 (default 64)")
     s.add_argument("--slots", type=int, default=8, help="sequences decoded together (default 8)")
     s.add_argument("--step-tokens", type=int, default=128, help="tokens per engine step, shared by all slots (default 128)")
+    s.add_argument("--prefill-step-tokens", type=int, default=None,
+                   help="tokens a step may take when no request is decoding (default 1024, never below "
+                        "--step-tokens): long prompts prefill in bigger steps when nobody waits on a token")
     s.add_argument("--block-tokens", type=int, default=128, help="tokens per KV block (default 128)")
     s.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: sized to the device)")
     s.add_argument("--max-model-len", type=int, default=None,
@@ -74,7 +77,8 @@ def register(subparsers) -> None:
 
 def _engine_kwargs(args) -> dict:
     """Engine arguments from the flags (those left unset keep the engine's defaults)."""
-    kw = dict(slots=args.slots, step_tokens=args.step_tokens, block_tokens=args.block_tokens)
+    kw = dict(slots=args.slots, step_tokens=args.step_tokens, block_tokens=args.block_tokens,
+              prefill_step_tokens=args.prefill_step_tokens)
     for name in ("num_blocks", "max_model_len", "prefix_interval", "draft"):
         v = getattr(args, name)
         if v is not None:

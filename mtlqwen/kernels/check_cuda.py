@@ -89,11 +89,21 @@ def _usage(msg: str) -> str:
     return f"{regs.group(1) if regs else '?'} registers, {spill.group(1) if spill else '?'} bytes spilled"
 
 
+def cuda_only_jobs() -> list[tuple[str, PortableKernel, KernelExample]]:
+    """The CUDA-only kernels outside the portable registry (no Metal rendering: Metal runs MLX's op), each
+    instantiation as the kernel module declares it: the tensor-core quantized GEMM."""
+    from .qmatmul import qgemm  # noqa: PLC0415
+
+    return [(f"{kern.name}[{i}]", kern, ex) for i, (kern, ex) in enumerate(qgemm.examples())]
+
+
 def check(kernels: dict[str, PortableKernel] | None = None) -> list[tuple[str, bool, str]]:
-    """[(label, ok, compiler message)] for every (kernel, example)."""
-    kernels = REGISTRY if kernels is None else kernels
-    jobs = [(f"{name}[{i}]", kern, ex) for name, kern in kernels.items()
+    """[(label, ok, compiler message)] for every (kernel, example); with no `kernels`, the CUDA-only
+    kernels' instantiations too."""
+    jobs = [(f"{name}[{i}]", kern, ex) for name, kern in (REGISTRY if kernels is None else kernels).items()
             for i, ex in enumerate(kern.cuda_examples if kern.cuda_body and kern.cuda_examples else kern.examples)]
+    if kernels is None:
+        jobs += cuda_only_jobs()
 
     def run(job):
         label, kern, ex = job

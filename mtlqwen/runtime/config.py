@@ -21,12 +21,20 @@ def _int(name: str, v, lo: int, optional: bool = False) -> None:
         raise ValueError(f"{name} must be an int >= {lo}{' or None' if optional else ''}, got {v!r}")
 
 
+# Prompt tokens a step may take when no sequence is decoding: a 4096-token prompt prefilled at 11.0k
+# tok/s with 1024-token steps against 5.9k with 128 on the H200 (9B shape, benchmarks/qgemm.md); with
+# decoders in the batch the budget stays step_tokens, so their latency does not change.
+DEFAULT_PREFILL_STEP = 1024
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The fields are Engine's keyword arguments (its docstring says what each one does)."""
 
     slots: int = 8
     step_tokens: int = 128
+    # a step in which nobody decodes may take up to this many prompt tokens (None: DEFAULT_PREFILL_STEP)
+    prefill_step_tokens: int | None = None
     block_tokens: int = 128
     num_blocks: int | None = None  # else kv_bytes worth, else a device-sized default (memory.py)
     kv_bytes: int | None = None
@@ -50,6 +58,7 @@ class EngineConfig:
         if self.step_tokens < self.slots:  # otherwise some live sequence could not advance in a step
             raise ValueError(f"step_tokens ({self.step_tokens}) must be >= slots x tokens per decode "
                              f"({self.slots} x 1)")
+        _int("prefill_step_tokens", self.prefill_step_tokens, 1, optional=True)
         _int("block_tokens", self.block_tokens, 1)
         if self.num_blocks is not None and self.kv_bytes is not None:
             raise ValueError("give num_blocks or kv_bytes, not both")
@@ -71,6 +80,12 @@ class EngineConfig:
             raise ValueError(f"verify_commit must be one of {VERIFY_COMMITS}, got {self.verify_commit!r}")
         if self.verify_commit is not None and self.draft is None:
             raise ValueError("verify_commit needs a drafter (draft=...)")
+
+    @property
+    def prefill_budget(self) -> int:
+        """Tokens a step takes when nobody decodes (never below step_tokens)."""
+        v = DEFAULT_PREFILL_STEP if self.prefill_step_tokens is None else self.prefill_step_tokens
+        return max(self.step_tokens, v)
 
     @classmethod
     def build(cls, config: EngineConfig | None = None, **options) -> EngineConfig:

@@ -105,6 +105,9 @@ class Engine(Generation):
     and block). Off by default: MLX caches CUDA graphs by topology, not shape, and the kernels are
     specialised by dtype and head geometry, not by T, so padding would only add work; it is there
     for back-ends or compiled paths that key on shapes (runtime_bench.py --pad-buckets on measures it).
+    prefill_step_tokens: the token budget of a step in which no sequence decodes (default
+    config.DEFAULT_PREFILL_STEP = 1024, never below step_tokens): a long prompt nobody waits behind is not
+    cut into step_tokens chunks; with decoders in the batch every step keeps step_tokens.
     prefix_interval: tokens between prefix-cache snapshots (default 512; 0 turns the prefix cache off);
     prefix_cache_bytes: the snapshots' memory budget (default 1 GiB), LRU-evicted (prefix_cache.py).
 
@@ -129,6 +132,7 @@ class Engine(Generation):
         tokenizer=None,
         slots: int = _UNSET,
         step_tokens: int = _UNSET,
+        prefill_step_tokens: int | None = _UNSET,
         block_tokens: int = _UNSET,
         num_blocks: int | None = _UNSET,
         kv_bytes: int | None = _UNSET,
@@ -159,7 +163,7 @@ class Engine(Generation):
         identity = model_identity(model, getattr(drafter, "source", drafter))  # entries carry drafter rows
         self.kv = KVManager(self.num_blocks, block_tokens, cfg.prefix_interval, mem.prefix_bytes, identity,
                             mem.prefix_entry_bytes)
-        self.scheduler = Scheduler(self.kv, slots, step_tokens)
+        self.scheduler = Scheduler(self.kv, slots, step_tokens, prefill_step_tokens=cfg.prefill_budget)
         # one spare bundle and slot beyond what the scheduler hands out: the padding sequence's scratch
         self.cache = model.make_cache(self.num_blocks + 1, slots + 1, block_tokens)
         self.spec = None if drafter is None else Speculator(
@@ -172,7 +176,7 @@ class Engine(Generation):
         if self.spec is not None:
             self.spec.compiled = self.compiled
         self.pad_buckets = cfg.pad_buckets
-        self.buckets = token_buckets(step_tokens) if self.pad_buckets else None
+        self.buckets = token_buckets(cfg.prefill_budget) if self.pad_buckets else None
         self.eos = set(self.config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", None) or ())
         seed, group = cfg.seed, getattr(model, "group", None)
         if seed is None and group is not None:  # tensor parallel: every rank draws the same request seeds
@@ -448,6 +452,7 @@ class Engine(Generation):
             flight.snapshots.discard()
 
     def _finish(self, seq: Sequence, reason: str, toks: list[int], now: float, error: str | None = None) -> Delta:
+        self.kv.finish(seq, reason, self.cache)  # a turn entry from its slot, before the slot is released
         self.scheduler.release(seq)
         self._seqs.pop(seq.request_id, None)
         if seq.text is not None and reason != "stop_string":

@@ -11,7 +11,11 @@ snapshots); the rules that tie them to sequences live here and nowhere else:
   - what the pool can give without preempting: free bundles plus those only unpinned entries hold
     (`available`, `reserve`), and what a sequence may still ask for (`blocks_to_finish`);
   - one snapshot hook per engine step (`step_snapshots`): zero or restore fresh slots before the
-    forward, capture boundary states after it, publish them when the step's tokens are read back.
+    forward, capture boundary states after it, publish them when the step's tokens are read back;
+  - one hook when a request finishes (`finish`): a turn entry for its exact computed tokens, taken
+    from its slot before the slot is released;
+  - what a waiting request would restore (`hit_length`) and which prefix it shares with a running
+    one (`shared_boundary`), for the scheduler's shared in-flight prefixes.
 
 The scheduler decides who runs and how many tokens; it asks here how many bundles that takes, whether
 they exist, and to allocate or free them (the seam of vLLM v1's scheduler and KV-cache manager).
@@ -23,6 +27,10 @@ import mlx.core as mx
 
 from .block_pool import BlockPool
 from .prefix_cache import DEFAULT_CACHE_BYTES, Capture, PrefixCache, empty_stats
+
+
+# finish reasons whose sequence's slot holds a state worth keeping (not a cancelled or failed request)
+TURN_REASONS = ("stop", "stop_string", "length")
 
 
 class KVManager:
@@ -55,7 +63,10 @@ class KVManager:
 
     def chunk_tokens(self, seq, n: int) -> int:
         """A prefill chunk of n tokens, cut at the next boundary so the state there is captured."""
-        b = self.to_boundary(seq.kv_valid)
+        return self.chunk_tokens_at(seq.kv_valid, n)
+
+    def chunk_tokens_at(self, pos: int, n: int) -> int:
+        b = self.to_boundary(pos)
         return n if b is None else min(n, b)
 
     def max_drafts(self, seq, n: int) -> int:
@@ -96,6 +107,35 @@ class KVManager:
         self._unpin(seq)
         self.pool.free(seq.block_table)
         seq.block_table, seq.kv_valid = [], 0
+
+    def finish(self, seq, reason: str, cache) -> None:
+        """seq finished (call before it is released): keep a turn entry for the tokens its slot's state
+        is exactly after, kv_valid of them (the last sampled token never ran through the model; one
+        sampled on EOS may have, in the step launched before its read-back). Skipped when a verification
+        ran past a stop (its state covers tokens the request dropped)."""
+        if self.prefix is None or reason not in TURN_REASONS or not seq.active or seq.restore is not None:
+            return
+        if 0 < seq.kv_valid <= len(seq.tokens):
+            self.prefix.keep_turn(seq, seq.kv_valid, cache)
+
+    # ---- shared in-flight prefixes (the scheduler's waits)
+    def hit_length(self, seq) -> int:
+        """Tokens seq would restore if admitted now (not counted as a lookup)."""
+        e = self.prefix.lookup(seq) if self.prefix is not None else None
+        return e.length if e is not None else 0
+
+    def shared_boundary(self, seq, other) -> int:
+        """The longest boundary up to which seq's tokens equal other's (known) tokens, leaving seq one
+        token to run; 0 without a cache. By chained keys: a collision only costs a useless wait (the
+        restore compares tokens)."""
+        if self.prefix is None:
+            return 0
+        kmax = min(seq.num_tokens - 1, len(other.tokens)) // self.interval
+        mine, theirs = self.prefix.keys(seq, kmax), self.prefix.keys(other, kmax)
+        k = 0
+        while k < kmax and mine[k] == theirs[k]:
+            k += 1
+        return k * self.interval
 
     def _unpin(self, seq) -> None:
         if seq.restore is not None:

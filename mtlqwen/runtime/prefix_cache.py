@@ -15,6 +15,19 @@ stored prefix tokens too: a hash collision is a miss, never a wrong answer.
 When the interval is not a multiple of block_tokens, the last block of a prefix is partial and its
 owner keeps writing it; instead of sharing it, the entry keeps a copy of that block's K/V (copy on
 write), and a hit writes the copy into a fresh block of its own. Only whole blocks are ever shared.
+
+Two kinds of entry share one store, one budget and one LRU order:
+  - interval entries, at every multiple of the interval (captured at launch, published at read-back);
+  - turn entries, at the exact computed length of a finished sequence (prompt + the generated tokens
+    that ran through the model), kept when it leaves its slot so the next turn of a conversation, whose
+    prompt extends it, restores right there. A turn entry of length L sits in the bucket of its longest
+    whole-interval prefix, key(L // interval) (the root for L < interval), under the key
+    xxh3_64(bucket as 8 bytes LE ‖ the remaining L % interval tokens); a length on a boundary is an
+    interval entry. A lookup walks the buckets from the longest prefix down and takes the longest entry
+    whose tokens match, so a chat template that re-renders an earlier turn differently just hits shorter.
+
+Eviction is LRU with a second chance for entries that were hit (CLOCK): a victim that was hit since it
+last came up is spared once, moved to the most recent end, and loses the mark.
 """
 
 from __future__ import annotations
@@ -67,6 +80,13 @@ class PrefixEntry:
     tail: list[mx.array] | None  # K/V of the partial last block per attention pool [1, bt, nKV, hd]
     nbytes: int
     pins: int = 0  # sequences admitted with this entry whose restore is not launched yet
+    bucket: int | None = None  # a turn entry's bucket key (see the module doc); None for an interval entry
+    hits: int = 0
+    spare: bool = False  # hit since it last came up for eviction: spared once (second chance)
+
+    @property
+    def kind(self) -> str:
+        return "interval" if self.bucket is None else "turn"
 
 
 @dataclass(eq=False)
@@ -108,9 +128,10 @@ class PrefixCache:
             )
         self.pool, self.interval, self.block_tokens = pool, interval, block_tokens
         self.budget, self.root = budget_bytes, root_key(identity)
-        self.entries: OrderedDict[int, PrefixEntry] = OrderedDict()
+        self.entries: OrderedDict[int, PrefixEntry] = OrderedDict()  # both kinds
+        self.turns: dict[int, list[int]] = {}  # bucket key -> keys of its turn entries
         self.nbytes = 0
-        self.counters = dict(prefix_lookups=0, prefix_hits=0, prefix_hit_tokens=0, prefix_query_tokens=0, prefix_evictions=0)
+        self.counters = dict.fromkeys(COUNTERS, 0)
 
     # ---- keys and lookup
     def keys(self, seq, k: int) -> list[int]:
@@ -127,10 +148,21 @@ class PrefixCache:
             return None  # absent, or a different prefix under the same key
         return e
 
+    def _bucket(self, seq, k: int) -> int:
+        """The bucket of turn entries between k and k + 1 intervals of seq's tokens."""
+        return self.keys(seq, k)[-1] if k else self.root
+
     def lookup(self, seq) -> PrefixEntry | None:
-        """The longest entry for a proper prefix of seq's tokens: at least one token is left to run."""
-        for k in range((seq.num_tokens - 1) // self.interval, 0, -1):
-            e = self._find(seq, k)
+        """The longest entry (either kind) for a proper prefix of seq's tokens: at least one token is
+        left to run. Buckets from the longest whole-interval prefix down: a turn entry of bucket k is
+        longer than the interval entry k, which is longer than anything of bucket k - 1."""
+        limit = seq.num_tokens - 1
+        for k in range(limit // self.interval, -1, -1):
+            turns = [self.entries[key] for key in self.turns.get(self._bucket(seq, k), ())]
+            for e in sorted((e for e in turns if e.length <= limit), key=lambda e: -e.length):
+                if e.tokens == token_bytes(seq.tokens[: e.length]):
+                    return e
+            e = self._find(seq, k) if k else None
             if e is not None:
                 return e
         return None
@@ -148,8 +180,11 @@ class PrefixCache:
 
     def count_hit(self, e: PrefixEntry) -> None:
         self.entries.move_to_end(e.key)
+        e.hits, e.spare = e.hits + 1, True
         self.counters["prefix_hits"] += 1
         self.counters["prefix_hit_tokens"] += e.length
+        if e.bucket is not None:
+            self.counters["prefix_turn_hits"] += 1
 
     @staticmethod
     def unpin(e: PrefixEntry) -> None:
@@ -172,12 +207,17 @@ class PrefixCache:
     def capture(self, seq, end: int, cache) -> Capture | None:
         """A snapshot of seq's state after `end` tokens (a boundary its step reaches), or None when that
         prefix is cached already; call after the step's graph is built."""
-        bt = self.block_tokens
         if len(seq.tokens) >= end:  # tokens known now: skip what is cached already
             e = self._find(seq, end // self.interval)
             if e is not None:
                 self.entries.move_to_end(e.key)
                 return None
+        return self._snapshot(seq, end, cache)
+
+    def _snapshot(self, seq, end: int, cache) -> Capture:
+        """Copies of seq's slot state and partial block after `end` computed tokens, and references to
+        its whole blocks below end (lazily, in the graph built so far)."""
+        bt = self.block_tokens
         blocks = seq.block_table[: end // bt]
         self.pool.share(blocks)
         rows = mx.array([seq.slot], dtype=mx.int32)
@@ -191,33 +231,82 @@ class PrefixCache:
     def publish(self, caps: list[Capture]) -> None:
         for c in caps:
             seq, k = c.seq, c.length // self.interval
-            e = None
             if len(seq.tokens) >= c.length:  # else cancelled before its anchor was read back
-                key = self.keys(seq, k)[-1]
-                e = self.entries.get(key)
-                if e is None:
-                    nbytes = sum(a.nbytes for a in c.arrays())
-                    tokens = token_bytes(seq.tokens[: c.length])
-                    self.entries[key] = PrefixEntry(key, c.length, tokens, c.blocks, c.state, c.tail, nbytes)
-                    self.nbytes += nbytes
-                    while self.nbytes > self.budget and self._evict_one():
-                        pass
-                    continue
-                if e.tokens == token_bytes(seq.tokens[: c.length]):
-                    self.entries.move_to_end(key)  # published by another sequence of the same step
-            self.pool.free(c.blocks)  # a duplicate, a collision or a cancelled sequence: drop the references
+                self._insert(self.keys(seq, k)[-1], c, None)
+            else:
+                self.pool.free(c.blocks)
+
+    def keep_turn(self, seq, length: int, cache) -> bool:
+        """A turn entry for seq's first `length` tokens (all computed, on the host; its slot's state is
+        exactly after them): call before the slot is released. False when that prefix is cached already
+        (touched instead) or the entry did not fit."""
+        k, rest = divmod(length, self.interval)
+        bucket = self._bucket(seq, k)
+        key = chunk_key(bucket, seq.tokens[k * self.interval : length]) if rest else bucket
+        e = self.entries.get(key)
+        if e is not None:
+            if e.tokens == token_bytes(seq.tokens[:length]):
+                self.entries.move_to_end(key)
+            return False  # cached already, or a collision: a miss for the next turn, never a wrong answer
+        c = self._snapshot(seq, length, cache)
+        mx.async_eval(*c.arrays())  # before the next step's in-place writes into the slot and block
+        return self._insert(key, c, bucket if rest else None)
+
+    def _insert(self, key: int, c: Capture, bucket: int | None) -> bool:
+        """Store capture c under key (taking over its block references), then evict down to the budget;
+        a duplicate or a key collision drops c's references instead."""
+        tokens = token_bytes(c.seq.tokens[: c.length])
+        e = self.entries.get(key)
+        if e is not None:
+            if e.tokens == tokens:
+                self.entries.move_to_end(key)  # published by another sequence of the same step
+            self.pool.free(c.blocks)
+            return False
+        nbytes = sum(a.nbytes for a in c.arrays())
+        self.entries[key] = PrefixEntry(key, c.length, tokens, c.blocks, c.state, c.tail, nbytes, bucket=bucket)
+        if bucket is not None:
+            self.turns.setdefault(bucket, []).append(key)
+            self.counters["prefix_turns_kept"] += 1
+        self.nbytes += nbytes
+        while self.nbytes > self.budget and self._evict_one():
+            pass
+        return key in self.entries
 
     # ---- eviction
+    def _victim(self) -> PrefixEntry | None:
+        """The least recently used entry nobody is restoring, sparing once (and moving to the most recent
+        end) each one hit since it last came up; None when every entry is pinned."""
+        for _ in range(2):  # the second pass finds no marks left
+            spared, victim = [], None
+            for e in self.entries.values():
+                if e.pins:
+                    continue
+                if not e.spare:
+                    victim = e
+                    break
+                spared.append(e)
+            for e in spared:
+                e.spare = False
+                self.entries.move_to_end(e.key)
+            if victim is not None or not spared:
+                return victim
+        return None
+
     def _evict_one(self, counted: bool = True) -> bool:
-        """Drop the least recently used entry nobody is restoring; False when there is none."""
-        for key, e in self.entries.items():
-            if e.pins == 0:
-                del self.entries[key]
-                self.pool.free(e.blocks)
-                self.nbytes -= e.nbytes
-                self.counters["prefix_evictions"] += counted
-                return True
-        return False
+        """Drop the victim (_victim); False when there is none."""
+        e = self._victim()
+        if e is None:
+            return False
+        del self.entries[e.key]
+        if e.bucket is not None:
+            keys = self.turns[e.bucket]
+            keys.remove(e.key)
+            if not keys:
+                del self.turns[e.bucket]
+        self.pool.free(e.blocks)
+        self.nbytes -= e.nbytes
+        self.counters["prefix_evictions"] += counted
+        return True
 
     def evict_for_blocks(self, n: int) -> bool:
         """Evict LRU entries until the pool has n free bundles (before anyone is preempted); False if it can't."""
@@ -240,11 +329,16 @@ class PrefixCache:
 
     def stats(self) -> dict:
         blocks = len({b for e in self.entries.values() for b in e.blocks})
-        return {**self.counters, "prefix_entries": len(self.entries), "prefix_bytes": self.nbytes, "prefix_blocks": blocks}
+        turns = [e for e in self.entries.values() if e.bucket is not None]
+        return {**self.counters, "prefix_entries": len(self.entries), "prefix_bytes": self.nbytes, "prefix_blocks": blocks,
+                "prefix_turn_entries": len(turns), "prefix_turn_bytes": sum(e.nbytes for e in turns)}
+
+
+COUNTERS = ("prefix_lookups", "prefix_hits", "prefix_hit_tokens", "prefix_query_tokens", "prefix_evictions",
+            "prefix_turn_hits", "prefix_turns_kept")
+STATS = (*COUNTERS, "prefix_entries", "prefix_bytes", "prefix_blocks", "prefix_turn_entries", "prefix_turn_bytes")
 
 
 def empty_stats() -> dict:
     """stats() of a cache that is off: the same keys, all zero."""
-    return dict.fromkeys(
-        ("prefix_lookups", "prefix_hits", "prefix_hit_tokens", "prefix_query_tokens", "prefix_evictions",
-         "prefix_entries", "prefix_bytes", "prefix_blocks"), 0)
+    return dict.fromkeys(STATS, 0)

@@ -8,6 +8,17 @@ the front for recompute from kv_valid 0: GDN state cannot be rolled back) and th
 A preempted request is readmitted only once the pool can hold it and every running sequence up to
 max_tokens, so it is not preempted again while the pool is short (no thrash); new requests are admitted
 as soon as a slot is free and their step's blocks exist.
+
+Shared in-flight prefixes: a request admitted while a running sequence (the leader) is about to compute
+a longer prefix of it than the cache holds (boundary `target`, see KVManager.shared_boundary) is held:
+it keeps its slot but nothing is looked up, allocated or run, so the leader computes the shared prefix
+once, with the whole budget. Each step a held request is released — looked up and admitted as usual,
+restoring what the leader published — as soon as the cache holds `target`, or its leader left (finished,
+cancelled, preempted), or its wait reached its limit: the steps it would take to compute the prefix
+itself (`prefill_steps`) with an equal share of the budget among the sequences prefilling when it
+arrived and itself, plus one for the leader's read-back. So a wait costs at most one step over
+computing alone as things stood, and a request that timed out still restores the boundaries the
+leader published meanwhile.
 """
 
 from __future__ import annotations
@@ -59,10 +70,22 @@ class ScheduledSeq:
 
 
 @dataclass
+class PrefixWait:
+    """A request held back for its leader's snapshot at `target` tokens; held through step `until`."""
+
+    leader: Sequence
+    target: int
+    until: int
+    since: int
+
+
+@dataclass
 class StepPlan:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    held: list[Sequence] = field(default_factory=list)  # waiting for a leader's snapshot this step
+    released: list[Sequence] = field(default_factory=list)  # held before, admitted to the cache this step
 
     @property
     def num_tokens(self) -> int:
@@ -75,17 +98,24 @@ class StepPlan:
 class Scheduler:
     """Decides who runs and how many tokens; KV memory is the KV manager's (kv_manager.KVManager)."""
 
-    def __init__(self, kv: KVManager, num_slots: int, step_tokens: int, decode_tokens: int = 1):
+    def __init__(self, kv: KVManager, num_slots: int, step_tokens: int, decode_tokens: int = 1,
+                 prefill_step_tokens: int | None = None):
         if num_slots < 1:
             raise ValueError(f"slots must be >= 1, got {num_slots}")
         if step_tokens < num_slots * decode_tokens:
             # otherwise some live sequence could not advance in a step
             raise ValueError(f"step_tokens ({step_tokens}) must be >= slots x tokens per decode ({num_slots} x {decode_tokens})")
         self.kv, self.num_slots, self.step_tokens, self.decode_tokens = kv, num_slots, step_tokens, decode_tokens
+        # the budget of a step in which nobody decodes: one long prompt is not cut into step_tokens
+        # chunks when no one's latency depends on it
+        self.prefill_step_tokens = max(step_tokens, prefill_step_tokens or step_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
         self.free_slots: list[int] = list(range(num_slots))
         self.num_preemptions = 0
+        self.held: dict[Sequence, PrefixWait] = {}  # running (a slot) but waiting for a leader's snapshot
+        self.steps = 0  # schedule() calls so far: the clock of the waits
+        self.counters = {"prefix_waits": 0, "prefix_wait_steps": 0, "prefix_wait_timeouts": 0}
 
     # ---- queue management
     def add(self, seq: Sequence) -> None:
@@ -94,6 +124,7 @@ class Scheduler:
 
     def release(self, seq: Sequence) -> None:
         """Take a finished or cancelled sequence out: its blocks and slot return at once."""
+        self.held.pop(seq, None)
         if seq in self.running:
             self._free_resources(seq)
             self.running.remove(seq)
@@ -123,17 +154,66 @@ class Scheduler:
             self.waiting.popleft()
             seq.slot = self.free_slots.pop(0)
             seq.status, seq.fresh = SeqStatus.RUNNING, True
-            self.kv.admit(seq)  # a prefix hit maps shared bundles and starts kv_valid past them
+            wait = self._wait_for_leader(seq)
+            if wait is not None:
+                self.held[seq] = wait
+                self.counters["prefix_waits"] += 1
+            else:
+                self.kv.admit(seq)  # a prefix hit maps shared bundles and starts kv_valid past them
             self.running.append(seq)
             admitted.append(seq)
         return admitted
 
-    def _preempt(self, seq: Sequence, admitted: list[Sequence], preempted: list[Sequence]) -> None:
+    # ---- shared in-flight prefixes
+    def prefill_steps(self, start: int, end: int, share: int) -> int:
+        """Steps a prefill from start to end takes with `share` tokens a step, its chunks cut at boundaries."""
+        n = 0
+        while start < end:
+            start += self.kv.chunk_tokens_at(start, min(share, end - start))
+            n += 1
+        return n
+
+    def _wait_for_leader(self, seq: Sequence) -> PrefixWait | None:
+        """A wait for the running sequence that will publish the longest prefix of seq beyond what the
+        cache holds for it now (the first admitted among equals), or None."""
+        if not self.kv.interval:
+            return None
+        have, best, prefilling = self.kv.hit_length(seq), None, 1
+        for lead in self.running:
+            if lead in self.held or lead.sampling_done:
+                continue
+            prefilling += lead.need > self.decode_tokens
+            target = self.kv.shared_boundary(seq, lead)
+            if target > have and lead.kv_valid < target and (best is None or target > best[1]):
+                best = (lead, target)
+        if best is None:
+            return None
+        lead, target = best
+        limit = self.prefill_steps(have, target, max(1, self.step_tokens // prefilling)) + 1
+        return PrefixWait(lead, target, self.steps + limit, self.steps)
+
+    def _release_waits(self) -> list[Sequence]:
+        """Admit to the cache each held request whose target is published, whose leader left, or whose
+        wait reached its limit; the rest stay held through this step."""
+        released = []
+        for seq, w in list(self.held.items()):
+            done = self.kv.hit_length(seq) >= w.target
+            if done or w.leader not in self.running or self.steps > w.until:
+                del self.held[seq]
+                self.counters["prefix_wait_steps"] += self.steps - w.since
+                self.counters["prefix_wait_timeouts"] += not done and w.leader in self.running
+                self.kv.admit(seq)
+                released.append(seq)
+        return released
+
+    def _preempt(self, seq: Sequence, admitted: list[Sequence], preempted: list[Sequence],
+                 released: list[Sequence] | None = None) -> None:
         self._free_resources(seq)
         self.running.remove(seq)
         seq.status, seq.fresh = SeqStatus.WAITING, False
-        if seq in admitted:  # admitted this step, nothing computed: just put it back, no preemption
-            admitted.remove(seq)
+        fresh = [q for q in (admitted, released or []) if seq in q]
+        if fresh:  # admitted or released this step, nothing computed: just put it back, no preemption
+            fresh[0].remove(seq)
         else:
             seq.num_preemptions += 1
             self.num_preemptions += 1
@@ -143,23 +223,28 @@ class Scheduler:
     # ---- the per-step plan
     def token_counts(self, seqs: list[Sequence]) -> list[int]:
         """Decoding sequences send their anchor (+ spec_drafts when speculating); prefilling ones split
-        what is left (split_budget), each chunk ending on the next snapshot boundary at the latest."""
+        what is left (split_budget), each chunk ending on the next snapshot boundary at the latest. The
+        budget is step_tokens while anyone decodes, prefill_step_tokens when all prefill."""
         counts = [s.need + (s.spec_drafts if s.need == 1 else 0) if s.need <= self.decode_tokens else 0 for s in seqs]
         pre = [i for i, s in enumerate(seqs) if s.need > self.decode_tokens]
-        shares = split_budget([seqs[i].need for i in pre], self.step_tokens - sum(counts))
+        budget = self.step_tokens if len(pre) < len(seqs) else self.prefill_step_tokens
+        shares = split_budget([seqs[i].need for i in pre], budget - sum(counts))
         for i, n in zip(pre, shares):
             counts[i] = self.kv.chunk_tokens(seqs[i], n)
         return counts
 
     def schedule(self) -> StepPlan:
-        plan = StepPlan(admitted=self._admit())
+        self.steps += 1
+        plan = StepPlan(released=self._release_waits())
+        plan.admitted = self._admit()
         while True:
-            # a sequence whose last token is already sampled only waits for read-back
-            live = [s for s in self.running if not s.sampling_done]
+            # a sequence whose last token is already sampled only waits for read-back; a held one for its leader
+            live = [s for s in self.running if not s.sampling_done and s not in self.held]
             counts = self.token_counts(live)
             if self.kv.reserve(sum(self.kv.new_blocks(s, n) for s, n in zip(live, counts))):
                 break
-            self._preempt(live[-1], plan.admitted, plan.preempted)
+            self._preempt(live[-1], plan.admitted, plan.preempted, plan.released)
+        plan.held = list(self.held)
         for seq, n in zip(live, counts):
             if n == 0:
                 continue
@@ -179,4 +264,6 @@ class Scheduler:
             "waiting": len(self.waiting),
             "free_slots": len(self.free_slots),
             "preemptions": self.num_preemptions,
+            "prefix_waiting": len(self.held),
+            **self.counters,
         }

@@ -306,13 +306,14 @@ def mma_write(P: int, epi: int) -> str:
             "        if (na + 8 < N) Y[(size_t)m * N + na + 8] = pl_from_float<T>(acc[c + 2]);")
 
 
-def proj_select(P: int, epi: int) -> str:
-    """Code that maps the threadgroup to (p, blk within p) and binds N."""
+def proj_select(P: int, epi: int, tile: str = "RB") -> str:
+    """Code that maps the threadgroup to (p, blk within p) and binds N; `tile` names the constant holding
+    the output rows of one threadgroup."""
     if epi == 1:
         return "  const int N = w0_shape[0];\n"
     lines = [f"  const int N{i} = w{i}_shape[0];" for i in range(P)]
     for i in range(P - 1):
-        lines.append(f"  if (p == {i} && blk >= (N{i} + RB - 1) / RB) {{ blk -= (N{i} + RB - 1) / RB; p = {i + 1}; }}")
+        lines.append(f"  if (p == {i} && blk >= (N{i} + {tile} - 1) / {tile}) {{ blk -= (N{i} + {tile} - 1) / {tile}; p = {i + 1}; }}")
     sel = " : ".join(f"(p == {i} ? N{i}" for i in range(P - 1))
     lines.append(f"  const int N = {sel + ' : ' if P > 1 else ''}N{P - 1}{')' * (P - 1)};")
     return "\n".join(lines) + "\n"

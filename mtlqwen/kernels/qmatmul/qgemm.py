@@ -27,6 +27,7 @@ import mlx.core as mx
 from ..backend import gpu_backend
 from ..portable import KernelExample, PortableKernel
 from ..selection import SELECT
+from .bodies import MMA_HEADER, proj_select, ptr_select
 from .params import LinearParams
 
 POISON: float | None = None  # tests set NaN: every output element must then be written by the kernel
@@ -52,19 +53,6 @@ __device__ __forceinline__ void qg_cp4(void* dst, const void* src) {
 }
 __device__ __forceinline__ void qg_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void qg_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-template <int XK>
-__device__ __forceinline__ void qg_mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                       uint32_t b0, uint32_t b1) {
-  if constexpr (XK == 1)
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  else
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // a pair of 16-bit values (OFF + q) -> (q * s + b) in the activation type, s2 / b2 the pair-broadcast scale
 // and bias; OFF is 128 (bf16) or 1024 (fp16), so OFF + q and the subtraction are exact
@@ -272,7 +260,7 @@ _BODY = r"""
           }
 #pragma unroll
           for (int rt = 0; rt < RT; ++rt)
-            qg_mma<XK>(acc[rt][nt], a[rt][h][0], a[rt][h][1], a[rt][h][2], a[rt][h][3], b0, b1);
+            qm_mma<XK>(acc[rt][nt], a[rt][h][0], a[rt][h][1], a[rt][h][2], a[rt][h][3], b0, b1);
         }
       }
     }
@@ -311,33 +299,16 @@ _BODY = r"""
 """
 
 
-def _sel(prefix: str, P: int) -> str:
-    if P == 1:
-        return f"{prefix}0"
-    return " : ".join(f"(p == {i} ? {prefix}{i}" for i in range(P - 1)) + f" : {prefix}{P - 1}" + ")" * (P - 1)
-
-
-def _proj_select(P: int, epi: int) -> str:
-    """Block -> (projection p, block within p) and N."""
-    if epi == 1:
-        return "  const int N = w0_shape[0];\n"
-    lines = [f"  const int N{i} = w{i}_shape[0];" for i in range(P)]
-    for i in range(P - 1):
-        lines.append(f"  if (p == {i} && blk >= (N{i} + NOUT - 1) / NOUT) {{ blk -= (N{i} + NOUT - 1) / NOUT; p = {i + 1}; }}")
-    lines.append(f"  const int N = {_sel('N', P)};")
-    return "\n".join(lines) + "\n"
-
-
 def _row_of(P: int, epi: int) -> str:
     if epi == 1:  # warp w's 32 tile rows: its 16 gate rows, then the same 16 up rows
         return ("const int w_ = r / 32, i_ = r % 32; const bool up = i_ >= 16;\n"
                 "    W = up ? w1 : w0; S = up ? s1 : s0; B = up ? b1 : b0; n = n0 + w_ * 16 + (i_ & 15);")
-    return f"W = {_sel('w', P)}; S = {_sel('s', P)}; B = {_sel('b', P)}; n = n0 + r;"
+    return f"W = {ptr_select('w', P)}; S = {ptr_select('s', P)}; B = {ptr_select('b', P)}; n = n0 + r;"
 
 
 def _body(P: int, epi: int) -> str:
-    yptr = f"YT* Y = {_sel('y', 1 if epi else P)};"
-    return (_BODY.replace("PROJ_SELECT", _proj_select(P, epi)).replace("YPTR_SELECT", yptr)
+    yptr = f"YT* Y = {ptr_select('y', 1 if epi else P)};"
+    return (_BODY.replace("PROJ_SELECT", proj_select(P, epi, tile="NOUT")).replace("YPTR_SELECT", yptr)
             .replace("ROW_OF", _row_of(P, epi)))
 
 
@@ -359,7 +330,7 @@ def _kernel(P: int, epi: int, smem: int) -> PortableKernel:
         body = _body(P, epi)
         _KERNELS[key] = PortableKernel(
             name=f"mtl_qgemm_p{P}_e{epi}_s{smem}", input_names=ins, output_names=outs, body=body,
-            cuda_body=body, header=_HEADER, shared_memory=smem)
+            cuda_body=body, header=_HEADER + MMA_HEADER, shared_memory=smem)
     return _KERNELS[key]
 
 
@@ -439,23 +410,23 @@ def qgemm(x: mx.array, ps: list[LinearParams], epi: int = 0, cfg: tuple | None =
 
 
 def examples() -> list[tuple[PortableKernel, KernelExample]]:
-    """Instantiations for check_cuda: each (P, epi) at the table's shape classes, 4- and 8-bit, bf16 / fp16."""
+    """Instantiations for check_cuda: every template the table launches for one projection (three row
+    classes x 4/8-bit, bf16, fp16 at 64 rows), three projections, and SwiGLU at two row classes."""
+    combos = ([(1, 0, mx.bfloat16, bits, M) for bits in (4, 8) for M in (16, 32, 64)]
+              + [(1, 0, mx.float16, bits, 64) for bits in (4, 8)] + [(3, 0, mx.bfloat16, 4, 64)]
+              + [(2, 1, mx.bfloat16, bits, M) for bits in (4, 8) for M in (16, 64)])
     out = []
-    for P, epi in ((1, 0), (3, 0), (2, 1)):
-        for dt in (mx.bfloat16, mx.float16):
-            for bits in (4, 8):
-                for M in (16, 64, 512):
-                    RT, TT, WN, WM, ST, split = config(M, 4096, 4096, bits, epi)
-                    smem = ST * stage_bytes(bits, RT, TT, WN, WM)
-                    kern = _kernel(P, epi, smem)
-                    yt = mx.float32 if split > 1 else dt
-                    wq = [(mx.uint32, (4096, 4096 * bits // 32)), (dt, (4096, 4096 // 64)), (dt, (4096, 4096 // 64))]
-                    ex = KernelExample(
-                        inputs=[(dt, (M, 4096))] + wq * P, outputs=[yt] * (1 if epi else P),
-                        template=[("T", dt), ("XK", _XKIND[dt]), ("BITS", bits), ("GS", 64), ("RT", RT),
-                                  ("TT", TT), ("WN", WN), ("WM", WM), ("STAGES", ST), ("P", P),
-                                  ("EPI", epi), ("PART", int(split > 1)), ("YT", yt)])
-                    out.append((kern, ex))
+    for P, epi, dt, bits, M in combos:
+        RT, TT, WN, WM, ST, split = config(M, 4096, 4096, bits, epi)
+        kern = _kernel(P, epi, ST * stage_bytes(bits, RT, TT, WN, WM))
+        yt = mx.float32 if split > 1 else dt
+        wq = [(mx.uint32, (4096, 4096 * bits // 32)), (dt, (4096, 4096 // 64)), (dt, (4096, 4096 // 64))]
+        ex = KernelExample(
+            inputs=[(dt, (M, 4096))] + wq * P, outputs=[yt] * (1 if epi else P),
+            template=[("T", dt), ("XK", _XKIND[dt]), ("BITS", bits), ("GS", 64), ("RT", RT), ("TT", TT),
+                      ("WN", WN), ("WM", WM), ("STAGES", ST), ("P", P), ("EPI", epi), ("PART", int(split > 1)),
+                      ("YT", yt)])
+        out.append((kern, ex))
     return out
 
 
