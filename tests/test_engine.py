@@ -56,7 +56,7 @@ def test_random_workloads_match_each_request_alone(model, w):
 
 def test_preemption_under_a_tight_pool_is_exact(model):
     prompts = [random_token_ids(n, 512, seed=n) for n in (40, 33, 70, 5, 18, 61)]
-    eng = Engine(model, slots=4, step_tokens=32, block_tokens=16, num_blocks=7)
+    eng = Engine(model, slots=4, step_tokens=32, prefill_step_tokens=32, block_tokens=16, num_blocks=7)
     outs = eng.generate(prompts, greedy(8))
     assert eng.stats()["preemptions"] > 0
     assert sum(o.num_preemptions for o in outs) == eng.stats()["preemptions"]
@@ -225,7 +225,8 @@ def test_a_step_writes_the_kv_pools_in_place(model):
 
 def test_padding_to_buckets_is_exact(model):
     prompts = [random_token_ids(n, 512, seed=n) for n in (21, 5, 44)]
-    eng = Engine(model, slots=3, step_tokens=32, block_tokens=16, num_blocks=16, pad_buckets=True)
+    eng = Engine(model, slots=3, step_tokens=32, prefill_step_tokens=32, block_tokens=16, num_blocks=16,
+                 pad_buckets=True)
     assert eng.buckets == [1, 2, 4, 8, 16, 32]
     outs = eng.generate(prompts, greedy(5))
     assert eng.stats()["padding_tokens"] > 0

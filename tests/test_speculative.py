@@ -395,7 +395,7 @@ def test_server_passes_draft_to_the_engine(draft_dir, ckpt):
 
     from mtlqwen.frontends.server import _engine_kwargs  # noqa: PLC0415
 
-    args = argparse.Namespace(draft=str(draft_dir), prefix_interval=None, slots=2, step_tokens=32, block_tokens=16,
+    args = argparse.Namespace(draft=str(draft_dir), prefix_interval=None, slots=2, step_tokens=32, prefill_step_tokens=None, block_tokens=16,
                               num_blocks=20, max_model_len=None)
     kw = _engine_kwargs(args)
     assert kw["draft"] == str(draft_dir)
