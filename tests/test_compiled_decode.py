@@ -44,7 +44,7 @@ def test_one_trace_serves_growing_sequences_until_a_bucket_changes(model):
     # (tokens per sequence as query_start_loc, table width, length bucket, RoPE size, block, logits rows,
     #  taps, commit mode)
     r = eng.model.rope.size
-    assert list(eng.compiled._fns) == [((0, 1), 2, 256, r, 16, 1, None, False), ((0, 1), 4, 256, r, 16, 1, None, False)]
+    assert list(eng.compiled._fns) == [((0, 1), 2, 256, r, 16, 1, None, None), ((0, 1), 4, 256, r, 16, 1, None, None)]
 
 
 def test_eligible_only_for_one_token_per_sequence():

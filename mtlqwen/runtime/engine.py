@@ -408,7 +408,6 @@ class Engine(Generation):
 
     def _fail_step(self, plan: StepPlan, e: Exception) -> list[Delta]:
         log.error("a step failed while it was built; failing its %d requests", len(plan.scheduled), exc_info=e)
-        self.cache.clear_stash()  # a verifying forward may have stashed part of its states
         msg, now = self._reason(e), time.perf_counter()
         return [self._finish(s.seq, "error", [], now, msg) for s in plan.scheduled if s.seq.status is SeqStatus.RUNNING]
 
