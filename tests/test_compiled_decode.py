@@ -57,6 +57,33 @@ def test_eligible_only_for_one_token_per_sequence():
     assert not CompiledDecode.eligible(verify)
 
 
+def test_verifications_go_through_verifying_and_only_they(model):
+    """A verifying batch never runs through a path that would drop its stash, and `verifying` refuses
+    batches in which not every sequence verifies; all refused before any trace is built."""
+    import mlx.core as mx  # noqa: PLC0415
+    import pytest  # noqa: PLC0415
+
+    from mtlqwen.kernels import SeqLayout  # noqa: PLC0415
+
+    comp, cache, rows = CompiledDecode(model), model.make_cache(4, 2, 16), mx.array([0, 1], dtype=mx.int32)
+    ids = mx.array([1, 2], dtype=mx.int32)
+    both = SeqLayout([0, 1, 2], [3, 3], [[0], [1]], [0, 1], 16, verify=[True, True])
+    mixed = SeqLayout([0, 1, 2], [3, 3], [[0], [1]], [0, 1], 16, verify=[True, False])
+    plain = SeqLayout([0, 1, 2], [3, 3], [[0], [1]], [0, 1], 16)
+    with pytest.raises(ValueError, match="CompiledDecode.verifying runs the batches with verifying sequences"):
+        comp.with_taps(ids, both, cache, (1,), rows)
+    for lay in (mixed, plain):
+        with pytest.raises(ValueError, match="every sequence verifies"):
+            comp.verifying(ids, lay, cache, (1,), rows, "candidates")
+    with pytest.raises(ValueError, match="forward_verifying"):
+        model.forward_with_taps(ids, both, cache, (1,), rows)
+    with pytest.raises(ValueError, match="needs a layout with verifying sequences"):
+        model.forward_verifying(ids, plain, cache, (1,), rows)
+    with pytest.raises(TypeError, match="VerifyStash"):
+        model.commit_candidates(cache, None, [0, 0])
+    assert comp.traces == 0
+
+
 def test_default_is_off_on_the_cpu_references(model):
     assert Engine(model, slots=1, num_blocks=4).compiled is None
 
