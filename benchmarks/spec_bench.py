@@ -179,8 +179,8 @@ def part_ms(model, drafter, S: int, n: int, args, mode: str) -> dict:
     acc = n // 2 if args.accept is None else min(args.accept, n)
 
     def verify():  # commits acc drafts: a replay's cost is in its commit (the state moves; timing does not care)
-        logits, t = model.forward_with_taps(vids, ver, cache, drafter.tap_layers, verify_commit=mode)
-        model.commit_candidates(cache, [acc] * S)
+        logits, t, stash = model.forward_verifying(vids, ver, cache, drafter.tap_layers, verify_commit=mode)
+        model.commit_candidates(cache, stash, [acc] * S)
         mx.eval(mx.argmax(logits, axis=-1), t, *cache.arrays())
 
     return {name: _timed(fn, args.steps) for name, fn in (("decode", decode), ("draft", draft), ("verify", verify))}

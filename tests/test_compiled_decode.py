@@ -44,7 +44,7 @@ def test_one_trace_serves_growing_sequences_until_a_bucket_changes(model):
     # (tokens per sequence as query_start_loc, table width, length bucket, RoPE size, block, logits rows,
     #  taps, commit mode)
     r = eng.model.rope.size
-    assert list(eng.compiled._fns) == [((0, 1), 2, 256, r, 16, 1, None, False), ((0, 1), 4, 256, r, 16, 1, None, False)]
+    assert list(eng.compiled._fns) == [((0, 1), 2, 256, r, 16, 1, None, None), ((0, 1), 4, 256, r, 16, 1, None, None)]
 
 
 def test_eligible_only_for_one_token_per_sequence():
@@ -55,6 +55,33 @@ def test_eligible_only_for_one_token_per_sequence():
     verify = SeqLayout([0, 1, 2], [5, 9], [[0], [1]], [0, 1])
     verify.verify = [True, False]
     assert not CompiledDecode.eligible(verify)
+
+
+def test_verifications_go_through_verifying_and_only_they(model):
+    """A verifying batch never runs through a path that would drop its stash, and `verifying` refuses
+    batches in which not every sequence verifies; all refused before any trace is built."""
+    import mlx.core as mx  # noqa: PLC0415
+    import pytest  # noqa: PLC0415
+
+    from mtlqwen.kernels import SeqLayout  # noqa: PLC0415
+
+    comp, cache, rows = CompiledDecode(model), model.make_cache(4, 2, 16), mx.array([0, 1], dtype=mx.int32)
+    ids = mx.array([1, 2], dtype=mx.int32)
+    both = SeqLayout([0, 1, 2], [3, 3], [[0], [1]], [0, 1], 16, verify=[True, True])
+    mixed = SeqLayout([0, 1, 2], [3, 3], [[0], [1]], [0, 1], 16, verify=[True, False])
+    plain = SeqLayout([0, 1, 2], [3, 3], [[0], [1]], [0, 1], 16)
+    with pytest.raises(ValueError, match="CompiledDecode.verifying runs the batches with verifying sequences"):
+        comp.with_taps(ids, both, cache, (1,), rows)
+    for lay in (mixed, plain):
+        with pytest.raises(ValueError, match="every sequence verifies"):
+            comp.verifying(ids, lay, cache, (1,), rows, "candidates")
+    with pytest.raises(ValueError, match="forward_verifying"):
+        model.forward_with_taps(ids, both, cache, (1,), rows)
+    with pytest.raises(ValueError, match="needs a layout with verifying sequences"):
+        model.forward_verifying(ids, plain, cache, (1,), rows)
+    with pytest.raises(TypeError, match="VerifyStash"):
+        model.commit_candidates(cache, None, [0, 0])
+    assert comp.traces == 0
 
 
 def test_default_is_off_on_the_cpu_references(model):

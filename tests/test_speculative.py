@@ -81,9 +81,13 @@ def test_commit_candidates_equals_plain_run_exactly(model, verify_commit, k):
 
     c = prefilled()
     lay = SeqLayout([0, 30, 35], [0, 21], [[0, 1], [3, 4]], [2, 1], bt, verify=[False, True])
-    logits = model.forward(mx.array(other + ver, dtype=mx.int32), lay, c, verify_commit=verify_commit)
-    assert c.verify_stash.mode == verify_commit
-    model.commit_candidates(c, [k])
+    with pytest.raises(ValueError, match="forward_verifying"):  # a plain forward cannot stash the states
+        model.forward(mx.array(other + ver, dtype=mx.int32), lay, model.make_cache(8, 3, bt))
+    logits, taps, stash = model.forward_verifying(mx.array(other + ver, dtype=mx.int32), lay, c,
+                                                  verify_commit=verify_commit)
+    assert taps is None and stash.mode == verify_commit and sorted(stash.layers) == list(range(len(model.gdn_mixers)))
+    assert stash.layout.query_start_loc == [0, 5] and stash.layout.state_rows == [1]  # the verifying sequence alone
+    model.commit_candidates(c, stash, [k])
     ref = prefilled()
     ref_logits = model.forward(mx.array(ver[: k + 1], dtype=mx.int32), SeqLayout([0, k + 1], [21], [[3, 4]], [1], bt), ref)
     alone = model.make_cache(8, 3, bt)
@@ -95,9 +99,9 @@ def test_commit_candidates_equals_plain_run_exactly(model, verify_commit, k):
             assert np.array_equal(np.array(p[2]), np.array(a[2]))
     assert np.array_equal(np.array(logits[30 : 31 + k]), np.array(ref_logits))
     assert np.array_equal(np.array(logits[:30]), np.array(alone_logits))
-    assert c.verify_stash is None
-    with pytest.raises(RuntimeError):
-        model.commit_candidates(c, [k])
+    assert stash.committed
+    with pytest.raises(RuntimeError, match="committed already"):
+        model.commit_candidates(c, stash, [k])
 
 
 # ------------------------------------------------------------------------------------- engine: greedy
@@ -167,7 +171,7 @@ def test_state_and_drafter_context_after_partial_accepts(model, drafter, verify_
             continue
         (s,) = fl.spec.seqs
         P, seq = s.start, s.seq
-        assert eng.cache.verify_stash.mode == verify_commit  # the stash waiting for this step's commit
+        assert fl.spec.stash.mode == verify_commit and not fl.spec.stash.committed  # waiting for this step's commit
         assert seq.tokens == full[: P + 1]
         # plain run: the prompt in one chunk (as the engine did), then one token per step
         ref = model.make_cache(8, 1, bt)
@@ -373,7 +377,7 @@ def test_verify_commit_knob(model, drafter):
     lay = SeqLayout([0, 3], [0], [[0]], [0], 16, verify=[True])
     for bad in ("Replay", "", None):
         with pytest.raises(ValueError, match="verify_commit must be one of"):
-            model.forward(mx.array([1, 2, 3], dtype=mx.int32), lay, c, verify_commit=bad)
+            model.forward_verifying(mx.array([1, 2, 3], dtype=mx.int32), lay, c, verify_commit=bad)
     prompt = random_token_ids(9, 512, seed=3)
     for given, n_draft in (("replay", 2), ("candidates", 12), (None, 2), (None, REPLAY_MIN_DRAFTS + 1)):
         eng = Engine(model, slots=1, step_tokens=32, block_tokens=16, num_blocks=8, draft=drafter,
@@ -383,7 +387,7 @@ def test_verify_commit_knob(model, drafter):
         while eng.has_work():
             eng.step()
             if eng._inflight is not None and eng._inflight.spec is not None:
-                seen.append((eng.cache.verify_stash.mode, max(eng._inflight.spec.n)))
+                seen.append((eng._inflight.spec.stash.mode, max(eng._inflight.spec.n)))
         want = [(given or commit_mode_for(n), n) for _, n in seen]
         assert seen and seen == want, (given, n_draft, seen)
         if given is None and n_draft > REPLAY_MIN_DRAFTS:  # long runs replay, the short last ones do not

@@ -38,13 +38,15 @@ class GDNStash:
 
 @dataclass
 class VerifyStash:
-    """What a forward with verifying sequences (SeqLayout.verify) leaves for Qwen35Model.commit_candidates:
+    """What a verifying forward (Qwen35Model.forward_verifying) returns for Qwen35Model.commit_candidates:
     the commit mode it was run in, the layout of the verifying sequences alone, each GDN layer's part
-    (by GDN state index)."""
+    (by GDN state index). The forward fills it layer by layer; a commit applies it once (`committed`):
+    a second commit would move the states on from ones they already left."""
 
     mode: str
     layout: SeqLayout | None = None
     layers: dict[int, GDNStash] = field(default_factory=dict)
+    committed: bool = False
 
 
 class ModelCache:
@@ -71,8 +73,6 @@ class ModelCache:
         self.conv_states = [mx.zeros(conv_shape, dtype=dtype) for _ in range(n_gdn)]
         self.rec_states = [mx.zeros(rec_shape, dtype=mx.float32) for _ in range(n_gdn)]
         mx.eval(self.k_pools, self.v_pools, self.conv_states, self.rec_states)
-        # Set by a forward with verifying sequences, taken by Qwen35Model.commit_candidates.
-        self.verify_stash: VerifyStash | None = None
         # A speculative engine's model.dflash.DrafterCache: drafter K/V indexed by the same bundle ids, so
         # whoever copies a bundle (the prefix cache's partial blocks) copies its drafter rows too.
         self.drafter_cache: Any = None
@@ -90,16 +90,11 @@ class ModelCache:
         rec = c.linear_num_value_heads * c.linear_value_head_dim * c.linear_key_head_dim * 4
         return (conv + rec) * len(c.linear_attention_layers)
 
-    def clear_stash(self) -> None:
-        """Drop what a verifying forward left for commit_candidates (its step was abandoned)."""
-        self.verify_stash = None
-
     def reset(self) -> None:
         """Every pool back to zeros (new arrays: the old contents may be undefined after a failed evaluation)."""
         for pools in (self.k_pools, self.v_pools, self.conv_states, self.rec_states):
             for i, p in enumerate(pools):
                 pools[i] = mx.zeros(p.shape, dtype=p.dtype)
-        self.clear_stash()
         if self.drafter_cache is not None:
             self.drafter_cache.reset()
         mx.eval(self.arrays())

@@ -34,7 +34,8 @@ def _pow2_at_least(n: int, lo: int) -> int:
 
 class CompiledDecode:
     """`model.forward` for batches whose sequences all send one token (decode), compiled per shape class;
-    `with_taps` does `model.forward_with_taps` for the speculative engine's decode and all-verify batches.
+    `with_taps` does `model.forward_with_taps` for the speculative engine's decode batches and `verifying`
+    does `model.forward_verifying` for its batches in which every sequence verifies.
     At most `max_traces` traces are kept (least recently used dropped)."""
 
     MIN_LEN = 256  # attention length bound never below this: short contexts share one trace
@@ -57,13 +58,19 @@ class CompiledDecode:
         """Logits as `Qwen35Model.forward`; `cache`'s pools are rebound to the step's outputs."""
         return self._run(input_ids, layout, cache, logits_rows, None)[0]
 
-    def with_taps(self, input_ids, layout: SeqLayout, cache, taps: tuple[int, ...], logits_rows: mx.array | None,
+    def with_taps(self, input_ids, layout: SeqLayout, cache, taps: tuple[int, ...], logits_rows: mx.array | None):
+        """(logits, taps) as `Qwen35Model.forward_with_taps`."""
+        return self._run(input_ids, layout, cache, logits_rows, tuple(taps))[:2]
+
+    def verifying(self, input_ids, layout: SeqLayout, cache, taps: tuple[int, ...], logits_rows: mx.array | None,
                   verify_commit: str = "candidates"):
-        """(logits, taps) as `Qwen35Model.forward_with_taps`; a verification's stash is left in
-        `cache.verify_stash` with the real layout, as the uncompiled forward leaves it."""
+        """(logits, taps, VerifyStash) as `Qwen35Model.forward_verifying`, the stash holding the real layout."""
+        if not layout.verify or not all(layout.verify):
+            raise ValueError("CompiledDecode.verifying needs a batch in which every sequence verifies")
         return self._run(input_ids, layout, cache, logits_rows, tuple(taps), verify_commit)
 
-    def _run(self, input_ids, layout: SeqLayout, cache, logits_rows, taps, verify_commit: str = "candidates"):
+    def _run(self, input_ids, layout: SeqLayout, cache, logits_rows, taps, verify_commit: str | None = None):
+        """(logits, taps or None, VerifyStash or None); verify_commit: the mode of an all-verify batch."""
         B = layout.num_seqs
         width = _pow2_at_least(max(len(t) for t in layout.block_tables), 1)
         max_len = _pow2_at_least(layout.longest(), self.MIN_LEN)
@@ -71,16 +78,17 @@ class CompiledDecode:
         tables = mx.array([t + [0] * (width - len(t)) for t in layout.block_tables], dtype=mx.int32)
         arrays = [layout.array(n) for n in _INPUTS] + [tables]
         rows = () if logits_rows is None else (logits_rows,)
-        verify = bool(layout.verify)  # eligible layouts: all verify, or none
+        verify = verify_commit is not None  # eligible layouts: all verify, or none
+        if verify != any(layout.verify or ()):
+            raise ValueError("CompiledDecode.verifying runs the batches with verifying sequences, and only those")
         # the graph's structure: tokens per sequence, table width, length bucket, what is returned, and the
         # commit mode (it decides what a verification stashes)
         shape = (tuple(layout.query_start_loc), width, max_len, self.model.rope.size, layout.block_tokens,
-                 len(rows) and logits_rows.shape[0], taps, verify and verify_commit)
+                 len(rows) and logits_rows.shape[0], taps, verify_commit)
         fn = self._fns.get(shape)
         if fn is None:
             fn = self._fns[shape] = mx.compile(self._step_fn(B, layout.query_start_loc, width, max_len,
-                                                             layout.block_tokens, bool(rows), taps,
-                                                             verify and verify_commit))
+                                                             layout.block_tokens, bool(rows), taps, verify_commit))
             self.traces += 1
             if len(self._fns) > self.max_traces:
                 self._fns.popitem(last=False)
@@ -90,34 +98,37 @@ class CompiledDecode:
         head, pools, stash = fn(input_ids, arrays, rows, cache.arrays())
         cache.k_pools[:], cache.v_pools[:] = pools[:n_attn], pools[n_attn : 2 * n_attn]
         cache.conv_states[:], cache.rec_states[:] = pools[2 * n_attn : 2 * n_attn + n_gdn], pools[2 * n_attn + n_gdn :]
-        if verify:  # the trace's stash, one GDNStash tree per GDN layer in state-index order
-            cache.verify_stash = VerifyStash(verify_commit, layout,
-                                             {idx: GDNStash.from_tree(t) for idx, t in enumerate(stash)})
-        return head[0], (head[1] if taps is not None else None)
+        # the trace's stash, one GDNStash tree per GDN layer in state-index order
+        out = VerifyStash(verify_commit, layout, {idx: GDNStash.from_tree(t) for idx, t in enumerate(stash)}) \
+            if verify else None
+        return head[0], (head[1] if taps is not None else None), out
 
     def _step_fn(self, B: int, qsl: list[int], width: int, max_len: int, block_tokens: int, has_rows: bool,
-                 taps: tuple[int, ...] | None, verify: str | bool):
-        """verify: False, or the commit mode of an all-verify batch."""
+                 taps: tuple[int, ...] | None, verify: str | None):
+        """verify: None, or the commit mode of an all-verify batch."""
         model = self.model
         qsl = list(qsl)
 
         def step(ids, arrays, rows, pools):
             lay = SeqLayout.for_trace(qsl, dict(zip(_INPUTS + ("block_tables",), arrays)), block_tokens,
                                       verify=[True] * B if verify else None, max_len=max_len)
-            mode = verify or "candidates"
             n_attn = len(model.config.full_attention_layers)
             n_gdn = len(model.config.linear_attention_layers)
             view = SimpleNamespace(  # the model's writes rebind these lists; they are returned below
                 k_pools=list(pools[:n_attn]), v_pools=list(pools[n_attn : 2 * n_attn]),
                 conv_states=list(pools[2 * n_attn : 2 * n_attn + n_gdn]),
-                rec_states=list(pools[2 * n_attn + n_gdn :]), verify_stash=None,
+                rec_states=list(pools[2 * n_attn + n_gdn :]),
             )
             r = rows[0] if has_rows else None
-            if taps is None:
+            stash = []
+            if verify:
+                logits, tapped, st = model.forward_verifying(ids, lay, view, taps or (), r, verify)
+                head = [logits] if taps is None else [logits, tapped]
+                stash = [st.layers[idx].tree() for idx in range(n_gdn)]
+            elif taps is None:
                 head = [model.forward(ids, lay, view, r)]
             else:
-                head = list(model.forward_with_taps(ids, lay, view, taps, r, mode))
-            stash = [view.verify_stash.layers[idx].tree() for idx in range(n_gdn)] if verify else []
+                head = list(model.forward_with_taps(ids, lay, view, taps, r))
             return head, [*view.k_pools, *view.v_pools, *view.conv_states, *view.rec_states], stash
 
         return step

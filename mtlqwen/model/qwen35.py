@@ -101,14 +101,16 @@ class GDNMixer:
         self.norm_w = w[f"{prefix}.norm.weight"]
         self.out_proj = _lin(w, f"{prefix}.out_proj", c)
 
-    def __call__(self, x: mx.array, layout: SeqLayout, cache: ModelCache) -> mx.array:
+    def __call__(self, x: mx.array, layout: SeqLayout, cache: ModelCache, stash: VerifyStash | None = None):
+        """-> o_proj's input [T, value_dim]. stash: where a batch holding verifications puts this layer's
+        part (forward_verifying's)."""
         c, T = self.c, x.shape[0]
         Hk, Hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         # one launch for the four projections of x at decode sizes
         mixed, z, b, a = linear_multi(x, [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
         # mixed [T, conv_dim]: q | k | v channels; z [T, value_dim]; b, a [T, Hv]
         if layout.verify is not None and any(layout.verify):
-            o = self._mix_verifying(mixed, a, b, layout, cache)
+            o = self._mix_verifying(mixed, a, b, layout, cache, stash)
             return gated_rms_norm(o, z.reshape(T, Hv, dv), self.norm_w, c.rms_norm_eps).reshape(T, c.value_dim)
         conv_pool, rec_pool = cache.conv_states[self.idx], cache.rec_states[self.idx]
         y, conv_new = causal_conv1d(mixed, self.conv_w, conv_pool, layout, write_state=True)  # the delta rule reads y
@@ -135,10 +137,10 @@ class GDNMixer:
                 rec_pool[rows] = rec_new
         return o
 
-    def _mix_verifying(self, mixed, a, b, layout: SeqLayout, cache: ModelCache) -> mx.array:
+    def _mix_verifying(self, mixed, a, b, layout: SeqLayout, cache: ModelCache, stash: VerifyStash) -> mx.array:
         """The conv + delta rule of a batch holding verifications -> o [T, Hv, dv]. Plain sequences commit
-        their new state; verifying ones leave the pools alone and stash (rec, old conv rows [Sv, K-1, C],
-        raw verify rows [Tv, C]) for `Qwen35Model.commit_candidates`, where rec is all states
+        their new state; verifying ones leave the pools alone and put (rec, old conv rows [Sv, K-1, C],
+        raw verify rows [Tv, C]) in `stash` for `Qwen35Model.commit_candidates`, where rec is all states
         [Tv, Hv, dv, dk] ("candidates") or the verify rows' (q, k, v, a, b) ("replay")."""
         c = self.c
         sp = _VerifySplit.of(layout)
@@ -152,7 +154,6 @@ class GDNMixer:
             vr = sp.verify_rows
             ins, raw = (q[vr], k[vr], v[vr], a[vr], b[vr]), mixed[vr]
         # ins: q, k [Tv, Hk, dk], v [Tv, Hv, dv], a, b [Tv, Hv]; raw: the verify rows' conv inputs [Tv, C]
-        stash = cache.verify_stash
         if stash.mode == "replay":  # outputs only; the states come from the replay at commit
             o_v, _ = gated_delta(*ins, self.A_log, self.dt_bias, rec_pool, sp.verify)
             rec = ins
@@ -262,14 +263,16 @@ class DecoderLayer:
         self.mlp = MoEBlock(w, f"{p}.mlp", c) if c.is_moe else DenseMLP(w, f"{p}.mlp", c)
         self.eps = c.rms_norm_eps
 
-    def __call__(self, h, x, layout: SeqLayout, cache: ModelCache, next_norm: mx.array):
-        """h: residual stream [T, H]; x: input_layernorm(h). Returns (new h, next_norm(new h))."""
+    def __call__(self, h, x, layout: SeqLayout, cache: ModelCache, next_norm: mx.array, stash=None):
+        """h: residual stream [T, H]; x: input_layernorm(h). Returns (new h, next_norm(new h)).
+        stash: a verifying forward's, filled by the GDN layers (attention needs no undo: kv_valid)."""
+        o = self.mixer(x, layout, cache, stash) if self.kind == "linear_attention" else self.mixer(x, layout, cache)
         if self.group is not None:  # one all_sum per mixer and per MLP; the fused add+norm cannot carry it
             g = self.group
-            h, x = add_rms_norm(h, mx.distributed.all_sum(linear(self.mixer(x, layout, cache), self.mixer.out_proj),
-                                                          group=g), self.post_norm, self.eps)
+            h, x = add_rms_norm(h, mx.distributed.all_sum(linear(o, self.mixer.out_proj), group=g),
+                                self.post_norm, self.eps)
             return add_rms_norm(h, mx.distributed.all_sum(self.mlp(x), group=g), next_norm, self.eps)
-        h, x = linear_add_rms_norm(self.mixer(x, layout, cache), self.mixer.out_proj, h, self.post_norm, self.eps)
+        h, x = linear_add_rms_norm(o, self.mixer.out_proj, h, self.post_norm, self.eps)
         return self.mlp.add_norm(x, h, next_norm, self.eps)
 
 
@@ -277,8 +280,10 @@ class Qwen35Model:
     """The decoder. `weights` uses mtlqwen's internal names (`model.layers.N....`, `lm_head`), with the
     mlx-lm conventions: (1+w) folded into zero-centred norms, conv weight [C, K].
 
-    verify_commit (one of VERIFY_COMMITS, an argument of a forward with verifying sequences): how it leaves
-    the GDN states for `commit_candidates`. "candidates" writes the state after every verified token,
+    A batch with verifying sequences (SeqLayout.verify) runs through `forward_verifying`, which returns the
+    VerifyStash that `commit_candidates` applies; the plain forwards refuse such a batch.
+    verify_commit (one of VERIFY_COMMITS, an argument of forward_verifying): what the stash holds for
+    `commit_candidates`. "candidates" writes the state after every verified token,
     (n_draft + 1) states of traffic per layer and sequence; "replay" keeps only the verify rows' inputs and
     reruns anchor + accepted drafts from the pre-step state at commit (a second, shorter delta-rule pass)."""
 
@@ -313,20 +318,20 @@ class Qwen35Model:
     def make_cache(self, num_blocks: int, num_slots: int, block_tokens: int = 128) -> ModelCache:
         return ModelCache(self.config, num_blocks, num_slots, block_tokens, self.dtype)
 
-    def _run(self, input_ids, layout, cache, taps: tuple[int, ...] = (), verify_commit: str = "candidates"):
-        """Final-normed hidden states [T, H] and the residual stream after each layer in `taps`."""
+    def _run(self, input_ids, layout, cache, taps: tuple[int, ...] = (), stash: VerifyStash | None = None):
+        """Final-normed hidden states [T, H] and the residual stream after each layer in `taps`; a batch
+        with verifying sequences fills `stash` (forward_verifying's)."""
+        if stash is None and layout.verify is not None and any(layout.verify):
+            raise ValueError("a batch with verifying sequences goes through forward_verifying, which returns "
+                             "the stash commit_candidates needs")
         self.rope.ensure(max(kv + layout.q_len(i) for i, kv in enumerate(layout.kv_valid)))
-        if layout.verify is not None and any(layout.verify):
-            if verify_commit not in VERIFY_COMMITS:
-                raise ValueError(f"verify_commit must be one of {VERIFY_COMMITS}, got {verify_commit!r}")
-            cache.verify_stash = VerifyStash(verify_commit)  # a fresh stash; the commit follows its mode
         h = self.embed_rows(input_ids)
         x = rms_norm(h, self.layers[0].input_norm, self.config.rms_norm_eps)
         captured = []
         n = len(self.layers)
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1].input_norm if i + 1 < n else self.final_norm
-            h, x = layer(h, x, layout, cache, nxt)
+            h, x = layer(h, x, layout, cache, nxt, stash)
             if i in taps:
                 captured.append(h)
         return x, captured
@@ -349,34 +354,50 @@ class Qwen35Model:
 
     def forward(
         self, input_ids: mx.array, layout: SeqLayout, cache: ModelCache, logits_rows: mx.array | None = None,
-        verify_commit: str = "candidates",
     ) -> mx.array:
         """Logits [len(logits_rows) or T, vocab] for the packed batch (rows: the packed positions to score)."""
-        h = self._run(input_ids, layout, cache, (), verify_commit)[0]
-        if logits_rows is not None:
-            h = h[logits_rows]
-        return self.head(h)
+        return self._with_taps(input_ids, layout, cache, (), logits_rows, None)[0]
 
     def forward_with_taps(
         self, input_ids: mx.array, layout: SeqLayout, cache: ModelCache, taps: tuple[int, ...],
-        logits_rows: mx.array | None = None, verify_commit: str = "candidates",
+        logits_rows: mx.array | None = None,
     ) -> tuple[mx.array, mx.array]:
         """Logits as `forward`, plus the outputs of the tap layers (DFlash's `target_layer_ids`,
         i.e. HF hidden_states[L + 1]) concatenated in tap order: [T, len(taps) * H]."""
+        return self._with_taps(input_ids, layout, cache, tuple(taps), logits_rows, None)
+
+    def forward_verifying(
+        self, input_ids: mx.array, layout: SeqLayout, cache: ModelCache, taps: tuple[int, ...] = (),
+        logits_rows: mx.array | None = None, verify_commit: str = "candidates",
+    ) -> tuple[mx.array, mx.array | None, VerifyStash]:
+        """A batch with verifying sequences (plain ones may ride along): (logits as `forward`, taps as
+        `forward_with_taps` or None without taps, the VerifyStash for `commit_candidates`). Plain sequences'
+        GDN states are written; verifying ones' wait for the commit."""
+        if verify_commit not in VERIFY_COMMITS:
+            raise ValueError(f"verify_commit must be one of {VERIFY_COMMITS}, got {verify_commit!r}")
+        if layout.verify is None or not any(layout.verify):
+            raise ValueError("forward_verifying needs a layout with verifying sequences (SeqLayout.verify)")
+        stash = VerifyStash(verify_commit)  # the commit follows its mode
+        logits, tapped = self._with_taps(input_ids, layout, cache, tuple(taps), logits_rows, stash)
+        return logits, tapped, stash
+
+    def _with_taps(self, input_ids, layout, cache, taps: tuple[int, ...], logits_rows, stash):
         order = sorted(set(taps))
-        h, captured = self._run(input_ids, layout, cache, tuple(order), verify_commit)
+        h, captured = self._run(input_ids, layout, cache, tuple(order), stash)
         by_layer = dict(zip(order, captured))
         if logits_rows is not None:
             h = h[logits_rows]
-        return self.head(h), mx.concatenate([by_layer[t] for t in taps], axis=-1)
+        tapped = mx.concatenate([by_layer[t] for t in taps], axis=-1) if taps else None
+        return self.head(h), tapped
 
-    def commit_candidates(self, cache: ModelCache, accepted: list[int]) -> None:
-        """After a forward with verifying sequences: verifying sequence j (in layout order) keeps the GDN
+    def commit_candidates(self, cache: ModelCache, stash: VerifyStash, accepted: list[int]) -> None:
+        """Apply what forward_verifying returned: verifying sequence j (in layout order) keeps the GDN
         state after its anchor and first accepted[j] drafts; its conv state becomes the last K-1 raw rows
         up to that token. Rejected tokens' K/V need no undo: the runtime does not count them in kv_valid."""
-        stash, cache.verify_stash = cache.verify_stash, None
-        if stash is None or stash.layout is None:
-            raise RuntimeError("commit_candidates without a verifying forward before it")
+        if not isinstance(stash, VerifyStash) or stash.layout is None:
+            raise TypeError(f"commit_candidates needs the VerifyStash of a verifying forward, got {stash!r:.80}")
+        if stash.committed:
+            raise RuntimeError("this verification was committed already")
         lay, mode = stash.layout, stash.mode
         if len(accepted) != lay.num_seqs or any(not 0 <= k < lay.q_len(j) for j, k in enumerate(accepted)):
             raise ValueError(f"accepted {accepted} does not fit verifications of {[lay.q_len(j) for j in range(lay.num_seqs)]} tokens")
@@ -394,6 +415,7 @@ class Qwen35Model:
         win = [j * K1 + r if r < K1 else S * K1 + qsl[j] + r - K1
                for j, k in enumerate(accepted) for r in range(k + 1, k + 1 + K1)]
         win, slots = mx.array(win, dtype=mx.int32), mx.array(lay.state_rows, dtype=mx.int32)
+        stash.committed = True
         for idx, part in stash.layers.items():
             rec, old_conv, raw = part.rec, part.old_conv, part.raw
             if mode == "replay":

@@ -10,8 +10,6 @@ MLX's data dependencies through the pool arrays).
 
 from __future__ import annotations
 
-import logging
-import operator
 import random
 import time
 from dataclasses import dataclass, field, fields
@@ -22,9 +20,10 @@ import mlx.core as mx
 
 from ..kernels import use_kernels
 from ..model.compiled import CompiledDecode
+from .admission import as_params, check_request, prompt_ids
 from .batch import PackedBatch, pack, token_buckets
-from .block_pool import BlockPool
 from .config import EngineConfig
+from .failures import EvalFailed, Failures, reason
 from .generate import Generation
 from .memory import plan_memory
 from .outputs import Delta, Output, TextState
@@ -34,8 +33,6 @@ from .sampling import SamplingParams, sample_isolating
 from .scheduler import ScheduledSeq, Scheduler, StepPlan
 from .speculative import Speculator, load_draft
 from .sequence import Sequence, SeqStatus
-
-log = logging.getLogger("mtlqwen.engine")
 
 
 @dataclass
@@ -47,26 +44,6 @@ class _InFlight:
     snapshots: StepSnapshots | None = None  # the step's prefix-cache captures, published at read-back
     spec: Any = None  # speculative._Verification: the step's verifying sequences, applied at read-back
     failed: list[tuple[Sequence, Exception]] = field(default_factory=list)  # sampler errors of one request each
-
-
-class _EvalFailed(Exception):
-    """Evaluating a step raised (at launch or at read-back): device state is undefined. `flight`: the
-    step being launched, when it was its launch."""
-
-    def __init__(self, cause: Exception, flight=None):
-        super().__init__(str(cause))
-        self.cause, self.flight = cause, flight
-
-
-def _as_params(sampling) -> SamplingParams:
-    if sampling is None:
-        return SamplingParams()
-    if isinstance(sampling, dict):
-        return SamplingParams(**sampling)
-    if not isinstance(sampling, SamplingParams):
-        raise ValueError(f"sampling must be SamplingParams, a dict or None, got {type(sampling).__name__}")
-    sampling.validate()  # catches fields changed after construction
-    return sampling
 
 
 _UNSET: Any = object()  # an Engine keyword left out: EngineConfig's value stands
@@ -189,44 +166,16 @@ class Engine(Generation):
         self._inflight: _InFlight | None = None
         self._events: list[Delta] = []  # cancellations, reported by the next step
         self._held: list[Delta] = []  # deltas of submit()ted requests that arrived inside generate/stream
+        self.failures = Failures(self._finish, self.cache, self.kv)
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_tokens": 0, "steps": 0, "padding_tokens": 0}
 
     # ---- requests
-    def _prompt_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt is a string but the engine has no tokenizer: pass token ids or Engine(tokenizer=...)")
-            return list(self.tokenizer.encode(prompt))
-        try:
-            return [operator.index(t) for t in prompt]  # ints (numpy ints too), never floats
-        except TypeError:
-            raise ValueError(f"a prompt is a string or a list of integer token ids, got {prompt!r:.80}") from None
-
     def submit(self, prompt, sampling: SamplingParams | dict | None = None, request_id=None):
         """Queue a request; returns its id. ValueError (naming the problem) for a request that can never run."""
-        params = _as_params(sampling)
-        ids = self._prompt_ids(prompt)
-        V = self.config.vocab_size
-        if not ids:
-            raise ValueError("empty prompt: at least one token is needed")
-        params.check_vocab(V)
-        bad = [t for t in ids if not 0 <= t < V]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {V})")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
-                f"{self.max_model_len} tokens"
-            )
-        # the last sampled token is never run through the model, so it needs no KV
-        need = BlockPool.blocks_for(len(ids) + params.max_tokens - 1, self.block_tokens)
-        if need > self.num_blocks:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {need} KV blocks of "
-                f"{self.block_tokens} tokens but the pool has {self.num_blocks}: raise num_blocks/kv_bytes or lower max_tokens"
-            )
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; use stop_token_ids or Engine(tokenizer=...)")
+        params = as_params(sampling)
+        ids = prompt_ids(prompt, self.tokenizer)
+        check_request(ids, params, self.config.vocab_size, self.max_model_len, self.block_tokens, self.num_blocks,
+                      self.tokenizer is not None)
         if request_id is None:
             while self._next_id in self._seqs:
                 self._next_id += 1
@@ -259,7 +208,7 @@ class Engine(Generation):
     def step(self) -> list[Delta]:
         """Advance every live sequence by one step; returns the deltas read back in this call. An error
         while computing the step fails the requests it touched (finish_reason "error", `error` says why)
-        and the engine goes on serving the others and the next ones (failures below)."""
+        and the engine goes on serving the others and the next ones (failures.py)."""
         held, self._held = self._held, []
         return held + self._advance()
 
@@ -282,7 +231,7 @@ class Engine(Generation):
         if plan.scheduled:
             try:
                 launched = self._launch(plan)
-            except _EvalFailed as e:
+            except EvalFailed as e:
                 deltas += self._fail_all(e.cause, [self._inflight, e.flight])
                 return
             except Exception as e:  # raised while building the step: nothing of it ran
@@ -292,9 +241,9 @@ class Engine(Generation):
             if not self._read_back(flight, launched, deltas):
                 launched, failure = None, None  # the reset failed the new step's sequences too
         if failure is not None:
-            deltas += self._fail_step(plan, failure)
+            deltas += self.failures.step(plan.scheduled, failure)
         if launched is not None and launched.failed:  # after the previous step's tokens: they are theirs
-            deltas += self._fail_requests(launched.failed)
+            deltas += self.failures.requests(launched.failed)
         self._inflight = launched
 
     def _read_back(self, flight: _InFlight, launched: _InFlight | None, deltas: list[Delta]) -> bool:
@@ -302,7 +251,7 @@ class Engine(Generation):
         try:
             deltas += self._commit(flight)
             return True
-        except _EvalFailed as e:
+        except EvalFailed as e:
             deltas += self._fail_all(e.cause, [flight, launched])
             return False
 
@@ -341,17 +290,17 @@ class Engine(Generation):
             mx.async_eval(*([tokens] if tokens is not None else []), *cache.arrays())
             snapshots.capture()  # a separate evaluation, after the step's in-place KV writes (attention/kv_write.py)
         except Exception as e:
-            raise _EvalFailed(e, flight) from e
+            raise EvalFailed(e, flight) from e
         return flight
 
     def _commit(self, flight: _InFlight) -> list[Delta]:
         """Read the step's tokens (the one sync) and apply them: append, check stops, finish. A failed
-        read-back raises _EvalFailed; an error applying one request's tokens fails that request."""
+        read-back raises EvalFailed; an error applying one request's tokens fails that request."""
         try:
             tokens = flight.tokens.tolist() if flight.tokens is not None else []
             verified = self.spec.read(flight.spec) if flight.spec is not None else None
         except Exception as e:
-            raise _EvalFailed(e) from e
+            raise EvalFailed(e) from e
         now = time.perf_counter()
         new: dict[Sequence, list[int]] = {}
         done: dict[Sequence, str] = {}
@@ -361,7 +310,7 @@ class Engine(Generation):
             try:
                 runs += self.spec.commit(flight.spec, verified)
             except Exception as e:  # the verifying sequences' state is not committed: they fail
-                msg = self._reason(e)
+                msg = reason(e)
                 for s in flight.spec.seqs:
                     s.seq.pending -= 1
                     failed[s.seq] = msg
@@ -371,7 +320,7 @@ class Engine(Generation):
             try:
                 self._append(seq, toks, new, done, now)
             except Exception as e:  # e.g. the detokenizer: this request alone
-                failed[seq] = self._reason(e)
+                failed[seq] = reason(e)
         if flight.snapshots is not None:  # every captured prefix's tokens are on the host now
             flight.snapshots.publish()
         deltas = []
@@ -404,52 +353,10 @@ class Engine(Generation):
             elif len(seq.tokens) - seq.prompt_len >= p.max_tokens:
                 done[seq] = "length"
 
-    # ---- failures
-    # A step that raises while it is built (host code: packing, graph construction, the sampler) has not
-    # run: the cache's pools are lazy graphs of valid ops, so only the step's sequences are failed and
-    # their slots and blocks freed (a new sequence in the slot starts from zeroed state as always). A step
-    # whose evaluation fails (async_eval at launch or the read-back raises) leaves pool contents undefined (MLX marks the arrays
-    # evaluated with whatever the failed kernel left), so every running sequence fails and the cache,
-    # drafter context and prefix cache start again from zero. Waiting requests are untouched either way.
-    @staticmethod
-    def _reason(e: BaseException) -> str:
-        return f"generation failed: {type(e).__name__}: {e}"
-
-    def _fail_step(self, plan: StepPlan, e: Exception) -> list[Delta]:
-        log.error("a step failed while it was built; failing its %d requests", len(plan.scheduled), exc_info=e)
-        self.cache.clear_stash()  # a verifying forward may have stashed part of its states
-        msg, now = self._reason(e), time.perf_counter()
-        return [self._finish(s.seq, "error", [], now, msg) for s in plan.scheduled if s.seq.status is SeqStatus.RUNNING]
-
-    def _fail_requests(self, failed: list[tuple[Sequence, Exception]]) -> list[Delta]:
-        """Requests whose own sampling raised: they alone fail; the step in flight writes into their freed
-        slot and blocks as it would for a cancelled request."""
-        now, out = time.perf_counter(), []
-        for seq, e in failed:
-            log.error("sampling failed for request %r", seq.request_id, exc_info=e)
-            if seq.status is not SeqStatus.FINISHED:
-                out.append(self._finish(seq, "error", [], now, self._reason(e)))
-        return out
-
+    # ---- failures (failures.py says what a failed step does)
     def _fail_all(self, e: Exception, flights: list[_InFlight | None]) -> list[Delta]:
-        log.error("a step failed on the device; failing the running requests and resetting the cache", exc_info=e)
-        msg, now = self._reason(e), time.perf_counter()
-        hit = {seq for f in flights if f is not None for seq in f.seqs}
-        for f in flights:
-            if f is not None:
-                self._drop_captures(f)
         self._inflight = None
-        out = [self._finish(seq, "error", [], now, msg) for seq in list(self._seqs.values())
-               if seq.status is SeqStatus.RUNNING or seq in hit]
-        self.cache.reset()  # with the drafter's context pools
-        self.kv.clear()  # entries' bundles live in the pools just zeroed
-        return out
-
-    @staticmethod
-    def _drop_captures(flight: _InFlight) -> None:
-        """Unpublished snapshots of a dropped step: their bundle references go back."""
-        if flight.snapshots is not None:
-            flight.snapshots.discard()
+        return self.failures.device(e, flights, self._seqs.values())
 
     def _finish(self, seq: Sequence, reason: str, toks: list[int], now: float, error: str | None = None) -> Delta:
         self.kv.finish(seq, reason, self.cache)  # a turn entry from its slot, before the slot is released

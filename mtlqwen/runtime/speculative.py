@@ -26,6 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..kernels import SeqLayout
+from ..model.cache import VerifyStash
 from ..model.dflash import Drafter, DrafterCache, load_drafter
 from .kv_manager import KVManager
 from .rejection import position_noise, sample_drafts, verify
@@ -64,7 +65,8 @@ def load_draft(model, draft, n_draft, slots: int, step_tokens: int) -> tuple[Dra
 
 @dataclass
 class _Verification:
-    """What a launched step leaves for commit: device arrays are read back in one go."""
+    """What a launched step leaves for commit: device arrays are read back in one go. A failed step just
+    drops it (nothing of the verification is elsewhere)."""
 
     seqs: list[ScheduledSeq]
     layout: SeqLayout  # the verifying sequences alone (kv_valid = anchor positions)
@@ -74,6 +76,7 @@ class _Verification:
     next_token: mx.array  # [S] int32: correction or bonus
     taps: mx.array  # [T, k*H] taps of the whole step
     starts: list[int]  # packed row of each anchor
+    stash: VerifyStash  # the verifying forward's GDN parts, applied by Qwen35Model.commit_candidates
 
 
 # From this many drafts in a step, verified GDN states are committed by replay rather than by keeping every
@@ -159,13 +162,16 @@ class Speculator:
             ids[mx.array(at, dtype=mx.int32)] = drafts.reshape(-1)[mx.array(src, dtype=mx.int32)]
             # N + 1 rows per sequence (shorter runs repeat their last row; verify() masks them)
             rows += [min(qsl[i] + t, qsl[i + 1] - 1) for i in ver for t in range(N + 1)]
-        # the forward stashes in this mode and the commit follows the stash
-        mode = (self.verify_commit or commit_mode_for(N)) if ver else "candidates"
         fwd_rows = mx.array(rows, dtype=mx.int32)
-        if self.compiled is not None and rows and self.compiled.eligible_with_taps(lay):  # decode or all-verify
-            logits, taps = self.compiled.with_taps(ids, lay, cache, self.taps, fwd_rows, mode)
+        compiled = self.compiled is not None and rows and self.compiled.eligible_with_taps(lay)  # decode or all-verify
+        stash = None
+        if ver:  # the forward stashes in this mode and the commit follows the stash
+            mode = self.verify_commit or commit_mode_for(N)
+            fwd = self.compiled.verifying if compiled else self.model.forward_verifying
+            logits, taps, stash = fwd(ids, lay, cache, self.taps, fwd_rows, mode)
         else:
-            logits, taps = self.model.forward_with_taps(ids, lay, cache, self.taps, fwd_rows, mode)
+            fwd = self.compiled.with_taps if compiled else self.model.forward_with_taps
+            logits, taps = fwd(ids, lay, cache, self.taps, fwd_rows)
         tokens, failed = None, []
         if R:
             samp = batch.sampling
@@ -180,7 +186,7 @@ class Speculator:
                 self.drafter.write_context(taps[mx.array(prow, dtype=mx.int32)], pl, self.dcache)
             tl = logits[R:].reshape(len(ver), N + 1, -1)
             k, nxt = verify(tl, drafts, n, [s.seq.params for s in vs], noise)
-            state = _Verification(vs, vl, n, drafts, k, nxt, taps, [qsl[i] for i in ver])
+            state = _Verification(vs, vl, n, drafts, k, nxt, taps, [qsl[i] for i in ver], stash)
             mx.async_eval(k, nxt, drafts)
         else:
             self.drafter.write_context(taps, lay, self.dcache)
@@ -196,7 +202,7 @@ class Speculator:
         """Apply a verification: GDN candidates, drafter context, kv_valid. Returns each sequence's tokens.
         verified: what read(v) returned (read here when None)."""
         k, nxt, drafts = verified if verified is not None else self.read(v)
-        self.model.commit_candidates(self.cache, k)
+        self.model.commit_candidates(self.cache, v.stash, k)
         # drafter context of the anchor + accepted drafts: positions P .. P + k
         qsl, rows = [0], []
         for start, kj in zip(v.starts, k):
