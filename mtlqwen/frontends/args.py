@@ -124,6 +124,17 @@ def load_model_and_tokenizer(args, progress=None):
     return model, load_tokenizer(args.model), None, None
 
 
+def load_with_bar(args, bars: bool):
+    """load_model_and_tokenizer with the loading bar (bytes) on stderr when `bars`."""
+    from .terminal import Bar  # noqa: PLC0415
+
+    bar = Bar("loading", enabled=bars)
+    try:
+        return load_model_and_tokenizer(args, progress=bar.update)
+    finally:
+        bar.close()
+
+
 def check_max_tokens(max_tokens: int, context: int) -> None:
     """A reply budget that no prompt leaves room for is refused at start-up."""
     if max_tokens >= context:

@@ -20,11 +20,11 @@ import time
 
 from .args import (
     add_model_args, add_quiet_arg, add_sampling_args, check_max_tokens, check_model_args, fit_reply,
-    load_model_and_tokenizer, parse_template_args, sampling_from_args,
+    load_with_bar, parse_template_args, sampling_from_args,
 )
 from .prompting import continuation, has_chat_template, render
 from .reasoning import CLOSE, OPEN, ReasoningSplitter, prompt_opens_thinking
-from .terminal import Bar, Interrupt, PromptProgress, printable, progress_enabled, text_stream
+from .terminal import Interrupt, PromptProgress, printable, progress_enabled, text_stream
 
 PROMPT = ">> "
 HELP = ("commands: /think and /no_think switch thinking for the next replies, /reset clears the "
@@ -185,11 +185,7 @@ def cmd_chat(args) -> int:
     sampling = sampling_from_args(args)
     engine_kw = _engine_kwargs(args)
     bars = progress_enabled(args.quiet)
-    load_bar = Bar("loading", enabled=bars)
-    try:
-        model, tok, note, drafter = load_model_and_tokenizer(args, progress=load_bar.update)
-    finally:
-        load_bar.close()
+    model, tok, note, drafter = load_with_bar(args, bars)
     if drafter is not None and not engine_kw.get("draft"):  # the demo pair speculates with its drafter
         engine_kw["draft"] = drafter
     # --tensor-parallel: ranks other than 0 follow rank 0's engine and exit here

@@ -15,10 +15,10 @@ import time
 
 from .args import (
     add_model_args, add_quiet_arg, add_sampling_args, check_max_tokens, check_model_args, fit_reply,
-    load_model_and_tokenizer, parse_template_args, sampling_from_args,
+    load_with_bar, parse_template_args, sampling_from_args,
 )
 from .prompting import has_chat_template
-from .terminal import Bar, Interrupt, PromptProgress, printable, progress_enabled, text_stream
+from .terminal import Interrupt, PromptProgress, printable, progress_enabled, text_stream
 
 BANNER = "=" * 10
 INTERRUPTED = 130  # the shell's code for a process stopped by SIGINT
@@ -76,11 +76,7 @@ def cmd_generate(args) -> int:
                          "standard input on to the ranks; give the prompt as --prompt TEXT")
     prompt = _read_prompt(args.prompt)
     bars = progress_enabled(args.quiet)
-    load_bar = Bar("loading", enabled=bars)
-    try:
-        model, tok, note, drafter = load_model_and_tokenizer(args, progress=load_bar.update)
-    finally:
-        load_bar.close()
+    model, tok, note, drafter = load_with_bar(args, bars)
     ids = _prompt_ids(args, tok, prompt, template_kwargs)
     # --tensor-parallel: ranks other than 0 follow rank 0's engine and exit here
     engine = replicate(Engine(model, tokenizer=tok, slots=1, draft=drafter), group)
