@@ -54,12 +54,14 @@ def test_progress_moves_at_the_first_step(ckpt, monkeypatch):
     bars = []
     monkeypatch.setattr(mod, "tqdm", lambda **kw: bars.append(RecordingBar(**kw)) or bars[-1])
     engine = Engine(mtlqwen.load(ckpt), slots=2, step_tokens=16)
-    prompts = [[5 + i] * 20 for i in range(4)]  # 80 prompt tokens: 5 steps before any reply can finish
+    prompts = [[5 + i] * 20 for i in range(4)]  # 80 prompt tokens over 2 slots
     sampling = [SamplingParams(max_tokens=6) for _ in prompts]
     outputs = mod.run(engine, prompts, sampling)
     (bar,) = bars
     assert bar.total == 80 + 4 * 6
-    assert bar.seen[0] == (16, "0/4 done")  # the first step's 16 prompt tokens, before any request is done
+    # the first step prefills both admitted prompts whole (nobody decodes yet: the prefill budget, not
+    # step_tokens), before any request is done
+    assert bar.seen[0] == (40, "0/4 done")
     assert bar.seen[-1] == (80 + 4 * 6, "4/4 done")
     assert [len(o.token_ids) for o in outputs] == [6] * 4
     assert [o.token_ids for o in outputs] == [o.token_ids for o in Engine(mtlqwen.load(ckpt), slots=4).generate(
