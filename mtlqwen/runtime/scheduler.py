@@ -206,6 +206,13 @@ class Scheduler:
                 released.append(seq)
         return released
 
+    @staticmethod
+    def _victim(live: list[Sequence]) -> Sequence:
+        """The newest running sequence that was never preempted (else the newest): a victim readmitted
+        once its blocks existed is not pushed out again when a later request's prefix hit pins the cache
+        entries its room was counted on."""
+        return next((s for s in reversed(live) if s.num_preemptions == 0), live[-1])
+
     def _preempt(self, seq: Sequence, admitted: list[Sequence], preempted: list[Sequence],
                  released: list[Sequence] | None = None) -> None:
         self._free_resources(seq)
@@ -243,7 +250,7 @@ class Scheduler:
             counts = self.token_counts(live)
             if self.kv.reserve(sum(self.kv.new_blocks(s, n) for s, n in zip(live, counts))):
                 break
-            self._preempt(live[-1], plan.admitted, plan.preempted, plan.released)
+            self._preempt(self._victim(live), plan.admitted, plan.preempted, plan.released)
         plan.held = list(self.held)
         for seq, n in zip(live, counts):
             if n == 0:
