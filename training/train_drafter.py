@@ -22,9 +22,9 @@ from safetensors.torch import save_file
 
 from .data import heldout_windows, load_streams, WindowSampler
 from .dflash_torch import DFlashDrafter, block_inputs, block_loss, count_params, sample_anchors
-from .pair_config import DrafterHParams, drafter_config, override, smoke_drafter_hparams
+from .pair_config import DrafterHParams, drafter_config, smoke_drafter_hparams
 from .schedule import BudgetSchedule
-from .train_target import device_and_autocast
+from .train_target import add_run_args, start_run
 
 
 def load_target(path: Path, device):
@@ -94,20 +94,9 @@ def evaluate(step_fn: DraftStep, windows: torch.Tensor, device, autocast, batch_
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True, help="the trained target's HF checkpoint directory")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--budget-s", type=float, default=150.0)
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--heldout-tokens", type=int, default=32768)
-    ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
-                    help="override hyper-parameters (e.g. batch_size=2 seq_len=128 max_steps=3: the full-size "
-                         "model on a CPU for a few steps)")
+    add_run_args(ap, budget_s=150.0, heldout_tokens=32768)
     args = ap.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    hp = smoke_drafter_hparams() if args.smoke else DrafterHParams()
-    hp = override(hp, args.set)
-    torch.manual_seed(hp.seed)
-    device, autocast = device_and_autocast()
+    out, hp, device, autocast = start_run(args, smoke_drafter_hparams, DrafterHParams)
     target = load_target(Path(args.target), device)
     tcfg = json.loads((Path(args.target) / "config.json").read_text())
     cfg = drafter_config(tcfg, smoke=args.smoke)

@@ -34,6 +34,26 @@ def tokenizer_vocab_size() -> int:
     return Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
 
 
+def add_run_args(ap, budget_s: float, heldout_tokens: int) -> None:
+    """The flags both trainers take: output, wall-clock budget, smoke mode, held-out size, overrides."""
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--budget-s", type=float, default=budget_s, help="wall-clock training budget (s)")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, a few steps (CPU check of the pipeline)")
+    ap.add_argument("--heldout-tokens", type=int, default=heldout_tokens)
+    ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="override hyper-parameters (e.g. batch_size=2 seq_len=128 max_steps=3: the full-size "
+                         "model on a CPU for a few steps)")
+
+
+def start_run(args, smoke_hparams, full_hparams):
+    """(out dir, hyper-parameters, device, autocast) once the flags are parsed; seeds torch."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    hp = override(smoke_hparams() if args.smoke else full_hparams(), args.set)
+    torch.manual_seed(hp.seed)
+    return (out, hp, *device_and_autocast())
+
+
 def device_and_autocast():
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -91,21 +111,10 @@ def main(argv=None) -> dict:
     import transformers as tf
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--budget-s", type=float, default=330.0, help="wall-clock training budget (s)")
-    ap.add_argument("--smoke", action="store_true", help="tiny model, a few steps (CPU check of the pipeline)")
+    add_run_args(ap, budget_s=330.0, heldout_tokens=131072)
     ap.add_argument("--eval-every-s", type=float, default=60.0)
-    ap.add_argument("--heldout-tokens", type=int, default=131072)
-    ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
-                    help="override hyper-parameters (e.g. batch_size=2 seq_len=128 max_steps=3: the full-size "
-                         "model on a CPU for a few steps)")
     args = ap.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    hp = smoke_target_hparams() if args.smoke else TargetHParams()
-    hp = override(hp, args.set)
-    torch.manual_seed(hp.seed)
-    device, autocast = device_and_autocast()
+    out, hp, device, autocast = start_run(args, smoke_target_hparams, TargetHParams)
 
     t_data = time.perf_counter()
     streams = load_streams(out / ("streams-smoke.npz" if args.smoke else "streams.npz"), limit_docs=40 if args.smoke else None)

@@ -138,7 +138,7 @@ _BODY = r"""
     BARRIER;
     // (3) P.V: key group kg takes keys kg, kg+NKG, ...; DPT hd columns per lane. Every V row of the chunk
     // is loaded before the math: with the loads inside the guarded loop, they ran one latency at a time
-    // (a 192-key split took ~60 us in a B=1 step, benchmarks/decode_profile.md, session 12).
+    // (a 192-key split took ~60 us in a B=1 step, benchmarks/decode_profile.md).
     for (int r = 0; r < RT; ++r) {
       const float a = al[r];
       for (int i = 0; i < DPT; ++i) acc[r][i] *= a;
