@@ -27,12 +27,27 @@ def run_cli(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
                           text=True, timeout=180, env=subprocess_env())
 
 
-def test_generate_without_model_says_it_is_random():
-    r = run_cli("generate", "--prompt", "Hello", "-m", "12")
+def test_generate_random_model_says_it_is_random():
+    r = run_cli("generate", "--model", "random", "--prompt", "Hello", "-m", "12")
     assert r.returncode == 0, r.stderr
     assert "RANDOM weights" in r.stderr
     assert "Generation: 12 tokens" in r.stdout and "Prompt: 5 tokens" in r.stdout
     assert "Peak memory:" in r.stdout
+
+
+def test_generate_without_model_runs_the_demo_pair_speculating():
+    from mtlqwen.demo import DemoPairMissing, pair_dir  # noqa: PLC0415
+
+    try:
+        pair_dir()
+    except DemoPairMissing as e:
+        pytest.skip(f"the package was built without the demo pair: {e}")
+    r = run_cli("generate", "--prompt", "def fibonacci(n):", "-m", "24", "--seed", "3")
+    assert r.returncode == 0, r.stderr
+    assert "built-in demo model" in r.stderr and "RANDOM" not in r.stderr
+    assert "Speculative: " in r.stdout and " tokens per step" in r.stdout
+    n = int(r.stdout.split("Generation: ")[1].split()[0])
+    assert 1 <= n <= 24
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +93,7 @@ LONG = "a" * 2030  # 2030 byte tokens without the template: 18 left of the 2048-
      "--chat-template-args does not apply with --ignore-chat-template"),
     (["generate", "--model", "{ckpt}", "--ignore-chat-template", "--system-prompt", "Be brief."],
      "--system-prompt does not apply with --ignore-chat-template"),
-    (["generate", "--system-prompt", "Be brief."], "--system-prompt does not apply: this tokenizer has no chat template"),
+    (["generate", "--model", "random", "--system-prompt", "Be brief."], "--system-prompt does not apply: this tokenizer has no chat template"),
     (["generate", "--model", "{ckpt}", "-m", "3000"],
      "--max-tokens 3000 does not fit the model's context of 2048 tokens (the prompt and the reply share it): "
      "use --max-tokens 2047 or less"),

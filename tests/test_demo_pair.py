@@ -73,3 +73,40 @@ def test_builtin_default_is_the_pair(pair):
     assert b.drafter is not None and b.tokenizer.eos_token_ids == pair.tokenizer.eos_token_ids
     size = sum(p.stat().st_size for p in PAIR_DIR.rglob("*") if p.is_file())
     assert size <= PACKAGE_BUDGET
+
+
+def _heldout_prompts(pair, lengths=(40, 75, 130, 200)) -> list[list[int]]:
+    """Prompts cut from held-out files at different places (never trained on); the last two share a
+    prefix of 130 tokens, so the second can hit the first's snapshot and turn entries."""
+    ids = pair.tokenizer.encode(pair.heldout_text)
+    return [ids[300 : 300 + lengths[0]], ids[900 : 900 + lengths[1]], ids[:lengths[2]], ids[:lengths[3]]]
+
+
+@pytest.fixture(scope="module")
+def pair32(pair):
+    return load_demo_pair(PAIR, fp32=True)
+
+
+def test_greedy_continuations_equal_across_schedules(pair32):
+    """Whole greedy continuations of a trained model (no near-ties to excuse: fp32, where bf16's rounding
+    step would tie logits every few hundred tokens) are the same token for token whether a request runs
+    alone or batched, its prompt whole or in 16-token chunks, after a prefix hit or speculating."""
+    pair = pair32
+    sp = SamplingParams(temperature=0.0, max_tokens=40)
+    prompts = _heldout_prompts(pair)
+    alone = [Engine(pair.model, tokenizer=pair.tokenizer, slots=1, prefix_interval=0).generate([p], sp)[0].token_ids
+             for p in prompts]
+    schedules = {
+        "batched, 16-token chunks": dict(slots=4, step_tokens=16, prefill_step_tokens=16, prefix_interval=0),
+        "prefix hits": dict(slots=2, prefix_interval=32),
+        "speculating, batched": dict(slots=4, draft=pair.drafter, n_draft=7, prefix_interval=0),
+    }
+    for name, kw in schedules.items():
+        engine = Engine(pair.model, tokenizer=pair.tokenizer, **kw)
+        outs = engine.generate(prompts, sp)
+        if name == "prefix hits":  # the same prompts again: now every one restores a cached state
+            hits0 = engine.stats()["prefix_hits"]
+            outs = engine.generate(prompts, sp)
+            assert engine.stats()["prefix_hits"] >= hits0 + len(prompts)
+        assert [o.token_ids for o in outs] == alone, name
+        assert all(len(t) == 40 for t in alone)

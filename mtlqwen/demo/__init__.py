@@ -50,10 +50,12 @@ def pair_dir(path: str | Path | None = None) -> Path:
     return d
 
 
-def _dequantize(weights: dict, config) -> dict:
-    """Quantized modules back to bf16 (the same values the quantized matmul multiplies by)."""
+def _dequantize(weights: dict, config, fp32: bool = False) -> dict:
+    """Quantized modules back to bf16 (the same values the quantized matmul multiplies by); fp32: every
+    float tensor in fp32 instead."""
     import mlx.core as mx  # noqa: PLC0415
 
+    dtype = mx.float32 if fp32 else mx.bfloat16
     out = {}
     for name, w in weights.items():
         if name.endswith((".scales", ".biases")):
@@ -62,14 +64,16 @@ def _dequantize(weights: dict, config) -> dict:
         if module is not None and f"{module}.scales" in weights:
             spec = config.quant_overrides.get(module, config.quantization)
             w = mx.dequantize(w, weights[f"{module}.scales"], weights[f"{module}.biases"],
-                              group_size=spec.group_size, bits=spec.bits).astype(mx.bfloat16)
+                              group_size=spec.group_size, bits=spec.bits).astype(dtype)
+        elif fp32 and mx.issubdtype(w.dtype, mx.floating):
+            w = w.astype(mx.float32)
         out[name] = w
     config.quantization, config.quant_overrides = None, {}
     mx.eval(out)
     return out
 
 
-def _load_target(d: Path, dequantize: bool):
+def _load_target(d: Path, dequantize: bool, fp32: bool = False):
     from ..model import load  # noqa: PLC0415
     from ..model.config import load_config  # noqa: PLC0415
     from ..model.loading import _internal_overrides, read_safetensors  # noqa: PLC0415
@@ -84,10 +88,10 @@ def _load_target(d: Path, dequantize: bool):
     if config.quantization is not None:
         validate_quant(config, weights)
     check_weights(weights, config)
-    return Qwen35Model(config, _dequantize(weights, config) if config.quantization is not None else weights)
+    return Qwen35Model(config, _dequantize(weights, config, fp32) if config.quantization is not None else weights)
 
 
-def _load_drafter(d: Path, target, dequantize: bool):
+def _load_drafter(d: Path, target, dequantize: bool, fp32: bool = False):
     import mlx.core as mx  # noqa: PLC0415
 
     from ..model.config import read_config_json  # noqa: PLC0415
@@ -102,25 +106,28 @@ def _load_drafter(d: Path, target, dequantize: bool):
     weights = read_safetensors(d)
     if config.quantization is not None:
         validate_quant(config, weights)
-        weights = _dequantize(weights, config)
+        weights = _dequantize(weights, config, fp32)
     check_fit(config, weights, target.config)
     check_drafter_weights(weights, config)
     weights = {k: v.astype(mx.float32) if k.endswith("norm.weight") else v for k, v in weights.items()}
     return Drafter(config, weights, target)
 
 
-def load_demo_pair(path: str | Path | None = None, dequantize: bool = True) -> DemoPair:
+def load_demo_pair(path: str | Path | None = None, dequantize: bool = True, fp32: bool = False) -> DemoPair:
     """Target, tokenizer and drafter of the demo pair (the packaged one unless `path` is given).
 
     The pair is stored 8-bit to stay small; dequantize=True (default) runs it in bf16 instead, because at
     this size memory is no concern and the CPU reference's quantized matmul is ~8x slower than a float one
-    (the values multiplied are the same)."""
+    (the values multiplied are the same). fp32=True runs it in fp32: bf16 logits of even a trained model
+    tie within one rounding step every few hundred tokens, so exact comparisons across schedules use fp32."""
     from .. import load_tokenizer  # noqa: PLC0415
 
     d = pair_dir(path)
-    model = _load_target(d / "target", dequantize)
+    if fp32 and not dequantize:
+        raise ValueError("fp32=True needs dequantize=True (the quantized matmul runs in the activations' dtype)")
+    model = _load_target(d / "target", dequantize, fp32)
     model.source = "built-in demo model (trained on the Python standard library)"
-    drafter = _load_drafter(d / "drafter", model, dequantize)
+    drafter = _load_drafter(d / "drafter", model, dequantize, fp32)
     drafter.source = "built-in demo drafter"
     record = json.loads((d / "demo.json").read_text())
     return DemoPair(model, load_tokenizer(d / "target"), drafter, record, d)

@@ -17,11 +17,18 @@ MODEL_HELP = (
 )
 
 
+# The demo pair's 18.5M target loops on its greedy path ("return n+n+n+..."); sampled, it writes
+# Python-like code, so the built-in demo samples unless --temp / --top-p say otherwise.
+DEMO_TEMP, DEMO_TOP_P = 0.7, 0.95
+
+
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
     """The sampling flags shared by generate and chat (mlx-lm's names)."""
     p.add_argument("--max-tokens", "-m", type=int, default=max_tokens, help=f"tokens to generate (default {max_tokens})")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
+    p.add_argument("--temp", type=float, default=None,
+                   help=f"sampling temperature; 0 is greedy (default 0; {DEMO_TEMP} for the built-in demo model)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help=f"nucleus sampling mass (default 1.0: off; {DEMO_TOP_P} for the built-in demo model)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability (default 0)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling (reproducible per request)")
@@ -86,13 +93,23 @@ SAMPLING_FLAGS = {"temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k
                   "max_tokens": "--max-tokens", "seed": "--seed"}
 
 
+def sampling_defaults(args) -> tuple[float, float]:
+    """(temperature, top_p) from the flags, a flag left out taking the default of the model run: the
+    built-in demo's (no --model) or greedy."""
+    demo = getattr(args, "model", None) is None
+    temp = args.temp if args.temp is not None else (DEMO_TEMP if demo else 0.0)
+    top_p = args.top_p if args.top_p is not None else (DEMO_TOP_P if demo else 1.0)
+    return temp, top_p
+
+
 def sampling_from_args(args):
     """SamplingParams from the flags; a value out of range fails here, before the model loads, and
     the error names the flag as well as the field."""
     from ..runtime import SamplingParams  # noqa: PLC0415
 
+    temp, top_p = sampling_defaults(args)
     try:
-        return SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        return SamplingParams(temperature=temp, top_p=top_p, top_k=args.top_k, min_p=args.min_p,
                               max_tokens=args.max_tokens, seed=args.seed)
     except ValueError as e:
         flag = SAMPLING_FLAGS.get(str(e).split(maxsplit=1)[0])

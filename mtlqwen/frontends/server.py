@@ -15,7 +15,9 @@ import socket
 import sys
 from pathlib import Path
 
-from .args import add_model_args, add_sampling_args, load_model_and_tokenizer, parse_template_args
+from .args import (
+    add_model_args, add_sampling_args, load_model_and_tokenizer, parse_template_args, sampling_defaults,
+)
 from .request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 
 DEFAULT_PORT = 8080
@@ -176,7 +178,8 @@ def cmd_serve(args) -> int:
     _check_model_arg(args.model)
     _check_args(args)
     template_defaults = parse_template_args(args.chat_template_args)
-    defaults = Defaults(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+    temp, top_p = sampling_defaults(args)
+    defaults = Defaults(temperature=temp, top_p=top_p, top_k=args.top_k, min_p=args.min_p,
                         max_tokens=args.max_tokens, seed=args.seed)
     SamplingParams(temperature=defaults.temperature, top_p=defaults.top_p, top_k=defaults.top_k,
                    min_p=defaults.min_p, max_tokens=defaults.max_tokens, seed=defaults.seed)  # flags fail early
