@@ -19,6 +19,7 @@
 #   suite=SPEC    (the sum of SPEC's limits + 60)  suite.py --parts SPEC on one set of weights;
 #                        SPEC is comma-separated NAME:SECONDS; $SUITE_ARGS, ';'-separated
 #                        PART=ARGS, goes to --args (SUITE_ARGS="e2e=--prefill-steps 1024 --repeats 2")
+#   demo          (120)  demo_pair_bench.py $DEMO_ARGS: the trained demo pair's acceptance, speed-up, chat hits
 #   wait                 wait for the background parts
 # DRY=1 prints each part's command instead of running it. MTLQWEN_SELECT passes through to every part.
 #
@@ -43,6 +44,7 @@ command_for() {  # part name [spec] -> the command line of that part
     profile) echo "python benchmarks/decode_profile.py ${PROFILE_ARGS:---batches 1 8 --steps 30 --no-ops} --json $OUT/decode-profile.json" ;;
     trace) echo "python benchmarks/step_trace.py ${TRACE_ARGS:---batch 1 --steps 24} --json $OUT/step-trace.json" ;;
     ncu) echo "MLX_USE_CUDA_GRAPHS=0 ncu --profile-from-start off --clock-control none --cache-control none --csv --metrics gpu__time_duration.sum,dram__bytes_read.sum,smsp__issue_active.avg.pct_of_peak_sustained_active python benchmarks/step_kernels.py --batch ${NCU_BATCH:-1} --steps 2 > $OUT/ncu.csv && python benchmarks/step_kernels.py --summarize $OUT/ncu.csv" ;;
+    demo) echo "python benchmarks/demo_pair_bench.py ${DEMO_ARGS:-} --json $OUT/demo-pair.json" ;;
     suite) local a extra=""; IFS=';' read -ra a <<< "${SUITE_ARGS:-}"
            [ ${#a[@]} -gt 0 ] && extra=" --args$(printf " '%s'" "${a[@]}")"
            echo "python benchmarks/suite.py --out $OUT --parts ${2//,/ }$extra" ;;
@@ -53,7 +55,7 @@ command_for() {  # part name [spec] -> the command line of that part
 default_limit() {  # part name [spec]
   case "$1" in
     tests-kernels) echo 200 ;; tests-model) echo 260 ;; tests-engine) echo 280 ;; qmv-sweep) echo 120 ;;
-    profile) echo 110 ;; trace) echo 150 ;; ncu) echo 240 ;;
+    profile) echo 110 ;; trace) echo 150 ;; ncu) echo 240 ;; demo) echo 120 ;;
     suite) local s=60 p; for p in ${2//,/ }; do s=$(( s + ${p#*:} )); done; echo $s ;;
   esac
 }
@@ -63,6 +65,7 @@ summary() {  # part name, log: the lines worth reading in the call's output
     tests-*) grep -E "::.*(PASSED|FAILED|ERROR)|GPU engine|decode peak|kernels vs|greedy:" "$2" | sed 's/ *\[.*%\]//' | sort -u
              tail -1 "$2" ;;
     qmv-sweep) tail -3 "$2" ;;
+    demo) grep -E "^(tau|speed-up|chat|  )" "$2" ;;
     profile) grep '^{"B' "$2" | cut -c1-900; tail -2 "$2" ;;
     suite) grep -E "^\[" "$2" | tail -16 ;;
     *) tail -20 "$2" ;;

@@ -76,10 +76,11 @@ def ours(config, args) -> dict:
     for st in args.prefill_steps:
         prefill_rate(st)
         res[f"prefill_{args.prefill}_step{st}"], _ = median_of(lambda st=st: prefill_rate(st), args.repeats)
-    decode_rate(args.batch, 64, 128)
-    r8 = [decode_rate(args.batch, args.prompt, 128) for _ in range(args.repeats)]
-    res[f"decode_b{args.batch}"] = statistics.median(r[0] for r in r8)
-    res[f"ttft_b{args.batch}_s"] = statistics.median(r[1] for r in r8)
+    for b in args.batch:
+        decode_rate(b, 64, 128)
+        rb = [decode_rate(b, args.prompt, 128) for _ in range(args.repeats)]
+        res[f"decode_b{b}"] = statistics.median(r[0] for r in rb)
+        res[f"ttft_b{b}_s"] = statistics.median(r[1] for r in rb)
     del model
     mx.clear_cache()
     return res
@@ -134,10 +135,11 @@ def mlxlm(config, args) -> dict:
         gen.close()
         return count / (end - first), first - t0
 
-    batched(args.batch)
-    r8 = [batched(args.batch) for _ in range(args.repeats)]
-    res[f"decode_b{args.batch}"] = statistics.median(r[0] for r in r8)
-    res[f"ttft_b{args.batch}_s"] = statistics.median(r[1] for r in r8)
+    for b in args.batch:
+        batched(b)
+        rb = [batched(b) for _ in range(args.repeats)]
+        res[f"decode_b{b}"] = statistics.median(r[0] for r in rb)
+        res[f"ttft_b{b}_s"] = statistics.median(r[1] for r in rb)
     return res
 
 
@@ -149,7 +151,7 @@ def main(argv=None):
     ap.add_argument("--prefill", type=int, default=4096)
     ap.add_argument("--prefill-steps", type=int, nargs="+", default=[128, 1024, 4096],
                     help="step_tokens budgets to time the prefill with")
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", type=int, nargs="+", default=[8], help="concurrent requests (several sizes allowed)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-mlxlm", action="store_true")
     ap.add_argument("--skip-ours", action="store_true")
