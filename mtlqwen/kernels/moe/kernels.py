@@ -65,7 +65,7 @@ ROUTE_BODY = r"""
     picked += pw[j];
   }
   if (lane == 0) {
-    const int KS = weights_shape[1];
+    const int KS = KT + SH;            // weights per token (the shared gate last)
     const float d = RN ? picked : den;
 #pragma unroll
     for (int j = 0; j < KT; ++j) {
