@@ -250,3 +250,19 @@ def test_moe_route_dispatch_serves_the_kernel(poisoned):
     ri, rw = moe_route_ref(lg, 8, True, lg[:, :1])
     np.testing.assert_array_equal(np.array(inds), np.array(ri))
     np.testing.assert_allclose(np.array(w), np.array(rw), rtol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@settings(max_examples=n_examples(8), **GPU_SETTINGS)
+@given(T=st.sampled_from([1, 3, 8]), seed=st.integers(0, 2**31 - 1))
+def test_shared_expert_of_other_quantization_runs_beside_the_fused_kernels(poisoned, T, seed):
+    """An 8-bit shared expert beside 4-bit experts (or Is != Im) cannot ride as a slot: the fused kernels
+    take the routed experts, the shared expert runs on the dense ops."""
+    x, gate, up, down, inds, w, _ = moe_case(seed, T, 16, 4, 128, 64, 4, 64, mx.bfloat16, True, "random")
+    rng = np.random.default_rng(seed + 1)
+    sh = (quantized(rng, (96, 128), 8, 64, mx.bfloat16), quantized(rng, (96, 128), 8, 64, mx.bfloat16),
+          quantized(rng, (128, 96), 8, 32, mx.bfloat16))
+    assert not poisoned.shared_fusable(sh, gate, x) and poisoned.fused_supported(x, gate, up, down, inds)
+    got = moe_experts(x, gate, up, down, inds, w, sh)
+    assert rel_err(got, ref32(x, gate, up, down, inds, w, sh)) < TOL[mx.bfloat16]
