@@ -119,7 +119,8 @@ SELECT: dict[str, int] = {
     # split-K aims for when N / tile * M / tile blocks are too few.
     "qgemm_rt": 2,
     "qgemm_split_waves": 2,
-    # MoE (moe/). Routing's softmax + top-k + renormalisation in one launch (moe/kernels.py route) instead of
+    # MoE (moe/): the same portable kernels on Metal and CUDA (Metal: run on the emulator only, check_metal).
+    # Routing's softmax + top-k + renormalisation in one launch (moe/kernels.py route) instead of
     # softmax, argpartition, take, sum, divide. Not yet run on a GPU: its test is tests/test_kernels_moe.py.
     "moe_route_kernel": 1,
     # Tokens up to which the fused expert kernels serve (gate+up+SwiGLU per (token, slot), then down with
