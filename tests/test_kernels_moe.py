@@ -171,6 +171,30 @@ def test_route_metal_emulated(T, E, k, renorm, shared, seed):
     np.testing.assert_allclose(np.array(w), np.array(rw), rtol=1e-5, atol=1e-7)
 
 
+@needs_gxx
+@pytest.mark.parametrize("T, path", [(1, "fused"), (8, "fused"), (9, "reference"), (40, "sorted")])
+def test_expert_paths_by_token_count_emulated(T, path):
+    """The table's rows pick the path for T (k = 4: 9 tokens = 36 pairs, under moe_sort_min_pairs); a shared
+    expert of another width beside the fused kernels runs on the dense ops. fp32: MLX's CPU quantized matmul
+    is inexact with bf16 inputs (test_gpu_model.py)."""
+    from mtlqwen.kernels import metal_emulator  # noqa: PLC0415
+    from mtlqwen.kernels.moe import ops  # noqa: PLC0415
+
+    x, gate, up, down, inds, w, _ = moe_case(T, T, 16, 4, 128, 64, 4, 64, mx.float32, True, "random")
+    rng = np.random.default_rng(T)
+    sh = (quantized(rng, (96, 128), 8, 64, mx.float32), quantized(rng, (96, 128), 8, 64, mx.float32),
+          quantized(rng, (128, 96), 8, 32, mx.float32))
+    assert selection.SELECT["moe_fused_max_tokens"] == 8 and selection.SELECT["moe_sort_min_pairs"] == 64
+    with metal_emulator.emulating() as launches:
+        got = ops._experts_gpu(x, gate, up, down, inds, w, sh)
+    moe = sorted({ln.kernel for ln in launches if "moe" in ln.kernel})
+    assert moe == (["mtl_moe_down_s0", "mtl_moe_gate_up_s0"] if path == "fused" else [])
+    if path == "reference":  # not covered: the dispatcher runs the reference
+        assert got is None
+    else:
+        assert rel_err(got, ref32(x, gate, up, down, inds, w, sh)) < 1e-4
+
+
 # ---------------------------------------------------------------- GPU: kernels and dispatchers
 @pytest.fixture
 def poisoned():
