@@ -6,7 +6,8 @@ H 2048, Im = Is 512, MLX affine 4-bit g64, routers 8-bit, bf16 x), per token cou
     gather_qmm  the previous block: softmax / argpartition / take / renormalise as separate ops, MLX's
                 unsorted gather_qmm per projection, the shared expert and its gate (moe_*_ref)
     sorted      moe_route, then the pairs grouped by expert (moe_experts_sorted), at every T
-    fused       the fused expert kernels alone on given routing (T <= 8; GPU back-ends)
+    fused       the fused expert kernels alone on given routing (T <= --fused-max, past the table's row too;
+                GPU back-ends)
 
 Timing (no CUPTI): a chain of L blocks in one graph, block i's input x_i made to depend on block i-1's
 output (mx.depends: no extra kernel) so blocks cannot overlap, each x_i a different random row set so the
@@ -128,6 +129,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rows", type=int, nargs="*", default=[],
                     help="pairs G D: also time the fused kernels at G gate rows / D down rows per SIMD group")
+    ap.add_argument("--fused-max", type=int, default=64, help="time the fused kernels alone up to this T")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     gpu = backend.use_kernels()
@@ -146,13 +148,18 @@ def main(argv=None):
         mb = active_bytes(bs[0], [r[0] for r in routes])
         paths = {"ours": lambda b, x, i: path_ours(b, x), "gather_qmm": lambda b, x, i: path_gather_qmm(b, x),
                  "sorted": lambda b, x, i: path_sorted(b, x)}
-        if gpu and kernels.fused_supported(xs[0], bs[0].gate_proj, bs[0].up_proj, bs[0].down_proj, routes[0][0]):
+        # the fused kernels also past the table's moe_fused_max_tokens, up to --fused-max (where to move the row)
+        fused_rows = {"moe_fused_max_tokens": max(T, selection.SELECT["moe_fused_max_tokens"])}
+        with selection.selected(fused_rows):
+            fusable = kernels.fused_supported(xs[0], bs[0].gate_proj, bs[0].up_proj, bs[0].down_proj, routes[0][0])
+        if gpu and T <= args.fused_max and fusable:
             for cfg in [None] + rows_cfg:
                 paths["fused" + (f" {cfg[0]}/{cfg[1]}" if cfg else "")] = (
                     lambda b, x, i, cfg=cfg: kernels.fused_experts(x, b.gate_proj, b.up_proj, b.down_proj,
                                                                    *routes[i], _shared(b), rows=cfg))
         for name, fn in paths.items():
-            t = chain_time(fn, bs, xs, args.reps)
+            with selection.selected(fused_rows if name.startswith("fused") else {}):
+                t = chain_time(fn, bs, xs, args.reps)
             results.append(dict(T=T, path=name, us=t * 1e6, active_mb=mb / 1e6, gbs=mb / t / 1e9))
             print(f"{T:5d} {name:>14s} {t * 1e6:10.1f} {mb / 1e6:10.2f} {mb / t / 1e9:8.0f}", flush=True)
     if args.json:
