@@ -7,13 +7,13 @@ import statistics
 import time
 
 import mtlqwen
-from mtlqwen.model import QuantSpec
+from mtlqwen.model import QuantSpec, builtin
 from mtlqwen.runtime import Engine, SamplingParams
 
 
 def add_model_args(ap) -> None:
     ap.add_argument("--model", help="checkpoint directory or repo id; default: random weights of --shape")
-    ap.add_argument("--shape", choices=["9b", "demo"], default="9b")
+    ap.add_argument("--shape", choices=sorted(builtin.SHAPES), default="9b")
     ap.add_argument("--bits", type=int, default=4, help="quantize random weights (0: bf16)")
     ap.add_argument("--group-size", type=int, default=64)
 
@@ -32,9 +32,7 @@ def build_model(args):
 def _build(args):
     if args.model:
         return mtlqwen.load(args.model), args.model
-    from mtlqwen.model import builtin  # noqa: PLC0415
-
-    config = builtin.qwen35_9b_config() if args.shape == "9b" else builtin.demo_config()
+    config = builtin.SHAPES[args.shape]()
     quant = QuantSpec(args.bits, args.group_size) if args.bits else None
     model = builtin.random_model(config=config, seed=0, quantize=quant)
     return model, f"random {args.shape} ({f'{args.bits}-bit g{args.group_size}' if quant else 'bf16'})"

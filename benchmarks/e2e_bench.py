@@ -6,7 +6,11 @@ aggregate decode tok/s of 8 concurrent requests (512 in / 256 out). Warm-up runs
 is the median of --repeats runs; timings synchronise with the device (token ids are read back).
 
     python benchmarks/e2e_bench.py                      # 9B shape, both engines
+    python benchmarks/e2e_bench.py --shape 35b-a3b --prefill-steps 1024   # MoE geometry (256 experts, top-8)
     python benchmarks/e2e_bench.py --shape demo --skip-mlxlm --repeats 1   # CPU smoke run
+
+mlx-lm builds its own random weights of the same geometry (its qwen3_5 / qwen3_5_moe model, every linear
+4-bit g64 by nn.quantize but the MoE routers at 8 bits as its converter does), not the engine's tensors: speed, not output, is compared.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 
 from mtlqwen import Engine, SamplingParams
-from mtlqwen.model.builtin import demo_config, qwen35_9b_config
+from mtlqwen.model.builtin import SHAPES
 
 from bench_common import build_model
 
@@ -90,14 +94,19 @@ def ours(config, args) -> dict:
 def mlxlm(config, args) -> dict:
     import mlx.nn as nn  # noqa: PLC0415
     from mlx_lm.generate import BatchGenerator, generate_step  # noqa: PLC0415
-    from mlx_lm.models import qwen3_5  # noqa: PLC0415
+    from mlx_lm.models import qwen3_5, qwen3_5_moe  # noqa: PLC0415
 
-    text = config.to_text_dict()
-    text["model_type"] = "qwen3_5_text"
-    margs = qwen3_5.ModelArgs.from_dict({"model_type": "qwen3_5", "text_config": text})
-    model = qwen3_5.Model(margs)
+    text = config.to_text_dict()  # MoE: carries num_experts & co., which mlx-lm's text model reads
+    moe = config.is_moe
+    text["model_type"] = "qwen3_5_moe_text" if moe else "qwen3_5_text"
+    arch = qwen3_5_moe if moe else qwen3_5
+    margs = arch.ModelArgs.from_dict({"model_type": "qwen3_5_moe" if moe else "qwen3_5", "text_config": text})
+    model = arch.Model(margs)
     model.set_dtype(mx.bfloat16)
-    nn.quantize(model, group_size=64, bits=4)
+    # MoE: the routers at 8 bits, as mlx-lm's converter quantizes them (its quant_predicate)
+    pred = model.language_model.quant_predicate
+    nn.quantize(model, group_size=64, bits=4, class_predicate=(lambda p, m: hasattr(m, "to_quantized") and pred(p, m))
+                if pred else None)
     mx.eval(model.parameters())
     vocab = config.vocab_size
     res = Live("mlx-lm")
@@ -145,7 +154,7 @@ def mlxlm(config, args) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=["9b", "demo"], default="9b")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="9b")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--gen", type=int, default=256)
     ap.add_argument("--prefill", type=int, default=4096)
@@ -157,7 +166,7 @@ def main(argv=None):
     ap.add_argument("--skip-ours", action="store_true")
     ap.add_argument("--json", default=None, help="write results here too")
     args = ap.parse_args(argv)
-    config = qwen35_9b_config() if args.shape == "9b" else demo_config()
+    config = SHAPES[args.shape]()
     out = {"mlx": mx.__version__, "device": str(mx.default_device()), "shape": args.shape}
     if not args.skip_ours:
         out["mtlqwen"] = ours(config, args)

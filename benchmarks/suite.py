@@ -38,6 +38,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_common import build_model  # noqa: E402
+from mtlqwen.model.builtin import SHAPES  # noqa: E402
 
 
 class PartTimeout(Exception):
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", nargs="+", required=True, help="NAME:SECONDS, run in this order")
     ap.add_argument("--args", nargs="*", default=[], help='PART="extra arguments" for that part\'s script')
-    ap.add_argument("--shape", choices=["9b", "demo"], default="9b")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="9b")
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for each part's JSON")
     args = ap.parse_args(argv)
     if args.out:

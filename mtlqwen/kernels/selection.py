@@ -119,6 +119,24 @@ SELECT: dict[str, int] = {
     # split-K aims for when N / tile * M / tile blocks are too few.
     "qgemm_rt": 2,
     "qgemm_split_waves": 2,
+    # MoE (moe/): the same portable kernels on Metal and CUDA (Metal: run on the emulator only, check_metal).
+    # Routing's softmax + top-k + renormalisation in one launch (moe/kernels.py route) instead of
+    # softmax, argpartition, take, sum, divide. Not yet run on a GPU: its test is tests/test_kernels_moe.py.
+    "moe_route_kernel": 1,
+    # Tokens up to which the fused expert kernels serve (gate+up+SwiGLU per (token, slot), then down with
+    # the routing weights and the shared expert summed in its K loop): each (token, expert) pair reads its
+    # expert's rows once, so past a few tokens, where pairs start to share experts, grouped GEMMs read less.
+    # 8 = the decode batch the issue targets; not yet measured (benchmarks/moe_bench.py times it).
+    "moe_fused_max_tokens": 8,
+    # (token, expert) pairs from which the pairs are grouped by expert on the device (sorted ids, gather_qmm
+    # with sorted_indices, unsorted after): mlx-lm's SwitchGLU threshold (64 indices). Between the two rows
+    # MLX's unsorted gather_qmm (the reference) serves. Not yet measured on the H200.
+    "moe_sort_min_pairs": 64,
+    # Fused expert kernels' rows per SIMD group: gate rows (as many up rows) of gate+up, rows of down. The
+    # qmv's M=1 SwiGLU row count (qmv_m1_swiglu_rows); down at 2 so H = 2048 gives 256 threadgroups at
+    # batch 1 (4 rows: 128, under one per SM of the H200). Not yet swept (moe_bench.py --rows).
+    "moe_gate_up_rows": 2,
+    "moe_down_rows": 2,
 }
 
 

@@ -41,6 +41,38 @@ def qwen35_9b_config() -> Qwen35Config:
     })
 
 
+def qwen35_35b_a3b_config() -> Qwen35Config:
+    """Qwen3.5-35B-A3B geometry (docs/qwen35.md §1.3, read from its published config.json): 40 layers
+    (30 GDN / 10 attention), 256 experts of which 8 routed per token plus one shared expert."""
+    return parse_config({
+        "model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048,
+        "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 256,
+        "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+        "tie_word_embeddings": False, "eos_token_id": 248044,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    })
+
+
+def qwen35_122b_a10b_config() -> Qwen35Config:
+    """Qwen3.5-122B-A10B geometry (docs/qwen35.md §1.3, from training-framework configs: high confidence, not
+    read from its config.json): 48 layers (36 GDN / 12 attention), 256 experts, top-8, Im = Is = 1024."""
+    return parse_config({
+        "model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 3072,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 64, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 256,
+        "num_experts_per_tok": 8, "moe_intermediate_size": 1024, "shared_expert_intermediate_size": 1024,
+        "tie_word_embeddings": False, "eos_token_id": 248044,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    })
+
+
+SHAPES = {"9b": qwen35_9b_config, "35b-a3b": qwen35_35b_a3b_config, "122b-a10b": qwen35_122b_a10b_config,
+          "demo": demo_config}
+
+
 def random_weights(config: Qwen35Config, seed: int = 0, dtype=mx.bfloat16, quantize: QuantSpec | None = None):
     """Weights in the internal naming: linears N(0, 1/fan_in), embeddings N(0, 1), norms near 1,
     gates in their checkpoint ranges. Each tensor is quantized as soon as it exists (low peak memory)."""

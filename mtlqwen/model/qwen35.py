@@ -22,11 +22,12 @@ from ..kernels import (
     gated_delta_candidates,
     gated_delta_packed_normed,
     gated_rms_norm,
-    gather_linear,
     head_norm_rope,
     linear,
     linear_add_rms_norm,
     linear_multi,
+    moe_experts,
+    moe_route,
     paged_attention_gated,
     rms_norm,
     split_qkv,
@@ -231,17 +232,13 @@ class MoEBlock:
         self.shared_gate = _lin(w, f"{prefix}.shared_expert_gate", c)
 
     def __call__(self, x: mx.array) -> mx.array:
-        probs = mx.softmax(linear(x, self.router).astype(mx.float32), axis=-1)  # [T, E]
-        inds = mx.argpartition(-probs, kth=self.k - 1, axis=-1)[:, : self.k]  # [T, k]
-        weights = mx.take_along_axis(probs, inds, axis=-1)
-        weights = (weights / weights.sum(axis=-1, keepdims=True)).astype(x.dtype)
-        g = gather_linear(x, self.gate_proj, inds)  # [T, k, Im]
-        h = g * mx.sigmoid(g) * gather_linear(x, self.up_proj, inds)
-        # down_proj per (token, expert): rows of h are the inputs; reshape so each (t, j) is a token
-        T, k, Im = h.shape
-        down = gather_linear(h.reshape(T * k, Im), self.down_proj, inds.reshape(T * k, 1))[:, 0, :]
-        routed = (down.reshape(T, k, -1) * weights[..., None]).sum(axis=1)
-        return routed + self.shared(x) * mx.sigmoid(linear(x, self.shared_gate))
+        # the router and the shared expert's gate read x in one launch at decode sizes
+        logits, shared_logit = linear_multi(x, [self.router, self.shared_gate])  # [T, E], [T, 1]
+        # Qwen3.5 MoE configs have no norm_topk_prob: the top-k weights are always renormalised (§1.2)
+        inds, weights = moe_route(logits, self.k, True, shared_logit)  # [T, k], [T, k + 1] fp32
+        sh = self.shared
+        return moe_experts(x, self.gate_proj, self.up_proj, self.down_proj, inds, weights,
+                           (sh.gate_proj, sh.up_proj, sh.down_proj))
 
     def add_norm(self, x: mx.array, h: mx.array, w: mx.array, eps: float) -> tuple[mx.array, mx.array]:
         """(h + moe(x), rms_norm(h + moe(x)) * w): two outputs are summed, so no projection can carry it."""

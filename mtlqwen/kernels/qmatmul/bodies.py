@@ -350,18 +350,21 @@ LOAD = r"""{
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           ROW_SELECT
-          wv[u][r] = ((CONST_PTR uint4*)(W + (size_t)row * KW))[c];
-          const float s = TO_FLOAT(S[(size_t)row * NG + c / CPG]);
+          wv[u][r] = ((CONST_PTR uint4*)(W + (size_t)row * LD_KW))[LD_C];
+          const float s = TO_FLOAT(S[(size_t)row * LD_NG + LD_C / CPG]);
           sc[u][r] = s;
-          bo[u][r] = TO_FLOAT(B[(size_t)row * NG + c / CPG]) - OFF * s;
+          bo[u][r] = TO_FLOAT(B[(size_t)row * LD_NG + LD_C / CPG]) - OFF * s;
         }
       }
     }"""
 
 
-def with_loads(body: str) -> str:
-    """Expand QM_LOAD(expr) into the chunk loads (before ROW_SELECT is substituted)."""
-    return re.sub(r"QM_LOAD\(([^\n]*?)\)\n", lambda m: LOAD.replace("C0", m.group(1)) + "\n", body)
+def with_loads(body: str, row_words: str = "KW", row_groups: str = "NG", chunk: str = "c") -> str:
+    """Expand QM_LOAD(expr) into the chunk loads (before ROW_SELECT is substituted). By default chunk c
+    of a row of KW words / NG groups; the MoE down projection (moe/kernels.py) reads chunk `chunk` of a
+    row of `row_words` / `row_groups` instead (one expert's row of the concatenated K)."""
+    load = LOAD.replace("LD_KW", row_words).replace("LD_NG", row_groups).replace("LD_C", chunk)
+    return re.sub(r"QM_LOAD\(([^\n]*?)\)\n", lambda m: load.replace("C0", m.group(1)) + "\n", body)
 
 
 def fma_body(P: int, epi: int, store: str | None = None) -> str:

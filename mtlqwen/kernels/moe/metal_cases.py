@@ -1,0 +1,64 @@
+"""check_metal --run's trials of the MoE kernels (kernels/metal_cases.py collects them): the routing
+kernel and the fused expert kernels on the Metal emulator against their references on the CPU, at the
+registered examples' template values (k = 8, g64, 2 gate rows / 2 down rows per SIMD group)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import mlx.core as mx
+
+from ..metal_cases import BF16, F32, TOL, Trial, _cpu, _fn, _n, _rand
+
+
+def _experts(rng, E, N, K, bits, dt):
+    """Stacked experts [E, N, K] quantized g64, scales in dt."""
+    w = _rand(rng, E, N, K, scale=0.05)
+    wq, s, b = mx.quantize(w, group_size=64, bits=bits)
+    return _fn("LinearParams")(wq, s.astype(dt), b.astype(dt), bits=bits, group_size=64)
+
+
+def _to32(p):
+    return _fn("LinearParams")(p.weight, p.scales.astype(F32), p.biases.astype(F32), bits=p.bits,
+                               group_size=p.group_size)
+
+
+def moe_trials() -> list[Trial]:
+    out = []
+    for dt in (BF16, F32):
+        rng = np.random.default_rng(25)
+        logits = _rand(rng, 3, 256, dtype=dt)  # E = 256: the examples' 8 logits per lane
+        sgl = _rand(rng, 3, 1, dtype=dt)
+        for sh in (False, True):
+            s = sgl if sh else None
+            out.append(Trial(
+                f"mtl_moe_route_s{int(sh)}[{_n(dt)}]",
+                lambda lg=logits, s=s: list(_fn("route")(lg, 8, True, s)),
+                lambda lg=logits, s=s: list(_cpu(_fn("moe_route_ref"), lg, 8, True, s)), [0.0, 1e-5]))
+        for bits in (4, 8):
+            rng = np.random.default_rng(30 + bits)
+            E, H, Im, k, T = 16, 256, 128, 8, 2
+            gate, up = (_experts(rng, E, Im, H, bits, dt) for _ in range(2))
+            down = _experts(rng, E, H, Im, bits, dt)
+            shared = tuple(_experts(rng, 1, n, kk, bits, dt) for n, kk in ((Im, H), (Im, H), (H, Im)))
+            shared = tuple(_fn("LinearParams")(p.weight[0], p.scales[0], p.biases[0], bits=bits, group_size=64)
+                           for p in shared)
+            x = _rand(rng, T, H, dtype=dt)
+            inds = mx.array(np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32))
+            w = mx.softmax(_rand(rng, T, k + 1), axis=-1)
+            for sh in (False, True):
+                tag = f"{_n(dt)} {bits}-bit{' shared' if sh else ''}"
+                sp = shared if sh else None
+
+                def run(x=x, w=w, sp=sp, g=gate, u=up, d=down, i=inds):
+                    return [_fn("fused_experts")(x, g, u, d, i, w, sp, rows=(2, 2))]
+
+                def ref(x=x, w=w, sp=sp, g=gate, u=up, d=down, inds=inds):
+                    s32 = tuple(_to32(p) for p in sp) if sp else None
+                    y = _cpu(_fn("moe_experts_ref"), x.astype(F32), _to32(g), _to32(u), _to32(d), inds,
+                             w if sp else w[:, :k], s32)
+                    return [y.astype(x.dtype)]
+
+                out.append(Trial(f"mtl_moe_experts[{tag}]", run, ref, [TOL[dt]],
+                                 kernels=(f"mtl_moe_gate_up_s{int(sh)}", f"mtl_moe_down_s{int(sh)}")))
+    return out
