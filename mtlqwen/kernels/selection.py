@@ -97,6 +97,14 @@ SELECT: dict[str, int] = {
     # 5.8 at 32 (benchmarks/decode_profile.md). 64: nearly the best there, and half the merge traffic of 32
     # on long contexts.
     "attn_min_split_keys": 64,
+    # Attention batches whose longest query chunk has more than this many queries take the tensor-core prefill
+    # kernel (attention/prefill.py, CUDA: FlashAttention-2 over the paged blocks with mma.sync); up to it,
+    # decode and verification rows (1-16 queries) take the decode kernel above, which re-reads every key per
+    # 16 query rows in fp32 FMAs. A default, not yet measured: the crossover is to be timed on the H200
+    # (benchmarks/prefill_attention_bench.py --crossover). On Metal there is no tensor-core rendering (Apple GPUs
+    # have no mma.sync; the emulator has no simdgroup_matrix): the decode kernel's portable SIMT body serves
+    # prefill chunks too, and check_metal runs it on a prefill-sized batch (metal_cases.py).
+    "prefill_attn_min_queries": 16,
     # The conv kernel writes each sequence's new conv state (its last K-1 raw rows) into the conv pool in
     # place instead of returning it for a scatter (conv/kernels.py): one built-in launch fewer per GDN
     # layer. tests/test_kernels_small.py::test_conv_inplace_kernel passed on the H200 (benchmarks/kernels_gdn.md).
