@@ -13,6 +13,7 @@ TFLOP/s counts the causal work only (4 * hd * nH per (query, visible key) pair) 
 790 TFLOP/s bf16 dense ceiling. --stride N times every N-th chunk (shorter runs; the sum is then an upper bound).
 
     python benchmarks/prefill_attention_bench.py --chunk 1024 4096 [--tokens 32768] [--json OUT]
+    python benchmarks/prefill_attention_bench.py --chunk 4096 --nw 4 8 --no-decode   # warps a block
     python benchmarks/prefill_attention_bench.py --crossover   # queries per sequence where prefill wins
 
 --crossover times both kernels for q = 4..256 queries per sequence (B sequences, 4k cached keys each):
@@ -63,9 +64,12 @@ def causal_flops(past: int, q: int, nh: int, hd: int) -> float:
 
 
 def time_paths(q, gate, kp, vp, layout, scale, links, reps, paths):
-    """{path: seconds per launch}; the q fed to each launch depends on the previous launch's output."""
+    """{path: seconds per launch}; the q fed to each launch depends on the previous launch's output.
+    Paths: "prefill" (warps from the selection table), "prefill_nwN" (N warps a block), "decode"."""
     fns = {
         "prefill": lambda h, _: prefill.prefill_attention_gpu(h, kp, vp, layout, scale, gate=gate),
+        **{f"prefill_nw{n}": (lambda h, _, n=n: prefill.prefill_attention_gpu(h, kp, vp, layout, scale, gate=gate, nw=n))
+           for n in (4, 8)},
         "decode": lambda h, _: decode.paged_attention_gpu(h, kp, vp, layout, scale, gate=gate),
     }
     return {p: chain_time(fns[p], q, [None], links, reps) for p in paths}
@@ -82,10 +86,11 @@ def prompt(args, cfg, chunk: int) -> dict:
     kp, vp, table = pools(rng, args.tokens, nkv, hd)
     scale = hd ** -0.5
     nchunks = -(-args.tokens // chunk)
-    rec = {"chunk": chunk, "tokens": args.tokens, "chunks": [], "prefill_s": 0.0, "decode_s": 0.0}
+    rec = {"chunk": chunk, "tokens": args.tokens, "chunks": []}
     flops_total = sum(causal_flops(i * chunk, min(chunk, args.tokens - i * chunk), nh, hd) for i in range(nchunks))
     timed = list(range(nchunks - 1, -1, -args.stride))  # the last chunk always (the longest context)
-    paths = ["prefill"] + ([] if args.no_decode else ["decode"])
+    paths = ["prefill"] + [f"prefill_nw{n}" for n in args.nw] + ([] if args.no_decode else ["decode"])
+    rec.update({f"{p}_s": 0.0 for p in paths})
     for i in timed:
         past, ql = i * chunk, min(chunk, args.tokens - i * chunk)
         lay = layout_for([table], [past], [ql])
@@ -120,6 +125,10 @@ def prompt(args, cfg, chunk: int) -> dict:
           + (f"; current path (decode kernel) {rec['decode_s'] * 1e3:.1f} ms ({rec['decode_TFLOPs']:.0f} TFLOP/s, "
              f"{rec['decode_s'] / rec['prefill_s']:.1f}x slower)" if "decode" in paths else "")
           + f"; x {layers} attention layers: {rec['prefill_s'] * layers:.2f} s", flush=True)
+    for n in args.nw:
+        p = f"prefill_nw{n}"
+        print(f"   prefill kernel at {n} warps a block: {rec[p + '_s'] * 1e3:.1f} ms a layer ({rec[p + '_TFLOPs']:.0f} TFLOP/s)",
+              flush=True)
     return rec
 
 
@@ -152,6 +161,8 @@ def main(argv=None):
     ap.add_argument("--links", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-decode", action="store_true", help="skip the current path (it is slow at 32k)")
+    ap.add_argument("--nw", type=int, nargs="*", default=[], choices=[4, 8],
+                    help="also time the prefill kernel at these warps a block (selection row prefill_attn_warps)")
     ap.add_argument("--crossover", action="store_true")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--context", type=int, default=4096)

@@ -105,6 +105,11 @@ SELECT: dict[str, int] = {
     # have no mma.sync; the emulator has no simdgroup_matrix): the decode kernel's portable SIMT body serves
     # prefill chunks too, and check_metal runs it on a prefill-sized batch (metal_cases.py).
     "prefill_attn_min_queries": 16,
+    # Warps a prefill-attention block (16 query rows each, attention/prefill.py): 8 = 128 query rows per 64-key
+    # tile, FlashAttention-2's choice at head_dim 256 (128 KiB of shared memory and 248 registers a lane: one
+    # block an SM); 4 = 64 rows, two blocks an SM, but each K/V tile copied from L2 serves half the rows.
+    # Not yet measured (benchmarks/prefill_attention_bench.py --nw 4 8).
+    "prefill_attn_warps": 8,
     # The conv kernel writes each sequence's new conv state (its last K-1 raw rows) into the conv pool in
     # place instead of returning it for a scatter (conv/kernels.py): one built-in launch fewer per GDN
     # layer. tests/test_kernels_small.py::test_conv_inplace_kernel passed on the H200 (benchmarks/kernels_gdn.md).

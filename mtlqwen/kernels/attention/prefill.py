@@ -23,6 +23,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..portable import KernelExample, PortableKernel
+from ..selection import SELECT
 from ..seqs import SeqLayout
 
 POISON: float | None = None  # tests set NaN: every output element must then be written by the kernel
@@ -275,8 +276,8 @@ def _kernel(gate: bool, smem: int) -> PortableKernel:
 
 
 def warps(hd: int) -> int:
-    """Warps a block (16 query rows each). hd 256 at 4 warps: 96 KiB of shared memory, two blocks an SM."""
-    return 4
+    """Warps a block (16 query rows each): SELECT["prefill_attn_warps"]."""
+    return SELECT["prefill_attn_warps"]
 
 
 def covers(q_shape, q_dtype, k_pool: mx.array, v_pool: mx.array, layout: SeqLayout) -> bool:
@@ -333,13 +334,13 @@ def prefill_attention_gpu(q, k_pool, v_pool, layout: SeqLayout, scale: float, ga
 
 
 def examples() -> list[tuple[PortableKernel, KernelExample]]:
-    """Instantiations for check_cuda: the 9B shape (hd 256, GQA 4, bf16, gated q|gate), fp16, hd 128 / 64,
-    GQA 1 and 8, 16-token blocks (tiles spanning blocks)."""
-    combos = [(mx.bfloat16, 256, 4, 128, True), (mx.bfloat16, 256, 4, 128, False), (mx.float16, 256, 4, 128, True),
-              (mx.bfloat16, 128, 1, 16, False), (mx.float16, 64, 8, 16, True), (mx.bfloat16, 64, 2, 128, False)]
+    """Instantiations for check_cuda: the 9B shape (hd 256, GQA 4, bf16, gated q|gate) at 8 and 4 warps, fp16,
+    hd 128 / 64, GQA 1 and 8, 16-token blocks (tiles spanning blocks)."""
+    combos = [(mx.bfloat16, 256, 4, 128, True, 8), (mx.bfloat16, 256, 4, 128, True, 4),
+              (mx.bfloat16, 256, 4, 128, False, 8), (mx.float16, 256, 4, 128, True, 8),
+              (mx.bfloat16, 128, 1, 16, False, 8), (mx.float16, 64, 8, 16, True, 8), (mx.bfloat16, 64, 2, 128, False, 4)]
     out = []
-    for dt, hd, rep, bt, gate in combos:
-        nw = warps(hd)
+    for dt, hd, rep, bt, gate, nw in combos:
         nh = 4 * rep
         ins = [(dt, (64, nh, hd)), (dt, (8, bt, 4, hd)), (dt, (8, bt, 4, hd)), (mx.int32, (2, 4)), (mx.int32, (2,)),
                (mx.int32, (3,)), (mx.int32, (3,)), (mx.float32, (1,))]
