@@ -16,8 +16,9 @@ TFLOP/s counts the causal work only (4 * hd * nH per (query, visible key) pair) 
     python benchmarks/prefill_attention_bench.py --chunk 4096 --nw 4 8 --no-decode   # warps a block
     python benchmarks/prefill_attention_bench.py --crossover   # queries per sequence where prefill wins
 
---crossover times both kernels for q = 4..256 queries per sequence (B sequences, 4k cached keys each):
-the smallest q from which the prefill kernel is faster is what SELECT["prefill_attn_min_queries"] should be.
+--crossover times both kernels for q = 4..256 queries per sequence (B sequences, 4k and 32k cached keys
+each): the smallest q from which the prefill kernel is faster is what SELECT["prefill_attn_min_queries"]
+should be.
 """
 
 from __future__ import annotations
@@ -136,8 +137,7 @@ def crossover(args, cfg) -> list[dict]:
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     rng = np.random.default_rng(1)
     out = []
-    for B in args.batch:
-        ctx = args.context
+    for B, ctx in [(b, c) for b in args.batch for c in args.context]:
         kp, vp, table = pools(rng, B * (ctx + 512), nkv, hd)
         per = len(table) // B
         tables = [table[b * per:(b + 1) * per] for b in range(B)]
@@ -165,7 +165,7 @@ def main(argv=None):
                     help="also time the prefill kernel at these warps a block (selection row prefill_attn_warps)")
     ap.add_argument("--crossover", action="store_true")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--context", type=int, nargs="+", default=[4096, 32768], help="cached keys a sequence (--crossover)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if gpu_backend() != "cuda":
