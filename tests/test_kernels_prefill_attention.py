@@ -97,6 +97,25 @@ def test_prefill_covers():
     assert not prefill.covers((40, 8, 96), mx.float16, p96, p96, lay)
 
 
+def test_key_split_plan():
+    """Splits only when the blocks would fill at most half the SMs, into at most one wave, each split a whole number of 64-key tiles of at
+    least prefill_attn_split_keys keys, covering the longest context exactly once."""
+    one = _layout([1024])
+    one.kv_valid = [31 * 1024]
+    assert prefill.plan(one, 4, 32, 8) == (1, 32 * 1024)  # 128 blocks: already about a wave at 8 warps
+    assert prefill.plan(one, 4, 16, 4) == (4, 8 * 1024)  # 64 blocks of 4 warps, 264 resident: 4 splits...
+    assert prefill.plan(one, 1, 16, 4)[0] == 16  # ... 16 blocks: 16 splits
+    short = _layout([40])
+    short.kv_valid = [65536 - 40]
+    ns, cs = prefill.plan(short, 4, 2, 8)  # 8 blocks over 64k keys
+    assert ns > 1 and cs % prefill.KEYS == 0 and cs >= SELECT["prefill_attn_split_keys"]
+    assert (ns - 1) * cs < 65536 <= ns * cs and 8 * ns <= 2 * prefill.NUM_SMS
+    small = _layout([40])  # 45 keys: nothing to split
+    assert prefill.plan(small, 4, 2, 8)[0] == 1
+    with selected({"prefill_attn_split_keys": 0}):
+        assert prefill.plan(short, 4, 2, 8)[0] == 1
+
+
 @pytest.fixture
 def poisoned():
     prefill.POISON = float("nan")
@@ -110,8 +129,10 @@ def poisoned():
 @given(data=st.data(), bt=st.sampled_from([16, 128]), nkv=st.integers(1, 2), rep=st.sampled_from([1, 2, 4, 8]),
        hd=st.sampled_from([64, 128, 256]), nseq=st.integers(1, 3), decode_rows=st.integers(0, 2),
        dtype=st.sampled_from(["bfloat16", "float16"]), gated=st.sampled_from([0, 1, 2]),
-       seed=st.integers(0, 2**31 - 1))
-def test_prefill_kernel_matches_reference(poisoned, data, bt, nkv, rep, hd, nseq, decode_rows, dtype, gated, seed):
+       splits=st.sampled_from([None, 1, 3, 8]), nw=st.sampled_from([4, 8]), seed=st.integers(0, 2**31 - 1))
+def test_prefill_kernel_matches_reference(poisoned, data, bt, nkv, rep, hd, nseq, decode_rows, dtype, gated, splits,
+                                          nw, seed):
+    """splits: None the plan's, else forced (partials merged by the decode kernel's merge); nw: warps a block."""
     if ops.gpu_backend() != "cuda":
         pytest.skip("the tensor-core prefill kernel is CUDA-only (Metal: the decode kernel serves prefill)")
     dt = DT[dtype]
@@ -123,7 +144,7 @@ def test_prefill_kernel_matches_reference(poisoned, data, bt, nkv, rep, hd, nseq
     q, kp, vp, layout = make_batch(rng, bt, nkv, rep, hd, past, qlens, dt)
     scale = hd**-0.5
     gate = gate_for(rng, q, gated, dt)
-    out = prefill.prefill_attention_gpu(q, kp, vp, layout, scale, gate=gate)
+    out = prefill.prefill_attention_gpu(q, kp, vp, layout, scale, gate=gate, splits=splits, nw=nw)
     assert out is not None and out.shape == q.shape and out.dtype == dt
     assert rel_err(out, reference(q, kp, vp, layout, scale, gate)) < TOL[dt]
 

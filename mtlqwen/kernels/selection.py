@@ -110,6 +110,10 @@ SELECT: dict[str, int] = {
     # block an SM); 4 = 64 rows, two blocks an SM, but each K/V tile copied from L2 serves half the rows.
     # Not yet measured (benchmarks/prefill_attention_bench.py --nw 4 8).
     "prefill_attn_warps": 8,
+    # A prefill-attention batch of too few query tiles to fill the SMs (a short chunk over a long context) splits
+    # its key range, each split at least this many keys, and the decode kernel's merge combines them
+    # (attention/prefill.plan); 0 = never split. Not yet measured.
+    "prefill_attn_split_keys": 512,
     # The conv kernel writes each sequence's new conv state (its last K-1 raw rows) into the conv pool in
     # place instead of returning it for a scatter (conv/kernels.py): one built-in launch fewer per GDN
     # layer. tests/test_kernels_small.py::test_conv_inplace_kernel passed on the H200 (benchmarks/kernels_gdn.md).

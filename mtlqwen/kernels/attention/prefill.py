@@ -11,6 +11,10 @@ The V tile's copy overlaps the QK^T of its keys, the next K tile's copy the PV (
 rows are 16-byte-chunk swizzled (chunk ^ row % 8) so ldmatrix reads hit 8 different banks. No T x S score
 matrix exists anywhere; the sigmoid output gate is applied in the epilogue, as in the decode kernel.
 
+A batch of too few query tiles to fill the SMs (a short chunk over a long context) also splits its key range
+(grid x NS, `plan`): each split writes unnormalised partials (o, m, l) that the decode kernel's merge
+(kernels.py) combines and gates.
+
 The new tokens' own K/V are already in the pools (write_kv_inplace / write_kv run first), so "its cached
 blocks plus its own chunk" is one key range 0 .. kv_valid + q_len per sequence.
 
@@ -25,6 +29,8 @@ import mlx.core as mx
 from ..portable import KernelExample, PortableKernel
 from ..selection import SELECT
 from ..seqs import SeqLayout
+from . import kernels as decode
+from .kernels import MAX_SPLITS
 
 POISON: float | None = None  # tests set NaN: every output element must then be written by the kernel
 _XKIND = {mx.bfloat16: 1, mx.float16: 2}
@@ -76,7 +82,9 @@ template <int XK> __device__ __forceinline__ float pf_f(unsigned short u) {
 """
 
 # Template constants: TQ (q / pool / out dtype), XK (1 bf16, 2 fp16), HD, REP, BT (block tokens), NW (warps),
-# GST / GOF (gate row stride and offset in elements). prm = [NQT query tiles, unused, unused].
+# GST / GOF (gate row stride and offset in elements). prm = [NQT query tiles, NS key splits, CS keys a split
+# (a multiple of 64)]. Split launches (NS > 1) write unnormalised partials po / pm / pl that the decode kernel's
+# merge (kernels.py) combines and gates, as the decode kernel's own split does.
 _BODY = r"""
   constexpr int BM = 16 * NW;                // query rows of the tile
   constexpr int TPT = BM / REP;              // tokens of the tile
@@ -92,10 +100,11 @@ _BODY = r"""
   const int nKV = k_pool_shape[2];
   const int nbt = block_tables_shape[1];
   const int nseq = kv_valid_shape[0];
-  const int NQT = prm[0];
+  const int NQT = prm[0], NS = prm[1], CS = prm[2];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gq = lane >> 2, tq = lane & 3;
   int id = blockIdx.x;
+  const int split = id % NS; id /= NS;
   const int g = id % nKV; id /= nKV;
   const int seq = id % nseq; id /= nseq;
   const int qt = NQT - 1 - id;               // the longest key ranges first
@@ -106,6 +115,7 @@ _BODY = r"""
   if (t0 >= qlen) return;                    // uniform: no tokens of this sequence in this tile
   const int ntok = min(TPT, qlen - t0);
   const int kend = past + t0 + ntok;         // keys the tile's last token sees
+  const int kbeg = split * CS, kstop = min(kbeg + CS, kend);   // this split's keys (tiles never straddle it)
   const float sl2 = scale_arr[0] * 1.4426950408889634f;
   const int* table = block_tables + (size_t)seq * nbt;
 
@@ -125,7 +135,7 @@ _BODY = r"""
       pf_cp16(dst + r * HD * 2 + ((ch ^ (r & 7)) * 16), src, ok ? 16 : 0);
     }
   };
-  load_kv(Ks, k_pool, 0);
+  if (kbeg < kstop) load_kv(Ks, k_pool, kbeg);
   pf_commit();
 
   float o[HD / 8][4];
@@ -139,7 +149,7 @@ _BODY = r"""
   const int mask_from = past + t0 + 1;       // tiles ending at or before this need no mask
   const unsigned qs_base = pf_smem(Qs), ks_base = pf_smem(Ks), vs_base = pf_smem(Vs);
 
-  for (int kc = 0; kc < kend; kc += KN) {
+  for (int kc = kbeg; kc < kstop; kc += KN) {
     pf_wait<0>();
     __syncthreads();                         // K tile in; every warp done with the previous V tile
     load_kv(Vs, v_pool, kc);
@@ -208,7 +218,7 @@ _BODY = r"""
 
     pf_wait<0>();
     __syncthreads();                         // V tile in; every warp done with this K tile
-    if (kc + KN < kend) load_kv(Ks, k_pool, kc + KN);
+    if (kc + KN < kstop) load_kv(Ks, k_pool, kc + KN);
     pf_commit();
 
     // O += P V: k over the 64 keys in steps of 16, n over hd in pairs of 8-column tiles
@@ -232,20 +242,12 @@ _BODY = r"""
   l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
   l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
   l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
-  const float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f, inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = h ? rb : ra, tl = r / REP;
     if (tl >= ntok) continue;
-    const float inv = h ? inv_b : inv_a;
     const size_t row = (size_t)(q0 + t0 + tl) * nH + g * REP + r % REP;
-#pragma unroll
-    for (int n = 0; n < HD / 8; ++n) {
-      const int col = 8 * n + 2 * tq;
-      float v0 = o[n][2 * h] * inv, v1 = o[n][2 * h + 1] * inv;
-      GATE_CODE
-      *(uint32_t*)(out + row * HD + col) = pf_pack<XK>(v0, v1);
-    }
+    WRITE_OUT
   }
 """
 
@@ -253,6 +255,25 @@ _BODY = r"""
 def smem_bytes(hd: int, nw: int) -> int:
     return (16 * nw + 2 * KEYS) * hd * 2
 
+
+_WRITE_FINAL = r"""const float l = h ? l_b : l_a, inv = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) {
+      const int col = 8 * n + 2 * tq;
+      float v0 = o[n][2 * h] * inv, v1 = o[n][2 * h + 1] * inv;
+      GATE_CODE
+      *(uint32_t*)(out + row * HD + col) = pf_pack<XK>(v0, v1);
+    }"""
+
+# partials in the decode split's convention: o unnormalised, m the running max in natural-log units of the
+# scaled scores (here kept in log2 units: times ln 2), l the sum of exp(s - m); a split with no keys writes
+# m = -inf, l = 0, o = 0 (the merge gives it weight 0)
+_WRITE_SPLIT = r"""const size_t prow = (size_t)split * q_shape[0] * nH + row;
+    const float m2 = h ? m_b : m_a;
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n)
+      *(float2*)(po + prow * HD + 8 * n + 2 * tq) = make_float2(o[n][2 * h], o[n][2 * h + 1]);
+    if (tq == 0) { pm[prow] = m2 == PF_NEG_INF ? m2 : m2 * 0.6931471805599453f; pl[prow] = h ? l_b : l_a; }"""
 
 _GATE_CODE = r"""{
         const uint32_t gw = *(const uint32_t*)(gate + row * GST + GOF + col);
@@ -263,15 +284,16 @@ _GATE_CODE = r"""{
 _K: dict = {}
 
 
-def _kernel(gate: bool, smem: int) -> PortableKernel:
-    key = (gate, smem)
+def _kernel(split: bool, gate: bool, smem: int) -> PortableKernel:
+    key = (split, gate, smem)
     if key not in _K:
         ins = ["q", "k_pool", "v_pool", "block_tables", "kv_valid", "query_start_loc", "prm", "scale_arr"]
-        ins += (["gate"] if gate else []) + ["dep"]  # dep: unread, orders the kernel after the KV write
-        body = _BODY.replace("GATE_CODE", _GATE_CODE if gate else "")
-        _K[key] = PortableKernel(name=f"mtl_prefill_attn_g{int(gate)}_s{smem}", input_names=ins,
-                                 output_names=["out"], body=body, cuda_body=body, header=_HEADER,
-                                 shared_memory=smem)
+        ins += (["gate"] if gate and not split else []) + ["dep"]  # dep: unread, orders it after the KV write
+        body = _BODY.replace("WRITE_OUT", _WRITE_SPLIT if split else _WRITE_FINAL).replace(
+            "GATE_CODE", _GATE_CODE if gate and not split else "")
+        _K[key] = PortableKernel(name=f"mtl_prefill_attn_s{int(split)}_g{int(gate and not split)}_m{smem}",
+                                 input_names=ins, output_names=["po", "pm", "pl"] if split else ["out"], body=body,
+                                 cuda_body=body, header=_HEADER, shared_memory=smem)
     return _K[key]
 
 
@@ -290,31 +312,64 @@ def covers(q_shape, q_dtype, k_pool: mx.array, v_pool: mx.array, layout: SeqLayo
             and (16 * warps(hd)) % rep == 0)
 
 
+NUM_SMS = 132  # H200
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _splits(lmax: int, ns: int) -> tuple[int, int]:
+    """(NS, CS) for about ns splits of lmax keys: CS a multiple of the 64-key tile, NS <= MAX_SPLITS."""
+    cs = _ceil(_ceil(lmax, max(1, min(ns, MAX_SPLITS))), KEYS) * KEYS
+    return _ceil(lmax, cs), cs
+
+
+def plan(layout: SeqLayout, nKV: int, nqt: int, nw: int) -> tuple[int, int]:
+    """(NS key splits, CS keys a split). A batch of few query tiles (a short chunk, or one sequence's last
+    tiles) over a long context would leave most SMs idle: its key range is then split into as many parts as
+    one wave of blocks holds, each split at least SELECT["prefill_attn_split_keys"] keys (0: never split)."""
+    lmax = layout.longest()
+    blocks = layout.num_seqs * nKV * nqt
+    target = NUM_SMS * max(1, 8 // nw)  # resident blocks: one an SM at 8 warps, two at 4 (shared memory)
+    min_keys = SELECT["prefill_attn_split_keys"]
+    ns = min(target // blocks, lmax // min_keys) if min_keys > 0 else 1  # at most one wave of blocks
+    if ns < 2:  # half the SMs or more busy already (a second wave would gain nothing), or a short context
+        return 1, _ceil(lmax, KEYS) * KEYS
+    return _splits(lmax, ns)
+
+
 _CONSTS: dict = {}
 
 
-def _consts(nqt: int, scale: float) -> tuple[mx.array, mx.array]:
-    key = (nqt, scale)
+def _consts(nqt: int, ns: int, cs: int, scale: float) -> tuple[mx.array, mx.array]:
+    key = (nqt, ns, cs, scale)
     if key not in _CONSTS:
         if len(_CONSTS) > 4096:
             _CONSTS.clear()
-        _CONSTS[key] = (mx.array([nqt, 0, 0], dtype=mx.int32), mx.array([scale], dtype=mx.float32))
+        _CONSTS[key] = (mx.array([nqt, ns, cs], dtype=mx.int32), mx.array([scale], dtype=mx.float32))
     return _CONSTS[key]
 
 
-def prefill_attention_gpu(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate=None, after=None, nw=None):
+def prefill_attention_gpu(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate=None, after=None, nw=None,
+                          splits=None):
     """q [T, nH, hd] -> [T, nH, hd] (gate as in kernels.paged_attention_gpu), or None where not covered.
-    `nw` overrides the warps a block (benchmarks)."""
+    `nw` overrides the warps a block (benchmarks), `splits` the key splits (tests)."""
     if not covers(q.shape, q.dtype, k_pool, v_pool, layout):
         return None
     T, nH, hd = q.shape
     nKV = k_pool.shape[2]
     rep = nH // nKV
     nw = nw or warps(hd)
+    if (16 * nw) % rep:
+        return None
     tpt = 16 * nw // rep
     qmax = max(layout.q_len(i) for i in range(layout.num_seqs))
     nqt = -(-qmax // tpt)
-    prm, sc = _consts(nqt, scale)
+    ns, cs = plan(layout, nKV, nqt, nw)
+    if splits is not None:
+        ns, cs = _splits(layout.longest(), splits)
+    prm, sc = _consts(nqt, ns, cs, scale)
     if after is None:
         after = mx.zeros((1,), dtype=mx.int32)
     packed = gate is not None and gate.ndim == 3 and gate.shape[-1] == 2 * hd
@@ -322,30 +377,41 @@ def prefill_attention_gpu(q, k_pool, v_pool, layout: SeqLayout, scale: float, ga
     if gate is not None and not packed:
         gate = gate.reshape(T, nH * hd)
     arrays = [q, k_pool, v_pool, layout.array("block_tables"), layout.array("kv_valid"),
-              layout.array("query_start_loc"), prm, sc] + ([gate] if gate is not None else []) + [after]
+              layout.array("query_start_loc"), prm, sc]
     smem = smem_bytes(hd, nw)
-    groups = layout.num_seqs * nKV * nqt
-    return _kernel(gate is not None, smem)(
-        "cuda", inputs=arrays, output_shapes=[(T, nH, hd)], output_dtypes=[q.dtype],
-        grid=(groups * 32 * nw, 1, 1), threadgroup=(32 * nw, 1, 1),
-        template=[("TQ", q.dtype), ("XK", _XKIND[q.dtype]), ("HD", hd), ("REP", rep), ("BT", layout.block_tokens),
-                  ("NW", nw), ("GST", gst), ("GOF", gof)],
-        init_value=POISON)[0]
+    grid = (layout.num_seqs * nKV * nqt * ns * 32 * nw, 1, 1)
+    tmpl = [("TQ", q.dtype), ("XK", _XKIND[q.dtype]), ("HD", hd), ("REP", rep), ("BT", layout.block_tokens),
+            ("NW", nw), ("GST", gst), ("GOF", gof)]
+    if ns == 1:
+        return _kernel(False, gate is not None, smem)(
+            "cuda", inputs=arrays + ([gate] if gate is not None else []) + [after], output_shapes=[(T, nH, hd)],
+            output_dtypes=[q.dtype], grid=grid, threadgroup=(32 * nw, 1, 1), template=tmpl, init_value=POISON)[0]
+    po, pm, pl = _kernel(True, False, smem)(
+        "cuda", inputs=arrays + [after], output_shapes=[(ns, T, nH, hd), (ns, T, nH), (ns, T, nH)],
+        output_dtypes=[mx.float32] * 3, grid=grid, threadgroup=(32 * nw, 1, 1), template=tmpl, init_value=POISON)
+    merge_prm = decode._consts(ns, cs, nqt, scale)[0]  # the merge reads NS from prm[0]
+    return decode._merge_kernel(gate is not None)(
+        "cuda", inputs=[q, po, pm, pl, merge_prm] + ([gate] if gate is not None else []),
+        output_shapes=[(T, nH, hd)], output_dtypes=[q.dtype], grid=(T * nH * 128, 1, 1), threadgroup=(128, 1, 1),
+        template=[("TQ", q.dtype), ("HD", hd), ("GST", gst), ("GOF", gof)], init_value=POISON)[0]
 
 
 def examples() -> list[tuple[PortableKernel, KernelExample]]:
     """Instantiations for check_cuda: the 9B shape (hd 256, GQA 4, bf16, gated q|gate) at 8 and 4 warps, fp16,
-    hd 128 / 64, GQA 1 and 8, 16-token blocks (tiles spanning blocks)."""
-    combos = [(mx.bfloat16, 256, 4, 128, True, 8), (mx.bfloat16, 256, 4, 128, True, 4),
-              (mx.bfloat16, 256, 4, 128, False, 8), (mx.float16, 256, 4, 128, True, 8),
-              (mx.bfloat16, 128, 1, 16, False, 8), (mx.float16, 64, 8, 16, True, 8), (mx.bfloat16, 64, 2, 128, False, 4)]
+    the key-split partials, hd 128 / 64, GQA 1 and 8, 16-token blocks (tiles spanning blocks)."""
+    combos = [(mx.bfloat16, 256, 4, 128, True, 8, False), (mx.bfloat16, 256, 4, 128, True, 4, False),
+              (mx.bfloat16, 256, 4, 128, False, 8, False), (mx.float16, 256, 4, 128, True, 8, False),
+              (mx.bfloat16, 256, 4, 128, False, 8, True), (mx.float16, 128, 2, 16, False, 4, True),
+              (mx.bfloat16, 128, 1, 16, False, 8, False), (mx.float16, 64, 8, 16, True, 8, False),
+              (mx.bfloat16, 64, 2, 128, False, 4, False)]
     out = []
-    for dt, hd, rep, bt, gate, nw in combos:
+    for dt, hd, rep, bt, gate, nw, split in combos:
+        gate = gate and not split
         nh = 4 * rep
         ins = [(dt, (64, nh, hd)), (dt, (8, bt, 4, hd)), (dt, (8, bt, 4, hd)), (mx.int32, (2, 4)), (mx.int32, (2,)),
                (mx.int32, (3,)), (mx.int32, (3,)), (mx.float32, (1,))]
         ins += ([(dt, (64, nh, 2 * hd))] if gate else []) + [(mx.int32, (1,))]
-        ex = KernelExample(inputs=ins, outputs=[dt], template=[
+        ex = KernelExample(inputs=ins, outputs=[mx.float32] * 3 if split else [dt], template=[
             ("TQ", dt), ("XK", _XKIND[dt]), ("HD", hd), ("REP", rep), ("BT", bt), ("NW", nw), ("GST", 2 * hd), ("GOF", hd)])
-        out.append((_kernel(gate, smem_bytes(hd, nw)), ex))
+        out.append((_kernel(split, gate, smem_bytes(hd, nw)), ex))
     return out
