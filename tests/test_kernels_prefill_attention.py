@@ -98,22 +98,27 @@ def test_prefill_covers():
 
 
 def test_key_split_plan():
-    """Splits only when the blocks would fill at most half the SMs, into at most one wave, each split a whole number of 64-key tiles of at
-    least prefill_attn_split_keys keys, covering the longest context exactly once."""
+    """Splits only when the blocks with work would fill at most half the SMs, into at most one wave, each
+    split a whole number of 64-key tiles of at least prefill_attn_split_keys keys, covering the longest
+    context exactly once."""
     one = _layout([1024])
     one.kv_valid = [31 * 1024]
     assert prefill.plan(one, 4, 32, 8) == (1, 32 * 1024)  # 128 blocks: already about a wave at 8 warps
-    assert prefill.plan(one, 4, 16, 4) == (4, 8 * 1024)  # 64 blocks of 4 warps, 264 resident: 4 splits...
-    assert prefill.plan(one, 1, 16, 4)[0] == 16  # ... 16 blocks: 16 splits
+    assert prefill.plan(one, 4, 64, 4) == (4, 8 * 1024)  # 64 blocks of 4 warps, 264 resident: 4 splits
+    assert prefill.plan(one, 1, 64, 4)[0] == 16  # 16 blocks: 16 splits
     short = _layout([40])
     short.kv_valid = [65536 - 40]
-    ns, cs = prefill.plan(short, 4, 2, 8)  # 8 blocks over 64k keys
+    ns, cs = prefill.plan(short, 4, 32, 8)  # 8 blocks over 64k keys
     assert ns > 1 and cs % prefill.KEYS == 0 and cs >= SELECT["prefill_attn_split_keys"]
-    assert (ns - 1) * cs < 65536 <= ns * cs and 8 * ns <= 2 * prefill.NUM_SMS
+    assert (ns - 1) * cs < 65536 <= ns * cs and 8 * ns <= prefill.NUM_SMS
+    # decode rows beside a chunk: 1 tile each, not the chunk's 4 (the grid's other blocks exit at once)
+    mixed = _layout([120] + [1] * 8)
+    mixed.kv_valid = [32768] * 9
+    assert prefill.plan(mixed, 4, 32, 8)[0] == prefill.NUM_SMS // (4 * (4 + 8))
     small = _layout([40])  # 45 keys: nothing to split
-    assert prefill.plan(small, 4, 2, 8)[0] == 1
+    assert prefill.plan(small, 4, 32, 8)[0] == 1
     with selected({"prefill_attn_split_keys": 0}):
-        assert prefill.plan(short, 4, 2, 8)[0] == 1
+        assert prefill.plan(short, 4, 32, 8)[0] == 1
 
 
 @pytest.fixture

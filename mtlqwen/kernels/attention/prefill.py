@@ -325,12 +325,13 @@ def _splits(lmax: int, ns: int) -> tuple[int, int]:
     return _ceil(lmax, cs), cs
 
 
-def plan(layout: SeqLayout, nKV: int, nqt: int, nw: int) -> tuple[int, int]:
+def plan(layout: SeqLayout, nKV: int, tpt: int, nw: int) -> tuple[int, int]:
     """(NS key splits, CS keys a split). A batch of few query tiles (a short chunk, or one sequence's last
     tiles) over a long context would leave most SMs idle: its key range is then split into as many parts as
     one wave of blocks holds, each split at least SELECT["prefill_attn_split_keys"] keys (0: never split)."""
     lmax = layout.longest()
-    blocks = layout.num_seqs * nKV * nqt
+    # blocks with work (the grid's others exit at once: tiles past a shorter sequence's chunk)
+    blocks = nKV * sum(_ceil(layout.q_len(i), tpt) for i in range(layout.num_seqs))
     target = NUM_SMS * max(1, 8 // nw)  # resident blocks: one an SM at 8 warps, two at 4 (shared memory)
     min_keys = SELECT["prefill_attn_split_keys"]
     ns = min(target // blocks, lmax // min_keys) if min_keys > 0 else 1  # at most one wave of blocks
@@ -365,8 +366,8 @@ def prefill_attention_gpu(q, k_pool, v_pool, layout: SeqLayout, scale: float, ga
         return None
     tpt = 16 * nw // rep
     qmax = max(layout.q_len(i) for i in range(layout.num_seqs))
-    nqt = -(-qmax // tpt)
-    ns, cs = plan(layout, nKV, nqt, nw)
+    nqt = _ceil(qmax, tpt)
+    ns, cs = plan(layout, nKV, tpt, nw)
     if splits is not None:
         ns, cs = _splits(layout.longest(), splits)
     prm, sc = _consts(nqt, ns, cs, scale)
