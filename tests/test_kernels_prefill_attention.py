@@ -83,6 +83,8 @@ def test_dispatch_by_queries_per_sequence(monkeypatch):
     assert not uses([1024], traced=True)
     with selected({"prefill_attn_min_queries": 1024}):
         assert not uses([1024]) and uses([1025])
+    with selected({"prefill_attn_min_queries": 0}):  # off
+        assert not uses([1025])
     monkeypatch.setattr(ops, "gpu_backend", lambda: "metal")
     assert not uses([1024])
 

@@ -25,12 +25,13 @@ def _after(k_pool, v_pool, after):
 def uses_prefill_kernel(q_shape, q_dtype, k_pool, v_pool, layout: SeqLayout) -> bool:
     """Whether a batch takes the tensor-core prefill kernel: on CUDA, when some sequence has more than
     SELECT["prefill_attn_min_queries"] queries (decode and verification rows alone stay on the decode
-    kernel). The prefill kernel then serves the whole packed batch, its 1-query rows included: a decode row's
+    kernel; 0: never). The prefill kernel then serves the whole packed batch, its 1-query rows included: a decode row's
     block walks its context once, as long as a prefill block of the same context (no split, no merge)."""
     if gpu_backend() != "cuda" or layout.traced or layout.num_seqs == 0:
         return False
+    lim = SELECT["prefill_attn_min_queries"]
     qmax = max(layout.q_len(i) for i in range(layout.num_seqs))
-    return (qmax > SELECT["prefill_attn_min_queries"] and kernels.covers(q_shape, q_dtype, k_pool, v_pool, layout)
+    return (lim > 0 and qmax > lim and kernels.covers(q_shape, q_dtype, k_pool, v_pool, layout)
             and prefill.covers(q_shape, q_dtype, k_pool, v_pool, layout))
 
 
