@@ -69,8 +69,8 @@ def time_paths(q, gate, kp, vp, layout, scale, links, reps, paths):
     Paths: "prefill" (warps from the selection table), "prefill_nwN" (N warps a block), "decode"."""
     fns = {
         "prefill": lambda h, _: prefill.prefill_attention_gpu(h, kp, vp, layout, scale, gate=gate),
-        **{f"prefill_nw{n}": (lambda h, _, n=n: prefill.prefill_attention_gpu(h, kp, vp, layout, scale, gate=gate, nw=n))
-           for n in (4, 8)},
+        **{f"prefill_nw{n}": (lambda h, _, n=n: prefill.prefill_attention_gpu(
+            h, kp, vp, layout, scale, gate=gate, nw=n)) for n in (4, 8)},
         "decode": lambda h, _: decode.paged_attention_gpu(h, kp, vp, layout, scale, gate=gate),
     }
     return {p: chain_time(fns[p], q, [None], links, reps) for p in paths}
@@ -157,7 +157,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--chunk", type=int, nargs="+", default=[1024, 4096])
-    ap.add_argument("--stride", type=int, default=1, help="time every N-th chunk from the last (N=1: all); the others count as the timed one above them")
+    ap.add_argument("--stride", type=int, default=1,
+                    help="time every N-th chunk from the last (N=1: all); the others count as the timed one above them")
     ap.add_argument("--links", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-decode", action="store_true", help="skip the current path (it is slow at 32k)")
@@ -165,7 +166,8 @@ def main(argv=None):
                     help="also time the prefill kernel at these warps a block (selection row prefill_attn_warps)")
     ap.add_argument("--crossover", action="store_true")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--context", type=int, nargs="+", default=[4096, 32768], help="cached keys a sequence (--crossover)")
+    ap.add_argument("--context", type=int, nargs="+", default=[4096, 32768],
+                    help="cached keys a sequence (--crossover)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if gpu_backend() != "cuda":

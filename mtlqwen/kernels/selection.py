@@ -101,12 +101,13 @@ SELECT: dict[str, int] = {
     # kernel (attention/prefill.py, CUDA: FlashAttention-2 over the paged blocks with mma.sync); up to it,
     # decode and verification rows (1-16 queries) take the decode kernel above, which re-reads every key per
     # 16 query rows in fp32 FMAs; 0 = never (the decode kernel for every batch). A default, not yet measured:
-    # the crossover is to be timed on the H200 (benchmarks/prefill_attention_bench.py --crossover). On Metal there is no tensor-core rendering (Apple GPUs
-    # have no mma.sync; the emulator has no simdgroup_matrix): the decode kernel's portable SIMT body serves
-    # prefill chunks too (a plain SIMT tiling could not share a K/V tile among more rows: at head_dim 256 its
-    # 16 fp32 query rows already take half of Metal's 32 KiB of threadgroup memory), and check_metal runs it on
-    # a prefill-sized batch (metal_cases.py). MLX's own attention over gathered K/V is not used: it would copy
-    # each sequence's context out of the pool every layer.
+    # the crossover is to be timed on the H200 (benchmarks/prefill_attention_bench.py --crossover). On Metal
+    # there is no tensor-core rendering (Apple GPUs have no mma.sync; the emulator has no simdgroup_matrix):
+    # the decode kernel's portable SIMT body serves prefill chunks too (a plain SIMT tiling could not share a
+    # K/V tile among more rows: at head_dim 256 its 16 fp32 query rows already take half of Metal's 32 KiB of
+    # threadgroup memory), and check_metal runs it on a prefill-sized batch (metal_cases.py). MLX's own
+    # attention over gathered K/V is not used: it would copy each sequence's context out of the pool every
+    # layer.
     "prefill_attn_min_queries": 16,
     # Warps a prefill-attention block (16 query rows each, attention/prefill.py): 8 = 128 query rows per 64-key
     # tile, FlashAttention-2's choice at head_dim 256 (128 KiB of shared memory and 248 registers a lane: one
