@@ -4,10 +4,14 @@ Random weights at a real shape (default: Qwen3.5-9B, MLX affine 4-bit g64). Meas
 batch-1 decode tok/s (512-token prompt, 256 new tokens), prefill tok/s of a 4096-token prompt, and
 aggregate decode tok/s of 8 concurrent requests (512 in / 256 out). Warm-up runs first; every number
 is the median of --repeats runs; timings synchronise with the device (token ids are read back).
+Long contexts: `--prefill 32768 65536` times each prompt length, `--decode-contexts 65536` adds batch-1
+decode after a prompt of that length (`decode_b1_ctx65536`), `--skip-batch` leaves out the 8 requests.
 
     python benchmarks/e2e_bench.py                      # 9B shape, both engines
     python benchmarks/e2e_bench.py --shape 35b-a3b --prefill-steps 1024   # MoE geometry (256 experts, top-8)
     python benchmarks/e2e_bench.py --shape demo --skip-mlxlm --repeats 1   # CPU smoke run
+    python benchmarks/e2e_bench.py --skip-mlxlm --prefill 32768 65536 --prefill-steps 1024 4096 \
+        --decode-contexts 65536 --skip-batch --repeats 1                       # long prompts
 
 mlx-lm builds its own random weights of the same geometry (its qwen3_5 / qwen3_5_moe model, every linear
 4-bit g64 by nn.quantize but the MoE routers at 8 bits as its converter does), not the engine's tensors: speed, not output, is compared.
@@ -68,18 +72,25 @@ def ours(config, args) -> dict:
         gen = sum(len(o.token_ids) - 1 for o in outs)
         return gen / (total - last_first), statistics.median(o.ttft for o in outs)
 
-    def prefill_rate(step_tokens: int):
-        eng = Engine(model, slots=1, step_tokens=step_tokens, num_blocks=args.prefill // 128 + 4)
-        p = rand_prompt(args.prefill, vocab, 7)
+    def prefill_rate(n: int, step_tokens: int):
+        eng = Engine(model, slots=1, step_tokens=step_tokens, num_blocks=n // 128 + 4)
+        p = rand_prompt(n, vocab, 7)
         t0 = time.perf_counter()
         eng.generate([p], SamplingParams(max_tokens=1, ignore_eos=True))
-        return args.prefill / (time.perf_counter() - t0)
+        return n / (time.perf_counter() - t0)
 
     decode_rate(1, 64, 128)  # warm-up: compiles kernels, fills caches
     res["decode_b1"], _ = median_of(lambda: decode_rate(1, args.prompt, 128)[0], args.repeats)
-    for st in args.prefill_steps:
-        prefill_rate(st)
-        res[f"prefill_{args.prefill}_step{st}"], _ = median_of(lambda st=st: prefill_rate(st), args.repeats)
+    for ctx in args.decode_contexts:  # batch-1 decode after a long prompt (its prefill is not timed)
+        res[f"decode_b1_ctx{ctx}"], _ = median_of(lambda ctx=ctx: decode_rate(1, ctx, 128)[0], args.repeats)
+    for n in args.prefill:
+        for st in args.prefill_steps:
+            prefill_rate(min(n, 4096), st)  # warm-up at this budget
+            res[f"prefill_{n}_step{st}"], _ = median_of(lambda n=n, st=st: prefill_rate(n, st), args.repeats)
+    if args.skip_batch:
+        del model
+        mx.clear_cache()
+        return res
     for b in args.batch:
         decode_rate(b, 64, 128)
         rb = [decode_rate(b, args.prompt, 128) for _ in range(args.repeats)]
@@ -126,7 +137,12 @@ def mlxlm(config, args) -> dict:
 
     b1(64, 8)
     res["decode_b1"], _ = median_of(lambda: b1(args.prompt, args.gen)[0], args.repeats)
-    res[f"prefill_{args.prefill}"], _ = median_of(lambda: b1(args.prefill, 1)[1], 1)
+    for n in args.prefill:
+        res[f"prefill_{n}"], _ = median_of(lambda n=n: b1(n, 1)[1], 1)
+    for ctx in args.decode_contexts:
+        res[f"decode_b1_ctx{ctx}"], _ = median_of(lambda ctx=ctx: b1(ctx, args.gen)[0], args.repeats)
+    if args.skip_batch:
+        return res
 
     def batched(n_req):
         gen = BatchGenerator(model, max_tokens=args.gen, completion_batch_size=n_req, prefill_batch_size=n_req)
@@ -157,7 +173,10 @@ def main(argv=None):
     ap.add_argument("--shape", choices=sorted(SHAPES), default="9b")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--gen", type=int, default=256)
-    ap.add_argument("--prefill", type=int, default=4096)
+    ap.add_argument("--prefill", type=int, nargs="+", default=[4096], help="prompt lengths to time the prefill of")
+    ap.add_argument("--decode-contexts", type=int, nargs="*", default=[],
+                    help="also time batch-1 decode after a prompt of each of these lengths")
+    ap.add_argument("--skip-batch", action="store_true", help="leave out the --batch concurrent requests")
     ap.add_argument("--prefill-steps", type=int, nargs="+", default=[128, 1024, 4096],
                     help="step_tokens budgets to time the prefill with")
     ap.add_argument("--batch", type=int, nargs="+", default=[8], help="concurrent requests (several sizes allowed)")

@@ -91,10 +91,12 @@ def _usage(msg: str) -> str:
 
 def cuda_only_jobs() -> list[tuple[str, PortableKernel, KernelExample]]:
     """The CUDA-only kernels outside the portable registry (no Metal rendering: Metal runs MLX's op), each
-    instantiation as the kernel module declares it: the tensor-core quantized GEMM."""
+    instantiation as the kernel module declares it: the tensor-core quantized GEMM and prefill attention."""
+    from .attention import prefill  # noqa: PLC0415
     from .qmatmul import qgemm  # noqa: PLC0415
 
-    return [(f"{kern.name}[{i}]", kern, ex) for i, (kern, ex) in enumerate(qgemm.examples())]
+    return [(f"{kern.name}[{i}]", kern, ex) for mod in (qgemm, prefill)
+            for i, (kern, ex) in enumerate(mod.examples())]
 
 
 def check(kernels: dict[str, PortableKernel] | None = None) -> list[tuple[str, bool, str]]:

@@ -389,6 +389,23 @@ def edge_trials() -> list[Trial]:
                   kernels=("mtl_paged_attn_s0_g0",))]
 
 
+def _prefill_trials() -> list[Trial]:
+    """A prefill-sized packed batch (chunks past SELECT["prefill_attn_min_queries"], a decode row beside them)
+    through the attention dispatch at the 9B head shape with the q|gate projection: on Metal it takes the
+    decode kernel's portable body (CUDA would take the tensor-core prefill kernel, a limit violation here)."""
+    rng = np.random.default_rng(17)
+    from .selection import SELECT  # noqa: PLC0415
+
+    lim = SELECT["prefill_attn_min_queries"]
+    q, kp, vp, layout = _attn_batch(rng, BF16, past=[130, 0, 70], qlens=[lim + 9, lim + 4, 1], nkv=2, rep=4)
+    gate = mx.concatenate([_rand(rng, *q.shape, dtype=BF16), _rand(rng, *q.shape, dtype=BF16)], axis=-1)
+    scale = 256 ** -0.5
+    return [Trial("paged_attention_gated[bfloat16 prefill chunks, default selection]",
+                  lambda: [_fn("attention_kernel")(q, kp, vp, layout, scale, gate=gate)],
+                  lambda: [_cpu(_fn("paged_attention_gated_ref"), q, kp, vp, layout, scale, gate)], [TOL[BF16]],
+                  kernels=("mtl_paged_attn_s1_g0", "mtl_paged_attn_merge_g1"))]
+
+
 def _selection_trials() -> list[Trial]:
     """Ops at the selection table's defaults, at shapes where CUDA would take a CUDA-only variant (the
     tensor-core qmv from SELECT["qmv_mma_min_rows"] rows): on Metal the portable kernel must run instead
@@ -405,6 +422,6 @@ def trials(names=None, edges: bool = True) -> list[Trial]:
     from .moe.metal_cases import moe_trials  # noqa: PLC0415  (it imports this module's helpers)
 
     out = (_row_trials() + _conv_trials() + _gdn_trials() + _attn_trials() + _qmv_trials() + _dequant_trials()
-           + _selection_trials() + moe_trials())
+           + _selection_trials() + _prefill_trials() + moe_trials())
     out += edge_trials() if edges else []
     return out if not names else [t for t in out if set(t.kernels) & set(names)]

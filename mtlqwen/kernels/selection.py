@@ -97,6 +97,27 @@ SELECT: dict[str, int] = {
     # 5.8 at 32 (benchmarks/decode_profile.md). 64: nearly the best there, and half the merge traffic of 32
     # on long contexts.
     "attn_min_split_keys": 64,
+    # Attention batches whose longest query chunk has more than this many queries take the tensor-core prefill
+    # kernel (attention/prefill.py, CUDA: FlashAttention-2 over the paged blocks with mma.sync); up to it,
+    # decode and verification rows (1-16 queries) take the decode kernel above, which re-reads every key per
+    # 16 query rows in fp32 FMAs; 0 = never (the decode kernel for every batch). A default, not yet measured:
+    # the crossover is to be timed on the H200 (benchmarks/prefill_attention_bench.py --crossover). On Metal
+    # there is no tensor-core rendering (Apple GPUs have no mma.sync; the emulator has no simdgroup_matrix):
+    # the decode kernel's portable SIMT body serves prefill chunks too (a plain SIMT tiling could not share a
+    # K/V tile among more rows: at head_dim 256 its 16 fp32 query rows already take half of Metal's 32 KiB of
+    # threadgroup memory), and check_metal runs it on a prefill-sized batch (metal_cases.py). MLX's own
+    # attention over gathered K/V is not used: it would copy each sequence's context out of the pool every
+    # layer.
+    "prefill_attn_min_queries": 16,
+    # Warps a prefill-attention block (16 query rows each, attention/prefill.py): 8 = 128 query rows per 64-key
+    # tile, FlashAttention-2's choice at head_dim 256 (128 KiB of shared memory and 248 registers a lane: one
+    # block an SM); 4 = 64 rows, two blocks an SM, but each K/V tile copied from L2 serves half the rows.
+    # Not yet measured (benchmarks/prefill_attention_bench.py --nw 4 8).
+    "prefill_attn_warps": 8,
+    # A prefill-attention batch of too few query tiles to fill the SMs (a short chunk over a long context) splits
+    # its key range, each split at least this many keys, and the decode kernel's merge combines them
+    # (attention/prefill.plan); 0 = never split. Not yet measured.
+    "prefill_attn_split_keys": 512,
     # The conv kernel writes each sequence's new conv state (its last K-1 raw rows) into the conv pool in
     # place instead of returning it for a scatter (conv/kernels.py): one built-in launch fewer per GDN
     # layer. tests/test_kernels_small.py::test_conv_inplace_kernel passed on the H200 (benchmarks/kernels_gdn.md).

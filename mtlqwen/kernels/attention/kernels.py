@@ -388,11 +388,3 @@ def paged_attention_gpu(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate
         be, inputs=[q, po, pm, pl, prm] + ([gate] if gate is not None else []), output_shapes=[(T, nH, hd)],
         output_dtypes=[q.dtype], grid=(T * nH * 128, 1, 1), threadgroup=(128, 1, 1),
         template=[("TQ", q.dtype), ("HD", hd), ("GST", gst), ("GOF", gof)], init_value=POISON)[0]
-
-
-def paged_attention_kernel(q, k_pool, v_pool, layout, scale, after=None):
-    return paged_attention_gpu(q, k_pool, v_pool, layout, scale, after=after)
-
-
-def paged_attention_gated_kernel(q, k_pool, v_pool, layout, scale, gate, after=None):
-    return paged_attention_gpu(q, k_pool, v_pool, layout, scale, gate=gate, after=after)

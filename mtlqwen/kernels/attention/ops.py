@@ -1,13 +1,15 @@
-"""The attention ops: the paged decode-attention kernel (kernels.py) and the in-place KV write
-(kv_write.py) where they run, the references otherwise."""
+"""The attention ops: the paged decode-attention kernel (kernels.py), the tensor-core prefill kernel
+(prefill.py, CUDA) and the in-place KV write (kv_write.py) where they run, the references otherwise."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from ..backend import gpu_backend
 from ..dispatch import OPS, kernel_op
+from ..selection import SELECT
 from ..seqs import SeqLayout
-from . import kernels, kv_write
+from . import kernels, kv_write, prefill
 from .reference import drafter_attention_ref, paged_attention_gated_ref, paged_attention_ref
 
 _POOLS = ("k_pool", "v_pool")
@@ -20,11 +22,39 @@ def _after(k_pool, v_pool, after):
     return (k_pool, v_pool) if after is None else tuple(mx.depends([k_pool, v_pool], [after]))
 
 
+def uses_prefill_kernel(q_shape, q_dtype, k_pool, v_pool, layout: SeqLayout) -> bool:
+    """Whether a batch takes the tensor-core prefill kernel: on CUDA, when some sequence has more than
+    SELECT["prefill_attn_min_queries"] queries (decode and verification rows alone stay on the decode
+    kernel; 0: never). The prefill kernel then serves the whole packed batch, its 1-query rows included: a decode row's
+    block walks its context once, as long as a prefill block of the same context (no split, no merge)."""
+    if gpu_backend() != "cuda" or layout.traced or layout.num_seqs == 0:
+        return False
+    lim = SELECT["prefill_attn_min_queries"]
+    qmax = max(layout.q_len(i) for i in range(layout.num_seqs))
+    return (lim > 0 and qmax > lim and kernels.covers(q_shape, q_dtype, k_pool, v_pool, layout)
+            and prefill.covers(q_shape, q_dtype, k_pool, v_pool, layout))
+
+
+def attention_kernel(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate=None, after=None):
+    """The GPU attention for a batch: prefill kernel past the crossover, else the decode kernel."""
+    if uses_prefill_kernel(q.shape, q.dtype, k_pool, v_pool, layout):
+        return prefill.prefill_attention_gpu(q, k_pool, v_pool, layout, scale, gate=gate, after=after)
+    return kernels.paged_attention_gpu(q, k_pool, v_pool, layout, scale, gate=gate, after=after)
+
+
+def _attention_kernel(q, k_pool, v_pool, layout, scale, after=None):
+    return attention_kernel(q, k_pool, v_pool, layout, scale, after=after)
+
+
+def _gated_kernel(q, k_pool, v_pool, layout, scale, gate, after=None):
+    return attention_kernel(q, k_pool, v_pool, layout, scale, gate=gate, after=after)
+
+
 def _attention_ref(q, k_pool, v_pool, layout, scale, after=None):
     return paged_attention_ref(q, *_after(k_pool, v_pool, after), layout, scale)
 
 
-@kernel_op("paged_attention", kernels.paged_attention_kernel, reference=_attention_ref, pools=_POOLS)
+@kernel_op("paged_attention", _attention_kernel, reference=_attention_ref, pools=_POOLS)
 def paged_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, layout: SeqLayout, scale: float,
                     after: mx.array | None = None) -> mx.array:
     """q [T, nH, hd] -> [T, nH, hd]. `after`: the token of `write_kv_inplace` (given only when it returned one)."""
@@ -35,7 +65,7 @@ def _gated_ref(q, k_pool, v_pool, layout, scale, gate, after=None):
     return paged_attention_gated_ref(q, *_after(k_pool, v_pool, after), layout, scale, gate)
 
 
-@kernel_op("paged_attention_gated", kernels.paged_attention_gated_kernel, reference=_gated_ref, pools=_POOLS)
+@kernel_op("paged_attention_gated", _gated_kernel, reference=_gated_ref, pools=_POOLS)
 def paged_attention_gated(q, k_pool, v_pool, layout: SeqLayout, scale: float, gate: mx.array,
                           after: mx.array | None = None) -> mx.array:
     """`paged_attention` with the sigmoid output gate applied inside the kernel (no separate ops)."""
