@@ -22,6 +22,7 @@ from ..kernels import use_kernels
 from ..model.compiled import CompiledDecode
 from .admission import as_params, check_request, prompt_ids
 from .batch import PackedBatch, pack, token_buckets
+from .draft_policy import make_policy
 from .config import EngineConfig
 from .failures import EvalFailed, Failures, reason
 from .generate import Generation
@@ -93,6 +94,13 @@ class Engine(Generation):
     a request opts out with SamplingParams(speculative=False) (speculative.py). verify_commit: how verified GDN
     states are committed, "candidates" or "replay" (see Qwen35Model); default: chosen per step by
     the number of drafts, from the H200 measurement (speculative.REPLAY_MIN_DRAFTS).
+    draft_policy: "fixed" (every eligible sequence sends n_draft drafts), "adaptive" (draft length and
+    speculating sequences per step from a step-cost table and each sequence's running acceptance, so that
+    by the table a drafter never slows the engine; n_draft is then the longest run) or a policy object
+    (draft_policy.py); default adaptive when the GPU kernels run (the default table is the H200's), fixed
+    on the CPU references. draft_costs: the adaptive policy's table, a draft_policy.StepCosts or a JSON
+    file (spec_bench.py --json output); default draft_policy.H200_9B_COSTS. draft_bits: 8 or 4 quantizes
+    a drafter loaded from a directory or repo id at load (model/quantize.py, group 64).
 
     compile_decode: run steps in which every sequence decodes one token through `mx.compile`
     (model/compiled.py); default on when the GPU kernels run, off on the CPU references. With a drafter,
@@ -122,6 +130,9 @@ class Engine(Generation):
         n_draft: int | None = _UNSET,
         compile_decode: bool | None = _UNSET,
         verify_commit: str | None = _UNSET,
+        draft_policy=_UNSET,
+        draft_costs=_UNSET,
+        draft_bits: int | None = _UNSET,
     ):
         if config is not None and not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__} (options go by keyword)")
@@ -133,7 +144,7 @@ class Engine(Generation):
         self.max_model_len = min(ctx, cfg.max_model_len) if cfg.max_model_len else ctx
         self.block_tokens, self.step_tokens, self.slots = block_tokens, step_tokens, slots = (
             cfg.block_tokens, cfg.step_tokens, cfg.slots)
-        drafter, n_draft = load_draft(model, cfg.draft, cfg.n_draft, slots, step_tokens)
+        drafter, n_draft = load_draft(model, cfg.draft, cfg.n_draft, slots, step_tokens, cfg.draft_bits)
         mem = plan_memory(self.config, model.dtype, cfg, self.max_model_len,
                           Speculator.bytes_per_block(drafter, block_tokens, model.dtype))  # drafter K/V share the bundles
         self.num_blocks = mem.num_blocks
@@ -143,8 +154,9 @@ class Engine(Generation):
         self.scheduler = Scheduler(self.kv, slots, step_tokens, prefill_step_tokens=cfg.prefill_budget)
         # one spare bundle and slot beyond what the scheduler hands out: the padding sequence's scratch
         self.cache = model.make_cache(self.num_blocks + 1, slots + 1, block_tokens)
+        policy = cfg.draft_policy if cfg.draft_policy is not None else "adaptive" if use_kernels() else "fixed"
         self.spec = None if drafter is None else Speculator(
-            model, drafter, n_draft, self.cache, self.kv, cfg.verify_commit)
+            model, drafter, n_draft, self.cache, self.kv, cfg.verify_commit, make_policy(policy, cfg.draft_costs))
         self.scratch = (slots, self.num_blocks)
         auto = cfg.compile_decode is None
         compile_decode = use_kernels() if auto else cfg.compile_decode
@@ -222,7 +234,7 @@ class Engine(Generation):
 
     def _step(self, deltas: list[Delta]) -> None:
         if self.spec is not None:
-            if self._inflight is not None and self.spec.must_sync(self._inflight):
+            if self._inflight is not None and self.spec.must_sync(self._inflight, self._seqs.values()):
                 flight, self._inflight = self._inflight, None  # drafting needs its tokens and kv_valid on the host
                 self._read_back(flight, None, deltas)
             self.spec.plan(self._seqs.values())
