@@ -148,7 +148,10 @@ class Engine(Generation):
         mem = plan_memory(self.config, model.dtype, cfg, self.max_model_len,
                           Speculator.bytes_per_block(drafter, block_tokens, model.dtype))  # drafter K/V share the bundles
         self.num_blocks = mem.num_blocks
-        identity = model_identity(model, getattr(drafter, "source", drafter))  # entries carry drafter rows
+        drafter_id = getattr(drafter, "source", drafter)
+        if drafter is not None and drafter.config.quantization is not None:  # its rows differ from the float one's
+            drafter_id = f"{drafter_id}|{drafter.config.quantization}"
+        identity = model_identity(model, drafter_id)  # entries carry drafter rows
         self.kv = KVManager(self.num_blocks, block_tokens, cfg.prefix_interval, mem.prefix_bytes, identity,
                             mem.prefix_entry_bytes)
         self.scheduler = Scheduler(self.kv, slots, step_tokens, prefill_step_tokens=cfg.prefill_budget)
