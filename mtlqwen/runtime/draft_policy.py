@@ -70,8 +70,8 @@ class StepCosts:
     def from_rows(cls, rows: list[dict]) -> StepCosts:
         """From spec_bench.py's JSON rows ({"seqs", "n_draft", "commit", "plain_step_ms", "spec_step_ms"}):
         n_draft 0 rows give the plain column (a drafter loaded, nobody speculating) where present, else each
-        batch's plain_step_ms; of several rows at one (seqs, n_draft) the engine's own commit mode
-        (speculative.commit_mode_for) is taken when measured, else the cheapest."""
+        batch's plain_step_ms; of several rows at one (seqs, n_draft) the engine's own commit mode ("auto",
+        or the one speculative.commit_mode_for picks) is taken when measured, else the cheapest."""
         from .speculative import commit_mode_for  # noqa: PLC0415 (speculative imports this module)
 
         cells: dict[tuple[int, int], list[dict]] = {}
@@ -92,7 +92,7 @@ class StepCosts:
                     continue
                 if not got:
                     raise ValueError(f"the table has no row at {S} sequences, n_draft {N}")
-                own = [r for r in got if r.get("commit") == commit_mode_for(N)] if N else []
+                own = [r for r in got if r.get("commit") in ("auto", commit_mode_for(N))] if N else []
                 row.append(float(min(r["spec_step_ms"] for r in (own or got))))
             ms.append(tuple(row))
         return cls(tuple(seqs), tuple(drafts), tuple(ms))
