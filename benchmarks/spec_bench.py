@@ -202,6 +202,12 @@ def part_ms(model, drafter, S: int, n: int, args, mode: str) -> dict:
     return {name: _timed(fn, args.steps) for name, fn in (("decode", decode), ("draft", draft), ("verify", verify))}
 
 
+def write_json(args, rows: list[dict]) -> None:
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "device": str(mx.default_device()), "rows": rows}, f, indent=1)
+
+
 def acceptance_rows(args) -> list[dict]:
     """--acceptance: the greedy workload once per (drafter bits, n_draft, sequences); see the docstring."""
     from mtlqwen.model.dflash import quantize_drafter  # noqa: PLC0415
@@ -235,7 +241,9 @@ def acceptance_rows(args) -> list[dict]:
         plain_tok_s = len(prompts) * args.gen / (time.perf_counter() - t0)
         for bits, d in drafters.items():
             for n in args.n_draft:
-                if n == 0:
+                if n == 0 or n > d.block_size - 1:
+                    if n:
+                        print(f"n_draft {n} skipped: the drafter's block is {d.block_size}", flush=True)
                     continue
                 eng = Engine(model, step_tokens=max(128, S * (n + 1)), draft=d, n_draft=n, draft_policy="fixed", **kw)
                 t0 = time.perf_counter()
@@ -249,6 +257,7 @@ def acceptance_rows(args) -> list[dict]:
                        "same_as_plain": sum(o.token_ids == b for o, b in zip(outs, base)) / len(prompts)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                write_json(args, rows)
     print("\n| seqs | drafter | n_draft | tau | accepted / drafted | tok/s | plain tok/s | outputs = plain |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -288,10 +297,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gen", type=int, default=128, help="--acceptance: tokens generated per request")
     args = ap.parse_args(argv)
     if args.acceptance:
-        rows = acceptance_rows(args)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"args": vars(args), "device": str(mx.default_device()), "rows": rows}, f, indent=1)
+        acceptance_rows(args)
         return 0
 
     model = build_target(args.shape, args.bits)
@@ -315,6 +321,7 @@ def main(argv=None) -> int:
                                               speculative.commit_mode_for(n) if mode == "auto" else mode)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                write_json(args, rows)  # after every row: a part cut short by its time limit keeps what it measured
     print("\n| seqs | n_draft | commit | compiled | plain step ms | spec step ms | spec / plain | "
           + " | ".join(f"speed-up at tau={t}" for t in TAUS) + " | parts: decode / draft / verify ms |")
     print("|---|---|---|---|---|---|---|" + "---|" * len(TAUS) + "---|")
@@ -323,9 +330,6 @@ def main(argv=None) -> int:
         parts = " / ".join(f"{r['parts_ms'][k]:.2f}" for k in ("decode", "draft", "verify")) if "parts_ms" in r else "-"
         print(f"| {r['seqs']} | {r['n_draft']} | {r['commit']} | {r['compiled']} | {r['plain_step_ms']:.2f} | {r['spec_step_ms']:.2f} "
               f"| {r['ratio']:.2f} | {sp} | {parts} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "device": str(mx.default_device()), "rows": rows}, f, indent=1)
     return 0
 
 
