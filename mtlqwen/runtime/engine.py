@@ -100,7 +100,8 @@ class Engine(Generation):
     (draft_policy.py); default adaptive when the GPU kernels run (the default table is the H200's), fixed
     on the CPU references. draft_costs: the adaptive policy's table, a draft_policy.StepCosts or a JSON
     file (spec_bench.py --json output); default draft_policy.H200_9B_COSTS. draft_bits: 8 or 4 quantizes
-    a drafter loaded from a directory or repo id at load (model/quantize.py, group 64).
+    the drafter's projections (group 64): at load for a directory or repo id, into a new Drafter for a
+    loaded float one (model/dflash.quantize_drafter).
 
     compile_decode: run steps in which every sequence decodes one token through `mx.compile`
     (model/compiled.py); default on when the GPU kernels run, off on the CPU references. With a drafter,
