@@ -115,6 +115,14 @@ def test_step_costs_interpolate_and_load(tmp_path):
     assert StepCosts.load(tmp_path / "table.json") == StepCosts((1,), (0, 3), ((1, 2),))
     with pytest.raises(ValueError, match="no row at 8 sequences, n_draft 15"):
         StepCosts.from_rows(rows[:-1])
+    # measured uncompiled and compiled: the engine reads the rows of the way it runs its steps
+    both = [{**r, "compiled": "off"} for r in rows] + [{**r, "compiled": "on", "spec_step_ms": r["spec_step_ms"] / 2}
+                                                       for r in rows]
+    assert StepCosts.from_rows(both, compiled=False) == got == StepCosts.from_rows(rows, compiled=True)
+    halved = StepCosts((1, 8), (0, 4, 15), ((5.0, 10.0, 16.5), (8.0, 30.0, 35.0)))
+    assert StepCosts.from_rows(both, compiled=True) == halved
+    (tmp_path / "both.json").write_text(json.dumps({"rows": both}))
+    assert StepCosts.load(tmp_path / "both.json", compiled=True) == halved
 
 
 # ------------------------------------------------------------------------------------------ the policy
@@ -204,7 +212,7 @@ def test_h200_table_drafts_only_when_acceptance_pays():
 CHEAP = StepCosts((1, 4), (0, 1, 3, 7, 15), ((1.0, 1.5, 2.0, 3.0, 5.0), (2.0, 3.0, 4.0, 6.0, 10.0)))
 
 
-def test_config_knobs(model, drafter):
+def test_config_knobs(model, drafter, tmp_path):
     with pytest.raises(ValueError, match="draft_policy must be one of"):
         EngineConfig(draft="d", draft_policy="sometimes")
     with pytest.raises(ValueError, match="draft_policy must be one of"):
@@ -220,6 +228,14 @@ def test_config_knobs(model, drafter):
     assert Engine(model, draft=drafter, **KW).stats()["draft_policy"] == "fixed"
     eng = Engine(model, draft=drafter, draft_policy="adaptive", draft_costs=CHEAP, **KW)
     assert eng.spec.policy.costs is CHEAP and eng.stats()["draft_policy"] == "adaptive"
+    # a spec_bench JSON: the rows of the engine's compiled or uncompiled speculative steps
+    rows = [dict(seqs=1, n_draft=n, commit="auto", compiled=c, plain_step_ms=1.0, spec_step_ms=ms)
+            for n, c, ms in ((0, "off", 1.5), (4, "off", 6.0), (0, "on", 1.2), (4, "on", 3.0))]
+    (tmp_path / "spec.json").write_text(json.dumps({"rows": rows}))
+    for compiled, want in ((False, ((1.5, 6.0),)), (True, ((1.2, 3.0),))):
+        eng = Engine(model, draft=drafter, draft_policy="adaptive", draft_costs=str(tmp_path / "spec.json"),
+                     compile_decode=compiled, **KW)
+        assert eng.spec.policy.costs == StepCosts((1,), (0, 4), want)
 
 
 @pytest.mark.parametrize("good", [True, False])

@@ -67,13 +67,18 @@ class StepCosts:
         return r[j] + (r[j + 1] - r[j]) * (N - n0) / (n1 - n0)
 
     @classmethod
-    def from_rows(cls, rows: list[dict]) -> StepCosts:
-        """From spec_bench.py's JSON rows ({"seqs", "n_draft", "commit", "plain_step_ms", "spec_step_ms"}):
+    def from_rows(cls, rows: list[dict], compiled: bool | None = None) -> StepCosts:
+        """From spec_bench.py's JSON rows ({"seqs", "n_draft", "commit", "compiled", "plain_step_ms",
+        "spec_step_ms"}): with `compiled` given, only the rows measured that way (spec_bench --compile
+        on / off) where the table has any, as the engine will run its speculative steps;
         n_draft 0 rows give the plain column (a drafter loaded, nobody speculating) where present, else each
         batch's plain_step_ms; of several rows at one (seqs, n_draft) the engine's own commit mode ("auto",
         or the one speculative.commit_mode_for picks) is taken when measured, else the cheapest."""
         from .speculative import commit_mode_for  # noqa: PLC0415 (speculative imports this module)
 
+        if compiled is not None:
+            want = "on" if compiled else "off"
+            rows = [r for r in rows if r.get("compiled", "off") == want] or rows
         cells: dict[tuple[int, int], list[dict]] = {}
         for r in rows:
             cells.setdefault((int(r["seqs"]), int(r["n_draft"])), []).append(r)
@@ -98,11 +103,12 @@ class StepCosts:
         return cls(tuple(seqs), tuple(drafts), tuple(ms))
 
     @classmethod
-    def load(cls, path: str | Path) -> StepCosts:
-        """A JSON file: spec_bench.py --json output ({"rows": [...]}) or {"seqs", "drafts", "ms"}."""
+    def load(cls, path: str | Path, compiled: bool | None = None) -> StepCosts:
+        """A JSON file: spec_bench.py --json output ({"rows": [...]}, `compiled` as in from_rows) or
+        {"seqs", "drafts", "ms"}."""
         d = json.loads(Path(path).read_text())
         if "rows" in d:
-            return cls.from_rows(d["rows"])
+            return cls.from_rows(d["rows"], compiled)
         return cls(tuple(d["seqs"]), tuple(d["drafts"]), tuple(tuple(r) for r in d["ms"]))
 
 
@@ -214,12 +220,12 @@ class AdaptiveDrafting:
         return out
 
 
-def make_policy(policy, costs) -> FixedDrafting | AdaptiveDrafting:
+def make_policy(policy, costs, compiled: bool | None = None) -> FixedDrafting | AdaptiveDrafting:
     """EngineConfig's draft_policy ("fixed", "adaptive" or a policy object) and draft_costs (None: the H200
-    table; a StepCosts or a JSON path for StepCosts.load)."""
+    table; a StepCosts or a JSON path for StepCosts.load, read for compiled or uncompiled steps)."""
     if not isinstance(policy, str):
         return policy
     if policy == "fixed":
         return FixedDrafting()
-    table = H200_9B_COSTS if costs is None else costs if isinstance(costs, StepCosts) else StepCosts.load(costs)
+    table = H200_9B_COSTS if costs is None else costs if isinstance(costs, StepCosts) else StepCosts.load(costs, compiled)
     return AdaptiveDrafting(table)

@@ -158,14 +158,15 @@ class Engine(Generation):
         self.scheduler = Scheduler(self.kv, slots, step_tokens, prefill_step_tokens=cfg.prefill_budget)
         # one spare bundle and slot beyond what the scheduler hands out: the padding sequence's scratch
         self.cache = model.make_cache(self.num_blocks + 1, slots + 1, block_tokens)
-        policy = cfg.draft_policy if cfg.draft_policy is not None else "adaptive" if use_kernels() else "fixed"
-        self.spec = None if drafter is None else Speculator(
-            model, drafter, n_draft, self.cache, self.kv, cfg.verify_commit, make_policy(policy, cfg.draft_costs))
-        self.scratch = (slots, self.num_blocks)
         auto = cfg.compile_decode is None
         compile_decode = use_kernels() if auto else cfg.compile_decode
         # speculative steps compile only when asked for: their compiled path has not yet run on a GPU
-        self.compiled = CompiledDecode(model) if compile_decode and (self.spec is None or not auto) else None
+        self.compiled = CompiledDecode(model) if compile_decode and (drafter is None or not auto) else None
+        policy = cfg.draft_policy if cfg.draft_policy is not None else "adaptive" if use_kernels() else "fixed"
+        self.spec = None if drafter is None else Speculator(
+            model, drafter, n_draft, self.cache, self.kv, cfg.verify_commit,
+            make_policy(policy, cfg.draft_costs, self.compiled is not None))  # the table's rows for these steps
+        self.scratch = (slots, self.num_blocks)
         if self.spec is not None:
             self.spec.compiled = self.compiled
         self.pad_buckets = cfg.pad_buckets
