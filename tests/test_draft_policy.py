@@ -224,8 +224,9 @@ def test_config_knobs(model, drafter, tmp_path):
     for bad in (2, 16, True, "8"):
         with pytest.raises(ValueError, match="draft_bits must be"):
             EngineConfig(draft="d", draft_bits=bad)
-    # default on the CPU references: the fixed rule; asked for: the adaptive one with the given table
+    # default on the CPU references: the fixed rule; given a table or asked for: the adaptive one
     assert Engine(model, draft=drafter, **KW).stats()["draft_policy"] == "fixed"
+    assert Engine(model, draft=drafter, draft_costs=CHEAP, **KW).spec.policy.costs is CHEAP  # a table: adaptive
     eng = Engine(model, draft=drafter, draft_policy="adaptive", draft_costs=CHEAP, **KW)
     assert eng.spec.policy.costs is CHEAP and eng.stats()["draft_policy"] == "adaptive"
     # a spec_bench JSON: the rows of the engine's compiled or uncompiled speculative steps

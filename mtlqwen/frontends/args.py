@@ -73,6 +73,13 @@ def check_model_args(args) -> None:
         from ..model.quantize import parse_quantize_arg  # noqa: PLC0415
 
         parse_quantize_arg(args.quantize)
+    check_draft_bits(args)
+
+
+def check_draft_bits(args) -> None:
+    """--draft-bits quantizes a drafter: --draft's, or the demo pair's when no --model is given."""
+    if getattr(args, "draft_bits", None) is not None and not getattr(args, "draft", None) and args.model is not None:
+        raise ValueError("--draft-bits needs a drafter: --draft PATH (serve), or the demo pair's (no --model)")
 
 
 def parse_template_args(text: str | None) -> dict:

@@ -15,7 +15,7 @@ import socket
 import sys
 from pathlib import Path
 
-from .args import add_draft_bits_arg, add_model_args, add_sampling_args, load_model_and_tokenizer, parse_template_args
+from .args import add_draft_bits_arg, add_model_args, add_sampling_args, check_draft_bits, load_model_and_tokenizer, parse_template_args
 from .request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 
 DEFAULT_PORT = 8080
@@ -175,6 +175,7 @@ def cmd_serve(args) -> int:
 
     engine_kw = _engine_kwargs(args)
     _check_model_arg(args.model)
+    check_draft_bits(args)
     _check_args(args)
     template_defaults = parse_template_args(args.chat_template_args)
     defaults = Defaults(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,

@@ -49,7 +49,8 @@ class EngineConfig:
     n_draft: int | None = None
     compile_decode: bool | None = None  # None: on when the GPU kernels run (and no drafter)
     verify_commit: str | None = None  # None: chosen per step (speculative.commit_mode_for)
-    draft_policy: Any = None  # "fixed" | "adaptive" | a policy object; None: adaptive on the GPU kernels, else fixed
+    draft_policy: Any = None  # "fixed" | "adaptive" | a policy object; None: adaptive on the GPU kernels or
+    # with draft_costs, else fixed
     draft_costs: Any = None  # the adaptive policy's step-cost table (StepCosts or JSON path); None: H200's
     draft_bits: int | None = None  # 8 or 4: quantize the drafter's projections at load; None: as stored
 

@@ -97,8 +97,8 @@ class Engine(Generation):
     draft_policy: "fixed" (every eligible sequence sends n_draft drafts), "adaptive" (draft length and
     speculating sequences per step from a step-cost table and each sequence's running acceptance, so that
     by the table a drafter never slows the engine; n_draft is then the longest run) or a policy object
-    (draft_policy.py); default adaptive when the GPU kernels run (the default table is the H200's), fixed
-    on the CPU references. draft_costs: the adaptive policy's table, a draft_policy.StepCosts or a JSON
+    (draft_policy.py); default adaptive when the GPU kernels run (the default table is the H200's) or
+    draft_costs is given, else fixed. draft_costs: the adaptive policy's table, a draft_policy.StepCosts or a JSON
     file (spec_bench.py --json output); default draft_policy.H200_9B_COSTS. draft_bits: 8 or 4 quantizes
     the drafter's projections (group 64): at load for a directory or repo id, into a new Drafter for a
     loaded float one (model/dflash.quantize_drafter).
@@ -162,7 +162,8 @@ class Engine(Generation):
         compile_decode = use_kernels() if auto else cfg.compile_decode
         # speculative steps compile only when asked for: their compiled path has not yet run on a GPU
         self.compiled = CompiledDecode(model) if compile_decode and (drafter is None or not auto) else None
-        policy = cfg.draft_policy if cfg.draft_policy is not None else "adaptive" if use_kernels() else "fixed"
+        policy = cfg.draft_policy if cfg.draft_policy is not None else \
+            "adaptive" if use_kernels() or cfg.draft_costs is not None else "fixed"
         self.spec = None if drafter is None else Speculator(
             model, drafter, n_draft, self.cache, self.kv, cfg.verify_commit,
             make_policy(policy, cfg.draft_costs, self.compiled is not None))  # the table's rows for these steps
