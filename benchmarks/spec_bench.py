@@ -17,6 +17,20 @@ after every verified token, "replay" reruns anchor + accepted drafts at commit, 
 acceptance. --accept K makes every verification accept min(K, n_draft) drafts whatever the target says
 (the outputs are then the drafts: timing does not care), so both modes commit realistic lengths.
 
+n_draft 0 measures the engine with the drafter loaded and nobody drafting (taps and drafter context still
+written): the plain column of the adaptive policy's step-cost table (`--json` output loads with
+`mtlqwen.runtime.draft_policy.StepCosts.load`, `Engine(draft_costs=...)`). Speculative engines run the
+fixed draft policy, so every step drafts n_draft.
+
+--acceptance measures acceptance instead of cost: the same greedy workload generated with the drafter
+in bf16 and quantized (--acceptance-bits, default 0 8 4: `quantize_drafter`), per n_draft and batch
+size: tokens per verification (tau), accepted / drafted, tok/s, and whether each output equals the
+plain engine's. With --pair (the trained demo pair, `mtlqwen.demo.load_demo_pair`; a path, or the
+packaged one) prompts are windows of its held-out text; otherwise the random --shape pair and random
+prompts (a random drafter accepts ~nothing: a smoke run).
+
+    python benchmarks/spec_bench.py --acceptance --pair --seqs 1 8 --n-draft 3 7 15 --prompt-len 256 --gen 128
+
 Measured per (sequences S, n_draft, commit mode):
   engine   wall time per Engine.step() in steady state, every sequence decoding (S requests, EOS
            ignored): plain engine (pipelined) vs speculative engine (synchronous: drafting needs the
@@ -125,16 +139,18 @@ def forced_acceptance(accept: int | None):
 
 
 def engine_step_ms(model, drafter, S: int, n: int, args, commit: str | None = None, compiled: bool | None = None) -> float:
-    """Steady-state ms per Engine.step() with S decoding requests (n = 0: no drafter)."""
+    """Steady-state ms per Engine.step() with S decoding requests (no drafter: the plain engine; n = 0 with
+    a drafter: loaded, nobody drafting)."""
     gen = (args.warmup + args.steps) * (n + 1) + 8  # long enough that no step's drafts are capped
     bt = 128
+    spec = dict(draft=drafter, n_draft=n or None, verify_commit=commit if n else None, draft_policy="fixed") \
+        if drafter is not None else {}
     eng = Engine(model, slots=S, step_tokens=max(128, S * (n + 1)), block_tokens=bt,
                  num_blocks=S * BlockPool.blocks_for(args.prompt_len + gen, bt) + 1,
-                 draft=drafter if n else None, n_draft=n or None, prefix_interval=0, verify_commit=commit,
-                 compile_decode=compiled)
+                 prefix_interval=0, compile_decode=compiled, **spec)
     prompts = mx.random.randint(0, model.config.vocab_size, (S, args.prompt_len), key=mx.random.key(S)).tolist()
     for p in prompts:
-        eng.submit(p, SamplingParams(max_tokens=gen, ignore_eos=True))
+        eng.submit(p, SamplingParams(max_tokens=gen, ignore_eos=True, speculative=n > 0))
     while len(eng.scheduler.running) < S or any(len(s.tokens) <= s.prompt_len for s in eng.scheduler.running):
         eng.step()
         if not eng.has_work():
@@ -187,6 +203,71 @@ def part_ms(model, drafter, S: int, n: int, args, mode: str) -> dict:
     return {name: _timed(fn, args.steps) for name, fn in (("decode", decode), ("draft", draft), ("verify", verify))}
 
 
+def write_json(args, rows: list[dict]) -> None:
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "device": str(mx.default_device()), "rows": rows}, f, indent=1)
+
+
+def acceptance_rows(args) -> list[dict]:
+    """--acceptance: the greedy workload once per (drafter bits, n_draft, sequences); see the docstring."""
+    from mtlqwen.model.dflash import quantize_drafter  # noqa: PLC0415
+
+    if args.pair is not None:
+        from mtlqwen.demo import load_demo_pair  # noqa: PLC0415
+
+        pair = load_demo_pair(args.pair or None)
+        model, drafter = pair.model, pair.drafter
+        ids = pair.tokenizer.encode(pair.heldout_text)
+        stride = max(1, (len(ids) - args.prompt_len) // max(1, args.prompts))
+        prompts = [ids[i * stride : i * stride + args.prompt_len] for i in range(args.prompts)]
+        source = f"demo pair ({pair.path})"
+    else:
+        model = build_target(args.shape, args.bits)
+        drafter = random_drafter(args.shape, model)
+        prompts = mx.random.randint(0, model.config.vocab_size, (args.prompts, args.prompt_len),
+                                    key=mx.random.key(11)).tolist()
+        source = f"random {args.shape} pair"
+    print(f"device {mx.default_device()}, {source}, {len(prompts)} prompts of {args.prompt_len} tokens, "
+          f"{args.gen} generated each (greedy, EOS ignored)", flush=True)
+    drafters = {b: drafter if b == 0 else quantize_drafter(drafter, b) for b in args.acceptance_bits}
+    sp = SamplingParams(max_tokens=args.gen, ignore_eos=True)
+    rows = []
+    for S in args.seqs:
+        bt, need = 128, BlockPool.blocks_for(args.prompt_len + args.gen + 16, 128)
+        kw = dict(slots=S, block_tokens=bt, num_blocks=S * need + 1, prefix_interval=0)
+        plain = Engine(model, step_tokens=max(128, S), **kw)
+        t0 = time.perf_counter()
+        base = [o.token_ids for o in plain.generate(prompts, sp)]
+        plain_tok_s = len(prompts) * args.gen / (time.perf_counter() - t0)
+        for bits, d in drafters.items():
+            for n in args.n_draft:
+                if n == 0 or n > d.block_size - 1:
+                    if n:
+                        print(f"n_draft {n} skipped: the drafter's block is {d.block_size}", flush=True)
+                    continue
+                eng = Engine(model, step_tokens=max(128, S * (n + 1)), draft=d, n_draft=n, draft_policy="fixed", **kw)
+                t0 = time.perf_counter()
+                outs = eng.generate(prompts, sp)
+                wall = time.perf_counter() - t0
+                st = eng.stats()
+                row = {"seqs": S, "draft_bits": bits, "n_draft": n, "tau": st["mean_acceptance_length"],
+                       "accepted_per_drafted": st["accepted_tokens"] / max(1, st["draft_tokens"]),
+                       "spec_verifications": st["spec_verifications"], "tok_s": len(prompts) * args.gen / wall,
+                       "plain_tok_s": plain_tok_s,
+                       "same_as_plain": sum(o.token_ids == b for o, b in zip(outs, base)) / len(prompts)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                write_json(args, rows)
+    print("\n| seqs | drafter | n_draft | tau | accepted / drafted | tok/s | plain tok/s | outputs = plain |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        b = f"{r['draft_bits']}-bit" if r["draft_bits"] else "bf16"
+        print(f"| {r['seqs']} | {b} | {r['n_draft']} | {r['tau']:.2f} | {r['accepted_per_drafted']:.3f} | "
+              f"{r['tok_s']:.1f} | {r['plain_tok_s']:.1f} | {r['same_as_plain']:.2f} |")
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=["9b", "demo"], default="9b")
@@ -194,8 +275,9 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-bits", type=int, default=0, help="drafter quantization bits (0 = bf16, as published)")
     ap.add_argument("--seqs", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--n-draft", type=int, nargs="+", default=[4, 8, 15])
-    ap.add_argument("--commit", nargs="+", choices=list(VERIFY_COMMITS), default=list(VERIFY_COMMITS),
-                    help="how verified GDN states are committed (Engine(verify_commit=...)); each is measured")
+    ap.add_argument("--commit", nargs="+", choices=[*VERIFY_COMMITS, "auto"], default=list(VERIFY_COMMITS),
+                    help="how verified GDN states are committed (Engine(verify_commit=...); auto: the engine's "
+                         "choice per step, as served); each is measured")
     ap.add_argument("--compile", nargs="+", choices=["off", "on"], default=["off"],
                     help="speculative steps uncompiled and/or through mx.compile (Engine(compile_decode=True)); "
                          "each is measured")
@@ -206,7 +288,18 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-parts", action="store_true", help="skip the model-only breakdown")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--acceptance", action="store_true",
+                    help="measure acceptance of bf16 vs quantized drafters on one greedy workload (not step cost)")
+    ap.add_argument("--acceptance-bits", type=int, nargs="+", choices=[0, 8, 4], default=[0, 8, 4],
+                    help="--acceptance: drafter variants (0 = as loaded, bf16)")
+    ap.add_argument("--pair", nargs="?", const="", default=None, metavar="PATH",
+                    help="--acceptance: the trained demo pair (its directory; no value: the packaged one)")
+    ap.add_argument("--prompts", type=int, default=16, help="--acceptance: requests in the workload")
+    ap.add_argument("--gen", type=int, default=128, help="--acceptance: tokens generated per request")
     args = ap.parse_args(argv)
+    if args.acceptance:
+        acceptance_rows(args)
+        return 0
 
     model = build_target(args.shape, args.bits)
     drafter = random_drafter(args.shape, model, args.draft_bits)
@@ -217,15 +310,19 @@ def main(argv=None) -> int:
     for S in args.seqs:
         plain = engine_step_ms(model, None, S, 0, args)
         for n in args.n_draft:
-            for mode, comp in [(m, c) for c in args.compile for m in args.commit]:
+            modes = [(m, c) for c in args.compile for m in (args.commit if n else ["auto"])]
+            for mode, comp in modes:
                 with forced_acceptance(args.accept):
-                    spec = engine_step_ms(model, drafter, S, n, args, mode, True if comp == "on" else None)
+                    spec = engine_step_ms(model, drafter, S, n, args, None if mode == "auto" else mode,
+                                          True if comp == "on" else None)
                 row = {"seqs": S, "n_draft": n, "commit": mode, "compiled": comp, "plain_step_ms": plain, "spec_step_ms": spec,
-                       "ratio": spec / plain, "speedup": {t: (t * plain / spec if t <= n + 1 else None) for t in TAUS}}
-                if not args.no_parts and comp == args.compile[0]:  # model-only parts: the same either way
-                    row["parts_ms"] = part_ms(model, drafter, S, n, args, mode)
+                       "ratio": spec / plain, "speedup": {t: (t * plain / spec if n and t <= n + 1 else None) for t in TAUS}}
+                if n and not args.no_parts and comp == args.compile[0]:  # model-only parts: the same either way
+                    row["parts_ms"] = part_ms(model, drafter, S, n, args,
+                                              speculative.commit_mode_for(n) if mode == "auto" else mode)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                write_json(args, rows)  # after every row: a part cut short by its time limit keeps what it measured
     print("\n| seqs | n_draft | commit | compiled | plain step ms | spec step ms | spec / plain | "
           + " | ".join(f"speed-up at tau={t}" for t in TAUS) + " | parts: decode / draft / verify ms |")
     print("|---|---|---|---|---|---|---|" + "---|" * len(TAUS) + "---|")
@@ -234,9 +331,6 @@ def main(argv=None) -> int:
         parts = " / ".join(f"{r['parts_ms'][k]:.2f}" for k in ("decode", "draft", "verify")) if "parts_ms" in r else "-"
         print(f"| {r['seqs']} | {r['n_draft']} | {r['commit']} | {r['compiled']} | {r['plain_step_ms']:.2f} | {r['spec_step_ms']:.2f} "
               f"| {r['ratio']:.2f} | {sp} | {parts} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "device": str(mx.default_device()), "rows": rows}, f, indent=1)
     return 0
 
 

@@ -85,6 +85,8 @@ LONG = "a" * 2030  # 2030 byte tokens without the template: 18 left of the 2048-
     (["generate", "--quantize", "3bit"], "--quantize needs a checkpoint --model"),
     (["generate", "--quantize", "4bit"], "--quantize needs a checkpoint --model"),
     (["chat", "--quantize", "8bit"], "--quantize needs a checkpoint --model"),
+    (["generate", "--model", "{ckpt}", "--draft-bits", "8"], "--draft-bits needs a drafter"),
+    (["chat", "--model", "{ckpt}", "--draft-bits", "4"], "--draft-bits needs a drafter"),
     (["generate", "--temp", "-1"], "--temp: temperature must be 0 (greedy) or in [0.01, inf), got -1.0"),
     (["chat", "--top-p", "0"], "--top-p: top_p must be in (0, 1], got 0.0"),
     (["generate", "-m", "0"], "--max-tokens: max_tokens must be >= 1, got 0"),

@@ -58,7 +58,7 @@ def test_drafter_accepts_on_heldout_text_and_keeps_greedy_output(pair):
     prompt = tok.encode(pair.heldout_text)[:96]
     sp = SamplingParams(temperature=0.0, max_tokens=48)
     plain = Engine(pair.model, tokenizer=tok, slots=1).generate([prompt], sp)[0]
-    engine = Engine(pair.model, tokenizer=tok, slots=1, draft=pair.drafter)
+    engine = Engine(pair.model, tokenizer=tok, slots=1, draft=pair.drafter, draft_policy="fixed")  # drafts every step
     spec = engine.generate([prompt], sp)[0]
     assert spec.token_ids == plain.token_ids and len(plain.token_ids) > 0
     stats = engine.spec.stats()

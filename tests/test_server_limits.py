@@ -312,6 +312,13 @@ def test_max_model_len_beyond_the_model_is_an_error(ckpt):
     assert "model loaded" not in r.stderr and "Traceback" not in r.stderr
 
 
+def test_draft_bits_without_a_drafter_is_an_error(ckpt):
+    r = _serve("--model", str(ckpt), "--draft-bits", "8")
+    assert r.returncode == 1
+    assert "mtlqwen serve: error: --draft-bits needs a drafter" in r.stderr
+    assert "model loaded" not in r.stderr and "Traceback" not in r.stderr
+
+
 def test_every_serve_flag_has_help():
     import argparse
 

@@ -117,7 +117,7 @@ def test_oracle_drafter_reaches_full_acceptance(model, drafter):
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
     s = eng.stats()
     assert s["draft_tokens"] == s["accepted_tokens"] == 3 * 2 * n_draft
-    assert s["mean_acceptance_length"] == n_draft + 1 and s["spec_steps"] == 6
+    assert s["mean_acceptance_length"] == n_draft + 1 and s["spec_verifications"] == 6
     assert_idle(eng)
 
 
@@ -319,8 +319,8 @@ def test_compiled_verification_steps(model, drafter, verify_commit):
     verify_keys = [k for k in keys if k[-1]]
     # anchor + 3 drafts each; shorter runs only where max_tokens caps the drafts
     assert any(k[0] == (0, 4, 8) for k in verify_keys) and all(k[-1] == verify_commit for k in verify_keys), keys
-    assert len(verify_keys) < comp.stats()["spec_steps"] // 2  # fewer traces than verifying steps: replayed
-    for key in ("draft_tokens", "accepted_tokens", "spec_steps", "generated_tokens"):
+    assert len(verify_keys) < comp.stats()["spec_verifications"] // 2  # fewer traces than verifying steps: replayed
+    for key in ("draft_tokens", "accepted_tokens", "spec_verifications", "spec_steps", "plain_steps", "generated_tokens"):
         assert comp.stats()[key] == plain.stats()[key], key
     for a, b in zip(plain.cache.arrays(), comp.cache.arrays()):  # same states and KV (compiled CPU code may fuse)
         assert mx.allclose(a.astype(mx.float32), b.astype(mx.float32), rtol=1e-5, atol=1e-5).item()
@@ -349,11 +349,13 @@ def test_knobs_opt_out_stats_and_memory(model, drafter, draft_dir):
     (out,) = eng.generate([prompt], greedy(6, speculative=False))
     assert_reference(model, prompt, out, 6)
     s = eng.stats()
-    assert s["draft_tokens"] == s["accepted_tokens"] == s["spec_steps"] == 0 and s["mean_acceptance_length"] == 0
+    assert s["draft_tokens"] == s["accepted_tokens"] == s["spec_steps"] == s["spec_verifications"] == 0
+    assert s["mean_acceptance_length"] == 0 and s["plain_decodes"] == 5  # 6 tokens: the first from the prefill
     (out,) = eng.generate([prompt], greedy(6))
     assert_reference(model, prompt, out, 6)
     s = eng.stats()
-    assert s["spec_steps"] > 0 and s["mean_acceptance_length"] == (s["accepted_tokens"] + s["spec_steps"]) / s["spec_steps"]
+    v = s["spec_verifications"]
+    assert s["spec_steps"] > 0 and s["mean_acceptance_length"] == (s["accepted_tokens"] + v) / v
     # padded steps: the dummy sequence never verifies and never disturbs the others
     prompts = [prompt, random_token_ids(29, 512, seed=6)]
     eng = Engine(model, slots=2, step_tokens=32, block_tokens=16, num_blocks=12, pad_buckets=True, draft=drafter, n_draft=5)

@@ -44,6 +44,12 @@ def add_model_args(p: argparse.ArgumentParser, required: bool = False) -> None:
                         "--backend ring -n 2 -- mtlqwen ... --tensor-parallel`; only rank 0 prints or serves")
 
 
+def add_draft_bits_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-bits", type=int, choices=[4, 8], default=None,
+                   help="quantize the DFlash drafter's projections at load (8 or 4 bits, group 64); needs a drafter "
+                        "(--draft, or the demo pair's)")
+
+
 def start_tensor_parallel(args) -> None:
     """--tensor-parallel: join the launched group (args.group; None without the flag). Ranks other than 0
     print nothing on standard output and show no progress bars; their errors still reach standard error."""
@@ -74,6 +80,13 @@ def check_model_args(args) -> None:
         from ..model.quantize import parse_quantize_arg  # noqa: PLC0415
 
         parse_quantize_arg(args.quantize)
+    check_draft_bits(args)
+
+
+def check_draft_bits(args) -> None:
+    """--draft-bits quantizes a drafter: --draft's, or the demo pair's when no --model is given."""
+    if getattr(args, "draft_bits", None) is not None and not getattr(args, "draft", None) and args.model is not None:
+        raise ValueError("--draft-bits needs a drafter: --draft PATH (serve), or the demo pair's (no --model)")
 
 
 def parse_template_args(text: str | None) -> dict:

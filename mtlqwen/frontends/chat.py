@@ -19,7 +19,7 @@ import sys
 import time
 
 from .args import (
-    add_model_args, add_quiet_arg, add_sampling_args, check_max_tokens, check_model_args, fit_reply,
+    add_draft_bits_arg, add_model_args, add_quiet_arg, add_sampling_args, check_max_tokens, check_model_args, fit_reply,
     load_with_bar, parse_template_args, sampling_from_args,
 )
 from .prompting import continuation, has_chat_template, render
@@ -42,6 +42,7 @@ def register(subparsers) -> None:
         description="Chat with a model in the terminal. The checkpoint's chat template is applied; "
                     "each turn extends the previous turn's tokens so a prefix cache can reuse them. " + HELP)
     add_model_args(c)
+    add_draft_bits_arg(c)
     c.add_argument("--system-prompt", default=None, help="system message for the conversation")
     c.add_argument("--chat-template-args", default=None, metavar="JSON",
                    help='chat template arguments, e.g. \'{"enable_thinking": false}\'')
@@ -149,7 +150,10 @@ def _generate(engine, ids, sampling, printer: _Printer, bars: bool):
 def _engine_kwargs(args) -> dict:
     if args.prefix_interval is not None and args.prefix_interval < 0:
         raise ValueError(f"--prefix-interval must be >= 0 (0 turns the prefix cache off), got {args.prefix_interval}")
-    return {"slots": 1} if args.prefix_interval is None else {"slots": 1, "prefix_interval": args.prefix_interval}
+    kw = {"slots": 1} if args.prefix_interval is None else {"slots": 1, "prefix_interval": args.prefix_interval}
+    if getattr(args, "draft_bits", None) is not None:
+        kw["draft_bits"] = args.draft_bits
+    return kw
 
 
 def _command(text: str, convo: Conversation, thinking_switch: bool) -> bool | None:

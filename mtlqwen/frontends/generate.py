@@ -14,7 +14,7 @@ import sys
 import time
 
 from .args import (
-    add_model_args, add_quiet_arg, add_sampling_args, check_max_tokens, check_model_args, fit_reply,
+    add_draft_bits_arg, add_model_args, add_quiet_arg, add_sampling_args, check_max_tokens, check_model_args, fit_reply,
     load_with_bar, parse_template_args, sampling_from_args,
 )
 from .prompting import has_chat_template
@@ -29,6 +29,7 @@ def register(subparsers) -> None:
                               description="Generate a completion. With no --model, the built-in demo model runs (a small Qwen3.5 "
                               "trained on the Python standard library, with its DFlash drafter).")
     add_model_args(g)
+    add_draft_bits_arg(g)
     g.add_argument("--prompt", "-p", default="Hello, Qwen!", help="the prompt; '-' reads standard input")
     g.add_argument("--system-prompt", default=None, help="system message for the chat template")
     g.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as is, without the chat template")
@@ -80,7 +81,7 @@ def cmd_generate(args) -> int:
     model, tok, note, drafter = load_with_bar(args, bars)
     ids = _prompt_ids(args, tok, prompt, template_kwargs)
     # --tensor-parallel: ranks other than 0 follow rank 0's engine and exit here
-    engine = replicate(Engine(model, tokenizer=tok, slots=1, draft=drafter), group)
+    engine = replicate(Engine(model, tokenizer=tok, slots=1, draft=drafter, draft_bits=args.draft_bits), group)
     check_max_tokens(sampling.max_tokens, engine.max_model_len)
     max_tokens, trimmed = fit_reply(len(ids), sampling.max_tokens, engine.max_model_len,
                                     "shorten the prompt")

@@ -136,6 +136,8 @@ class Metrics:
             ("prefix_cache_turn_bytes", "Bytes held by turn entries (part of prefix_cache_bytes).", stats.get("prefix_turn_bytes", 0)),
             ("prefix_cache_waiting", "Requests holding a slot while another computes the prefix they share.",
              stats.get("prefix_waiting", 0)),
+            ("spec_decode_mean_acceptance_length", "Tokens per speculative verification (accepted drafts + 1; "
+             "0 before any).", stats.get("mean_acceptance_length", 0)),
         ]
         out: list[str] = []
         for name, help_, v in gauges:
@@ -160,6 +162,13 @@ class Metrics:
                  first_stat(stats, SPEC_DRAFT_KEYS)),
                 ("spec_decode_num_accepted_tokens_total", "Draft tokens accepted by verification.",
                  first_stat(stats, SPEC_ACCEPT_KEYS)),
+                ("spec_decode_num_drafts_total", "Speculative verifications (one per sequence and step that verified).",
+                 stats.get("spec_verifications", 0)),
+                ("spec_decode_steps_total", "Engine steps in which some sequence verified drafts.", stats.get("spec_steps", 0)),
+                ("spec_decode_plain_steps_total", "Engine steps with a drafter loaded in which nobody verified.",
+                 stats.get("plain_steps", 0)),
+                ("spec_decode_plain_decodes_total", "Sequences that decoded one token without drafts while a drafter "
+                 "was loaded.", stats.get("plain_decodes", 0)),
             ]
             for name, help_, v in counters:
                 out += [f"# HELP {PREFIX}{name} {help_}", f"# TYPE {PREFIX}{name} counter", f"{PREFIX}{name}{{{L}}} {_fmt(v)}"]

@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from .args import (
-    add_model_args, add_sampling_args, load_model_and_tokenizer, parse_template_args, sampling_defaults,
+    add_draft_bits_arg, add_model_args, add_sampling_args, check_draft_bits, load_model_and_tokenizer,
+    parse_template_args, sampling_defaults,
 )
 from .request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 
@@ -31,6 +32,7 @@ def register(subparsers) -> None:
                     "one engine. With no --model, the small built-in random-weight model is served.")
     add_model_args(s)
     s.add_argument("--draft", default=None, metavar="PATH", help="a DFlash drafter checkpoint for speculative decoding")
+    add_draft_bits_arg(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
@@ -81,8 +83,8 @@ def _engine_kwargs(args) -> dict:
     """Engine arguments from the flags (those left unset keep the engine's defaults)."""
     kw = dict(slots=args.slots, step_tokens=args.step_tokens, block_tokens=args.block_tokens,
               prefill_step_tokens=args.prefill_step_tokens)
-    for name in ("num_blocks", "max_model_len", "prefix_interval", "draft"):
-        v = getattr(args, name)
+    for name in ("num_blocks", "max_model_len", "prefix_interval", "draft", "draft_bits"):
+        v = getattr(args, name, None)
         if v is not None:
             kw[name] = v
     return kw
@@ -176,6 +178,7 @@ def cmd_serve(args) -> int:
 
     engine_kw = _engine_kwargs(args)
     _check_model_arg(args.model)
+    check_draft_bits(args)
     _check_args(args)
     template_defaults = parse_template_args(args.chat_template_args)
     temp, top_p = sampling_defaults(args)

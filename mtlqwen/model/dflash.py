@@ -9,6 +9,7 @@ block's own K/V are transient and never written.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -335,6 +336,32 @@ def load_drafter_dir(model_dir: Path, target: Qwen35Model, quantize=None) -> Dra
     return Drafter(config, weights, target)
 
 
+def float_weights(drafter: Drafter) -> dict[str, mx.array]:
+    """The drafter's tensors under their checkpoint names (the per-layer k/v projections cut back out of
+    the stacked context GEMM). A quantized drafter has none to give: ValueError."""
+    if drafter.config.quantization is not None:
+        raise ValueError("the drafter is quantized already: its float weights are gone")
+    c, w = drafter.config, dict(drafter.weights)
+    if drafter.ctx_kv is not None:
+        kv = c.num_key_value_heads * c.head_dim
+        for i in range(c.num_hidden_layers):
+            for j, n in enumerate(("k", "v")):
+                w[f"layers.{i}.self_attn.{n}_proj.weight"] = drafter.ctx_kv.weight[(2 * i + j) * kv : (2 * i + j + 1) * kv]
+    return w
+
+
+def quantize_drafter(drafter: Drafter, quantize) -> Drafter:
+    """A new Drafter for the same target with its projections quantized ('8bit', '4bit', 4, (bits, group)
+    as `load`'s quantize=); norms stay fp32. The original is left as it was."""
+    config = dataclasses.replace(drafter.config, quant_overrides={})
+    weights = quantize_weights(float_weights(drafter), config, parse_quantize_arg(quantize))
+    mx.eval(weights)
+    out = Drafter(config, weights, drafter.target)
+    if hasattr(drafter, "source"):
+        out.source = drafter.source
+    return out
+
+
 def load_drafter(path_or_repo: str | Path, target: Qwen35Model, quantize=None) -> Drafter:
     """Load a DFlash drafter (local dir or Hugging Face repo id, published layout §2) for `target`.
     `quantize="4bit"` / `"8bit"` / `(bits, group_size)` quantizes its projections at load, like `load`."""
@@ -343,4 +370,4 @@ def load_drafter(path_or_repo: str | Path, target: Qwen35Model, quantize=None) -
     return drafter
 
 
-__all__ = ["DFlashConfig", "Drafter", "DrafterCache", "DrafterFitError", "load_drafter"]
+__all__ = ["DFlashConfig", "Drafter", "DrafterCache", "DrafterFitError", "load_drafter", "quantize_drafter"]

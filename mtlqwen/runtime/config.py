@@ -13,6 +13,8 @@ from typing import Any
 
 from ..model.qwen35 import VERIFY_COMMITS
 
+DRAFT_POLICIES = ("fixed", "adaptive")
+
 
 def _int(name: str, v, lo: int, optional: bool = False) -> None:
     if v is None and optional:
@@ -47,6 +49,10 @@ class EngineConfig:
     n_draft: int | None = None
     compile_decode: bool | None = None  # None: on when the GPU kernels run (and no drafter)
     verify_commit: str | None = None  # None: chosen per step (speculative.commit_mode_for)
+    draft_policy: Any = None  # "fixed" | "adaptive" | a policy object; None: adaptive on the GPU kernels or
+    # with draft_costs, else fixed
+    draft_costs: Any = None  # the adaptive policy's step-cost table (StepCosts or JSON path); None: H200's
+    draft_bits: int | None = None  # 8 or 4: quantize the drafter's projections at load; None: as stored
 
     def __post_init__(self):
         self.validate()
@@ -80,6 +86,18 @@ class EngineConfig:
             raise ValueError(f"verify_commit must be one of {VERIFY_COMMITS}, got {self.verify_commit!r}")
         if self.verify_commit is not None and self.draft is None:
             raise ValueError("verify_commit needs a drafter (draft=...)")
+        if isinstance(self.draft_policy, str) and self.draft_policy not in DRAFT_POLICIES:
+            raise ValueError(f"draft_policy must be one of {DRAFT_POLICIES} or a policy object, got {self.draft_policy!r}")
+        if self.draft_policy is not None and not isinstance(self.draft_policy, str) and not callable(
+                getattr(self.draft_policy, "choose", None)):
+            raise ValueError(f"draft_policy must be one of {DRAFT_POLICIES} or a policy object, got {self.draft_policy!r}")
+        if self.draft_costs is not None and self.draft_policy not in (None, "adaptive"):
+            raise ValueError("draft_costs is the adaptive policy's table (draft_policy='adaptive')")
+        if self.draft_bits is not None and (isinstance(self.draft_bits, bool) or self.draft_bits not in (4, 8)):
+            raise ValueError(f"draft_bits must be 4, 8 or None, got {self.draft_bits!r}")
+        for name in ("draft_policy", "draft_costs", "draft_bits"):
+            if getattr(self, name) is not None and self.draft is None:
+                raise ValueError(f"{name} needs a drafter (draft=...)")
 
     @property
     def prefill_budget(self) -> int:

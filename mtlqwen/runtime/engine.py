@@ -22,6 +22,7 @@ from ..kernels import use_kernels
 from ..model.compiled import CompiledDecode
 from .admission import as_params, check_request, prompt_ids
 from .batch import PackedBatch, pack, token_buckets
+from .draft_policy import make_policy
 from .config import EngineConfig
 from .failures import EvalFailed, Failures, reason
 from .generate import Generation
@@ -93,6 +94,14 @@ class Engine(Generation):
     a request opts out with SamplingParams(speculative=False) (speculative.py). verify_commit: how verified GDN
     states are committed, "candidates" or "replay" (see Qwen35Model); default: chosen per step by
     the number of drafts, from the H200 measurement (speculative.REPLAY_MIN_DRAFTS).
+    draft_policy: "fixed" (every eligible sequence sends n_draft drafts), "adaptive" (draft length and
+    speculating sequences per step from a step-cost table and each sequence's running acceptance, so that
+    by the table a drafter never slows the engine; n_draft is then the longest run) or a policy object
+    (draft_policy.py); default adaptive when the GPU kernels run (the default table is the H200's) or
+    draft_costs is given, else fixed. draft_costs: the adaptive policy's table, a draft_policy.StepCosts or a JSON
+    file (spec_bench.py --json output); default draft_policy.H200_9B_COSTS. draft_bits: 8 or 4 quantizes
+    the drafter's projections (group 64): at load for a directory or repo id, into a new Drafter for a
+    loaded float one (model/dflash.quantize_drafter).
 
     compile_decode: run steps in which every sequence decodes one token through `mx.compile`
     (model/compiled.py); default on when the GPU kernels run, off on the CPU references. With a drafter,
@@ -122,6 +131,9 @@ class Engine(Generation):
         n_draft: int | None = _UNSET,
         compile_decode: bool | None = _UNSET,
         verify_commit: str | None = _UNSET,
+        draft_policy=_UNSET,
+        draft_costs=_UNSET,
+        draft_bits: int | None = _UNSET,
     ):
         if config is not None and not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__} (options go by keyword)")
@@ -133,23 +145,29 @@ class Engine(Generation):
         self.max_model_len = min(ctx, cfg.max_model_len) if cfg.max_model_len else ctx
         self.block_tokens, self.step_tokens, self.slots = block_tokens, step_tokens, slots = (
             cfg.block_tokens, cfg.step_tokens, cfg.slots)
-        drafter, n_draft = load_draft(model, cfg.draft, cfg.n_draft, slots, step_tokens)
+        drafter, n_draft = load_draft(model, cfg.draft, cfg.n_draft, slots, step_tokens, cfg.draft_bits)
         mem = plan_memory(self.config, model.dtype, cfg, self.max_model_len,
                           Speculator.bytes_per_block(drafter, block_tokens, model.dtype))  # drafter K/V share the bundles
         self.num_blocks = mem.num_blocks
-        identity = model_identity(model, getattr(drafter, "source", drafter))  # entries carry drafter rows
+        drafter_id = getattr(drafter, "source", drafter)
+        if drafter is not None and drafter.config.quantization is not None:  # its rows differ from the float one's
+            drafter_id = f"{drafter_id}|{drafter.config.quantization}"
+        identity = model_identity(model, drafter_id)  # entries carry drafter rows
         self.kv = KVManager(self.num_blocks, block_tokens, cfg.prefix_interval, mem.prefix_bytes, identity,
                             mem.prefix_entry_bytes)
         self.scheduler = Scheduler(self.kv, slots, step_tokens, prefill_step_tokens=cfg.prefill_budget)
         # one spare bundle and slot beyond what the scheduler hands out: the padding sequence's scratch
         self.cache = model.make_cache(self.num_blocks + 1, slots + 1, block_tokens)
-        self.spec = None if drafter is None else Speculator(
-            model, drafter, n_draft, self.cache, self.kv, cfg.verify_commit)
-        self.scratch = (slots, self.num_blocks)
         auto = cfg.compile_decode is None
         compile_decode = use_kernels() if auto else cfg.compile_decode
         # speculative steps compile only when asked for: their compiled path has not yet run on a GPU
-        self.compiled = CompiledDecode(model) if compile_decode and (self.spec is None or not auto) else None
+        self.compiled = CompiledDecode(model) if compile_decode and (drafter is None or not auto) else None
+        policy = cfg.draft_policy if cfg.draft_policy is not None else \
+            "adaptive" if use_kernels() or cfg.draft_costs is not None else "fixed"
+        self.spec = None if drafter is None else Speculator(
+            model, drafter, n_draft, self.cache, self.kv, cfg.verify_commit,
+            make_policy(policy, cfg.draft_costs, self.compiled is not None))  # the table's rows for these steps
+        self.scratch = (slots, self.num_blocks)
         if self.spec is not None:
             self.spec.compiled = self.compiled
         self.pad_buckets = cfg.pad_buckets
@@ -222,7 +240,7 @@ class Engine(Generation):
 
     def _step(self, deltas: list[Delta]) -> None:
         if self.spec is not None:
-            if self._inflight is not None and self.spec.must_sync(self._inflight):
+            if self._inflight is not None and self.spec.must_sync(self._inflight, self._seqs.values()):
                 flight, self._inflight = self._inflight, None  # drafting needs its tokens and kv_valid on the host
                 self._read_back(flight, None, deltas)
             self.spec.plan(self._seqs.values())

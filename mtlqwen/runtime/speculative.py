@@ -10,8 +10,12 @@ The engine calls four hooks when a drafter is loaded:
                      states (picked candidates or a replay: REPLAY_MIN_DRAFTS) and drafter context
                      of the anchor + accepted drafts are committed and kv_valid covers them. KV of rejected
                      drafts is left where it is, past kv_valid.
-  must_sync(flight)  a step that verified, or sampled a speculating sequence, is committed before the next
-                     one is scheduled: its drafts need the host to know the anchor and kv_valid.
+  must_sync(flight)  a step that verified, or sampled a sequence that may draft next step, is committed
+                     before the next one is scheduled: its drafts need the host to know the anchor and
+                     kv_valid. While the draft policy would draft for nobody, plain steps stay pipelined.
+
+How many drafts each sequence sends is the draft policy's choice (draft_policy.py): all it may (fixed) or
+what maximises expected tokens per unit of time by a step-cost table (adaptive).
 
 Drafter context rows exist exactly for positions < kv_valid at step boundaries: prefill chunks and plain
 decode anchors are committed by being computed, so their rows are written in the same step; a
@@ -27,7 +31,8 @@ import mlx.core as mx
 
 from ..kernels import SeqLayout
 from ..model.cache import VerifyStash
-from ..model.dflash import Drafter, DrafterCache, load_drafter
+from ..model.dflash import Drafter, DrafterCache, load_drafter, quantize_drafter
+from .draft_policy import FixedDrafting
 from .kv_manager import KVManager
 from .rejection import position_noise, sample_drafts, verify
 from .sampling import sample_isolating
@@ -51,13 +56,18 @@ def resolve_n_draft(block_size: int, n_draft: int | None, slots: int, step_token
     return n_draft
 
 
-def load_draft(model, draft, n_draft, slots: int, step_tokens: int) -> tuple[Drafter | None, int]:
-    """(drafter, n_draft) for Engine(draft=..., n_draft=...): draft is a Drafter, a directory or a repo id."""
+def load_draft(model, draft, n_draft, slots: int, step_tokens: int, bits: int | None = None) -> tuple[Drafter | None, int]:
+    """(drafter, n_draft) for Engine(draft=..., n_draft=..., draft_bits=...): draft is a Drafter, a directory
+    or a repo id; bits (8 or 4) quantizes its projections (a loaded Drafter: into a new one)."""
     if draft is None:
         if n_draft is not None:
             raise ValueError("n_draft needs a drafter (draft=...)")
         return None, 0
-    drafter = draft if isinstance(draft, Drafter) else load_drafter(Path(draft) if Path(draft).exists() else draft, model)
+    quant = None if bits is None else (bits, 64)
+    if isinstance(draft, Drafter):
+        drafter = draft if quant is None else quantize_drafter(draft, quant)
+    else:
+        drafter = load_drafter(Path(draft) if Path(draft).exists() else draft, model, quantize=quant)
     if drafter.target is not model:
         raise ValueError("the drafter was loaded for another target model")
     return drafter, resolve_n_draft(drafter.block_size, n_draft, slots, step_tokens)
@@ -92,18 +102,23 @@ def commit_mode_for(drafts: int) -> str:
 
 class Speculator:
     """verify_commit: "candidates" or "replay" for every verification, or None to choose per step by the
-    step's longest draft run (commit_mode_for)."""
+    step's longest draft run (commit_mode_for). policy: drafts per sequence and step (draft_policy.py;
+    default FixedDrafting)."""
 
     def __init__(self, model, drafter: Drafter, n_draft: int, cache, kv: KVManager,
-                 verify_commit: str | None = None):
+                 verify_commit: str | None = None, policy=None):
         self.model, self.drafter, self.n_draft, self.cache = model, drafter, n_draft, cache
         self.verify_commit = verify_commit
+        self.policy = FixedDrafting() if policy is None else policy
         self.compiled = None  # a CompiledDecode when the engine compiles speculative steps (Engine(compile_decode=True))
         self.kv = kv  # the snapshot boundary rule and the one writer of kv_valid
         self.dcache: DrafterCache = drafter.make_cache(cache)
         cache.drafter_cache = self.dcache  # ModelCache's declared field: copied and reset with the bundles
         self.taps = tuple(drafter.tap_layers)
-        self.counters = {"draft_tokens": 0, "accepted_tokens": 0, "spec_steps": 0}
+        # spec_steps / plain_steps: engine steps with / without a verification; spec_verifications: one per
+        # verifying sequence and step; plain_decodes: sequences that decoded one token without drafts
+        self.counters = {"draft_tokens": 0, "accepted_tokens": 0, "spec_verifications": 0, "spec_steps": 0,
+                         "plain_steps": 0, "plain_decodes": 0}
 
     @staticmethod
     def bytes_per_block(drafter: Drafter | None, block_tokens: int, dtype) -> int:
@@ -111,21 +126,40 @@ class Speculator:
 
     # ---- before scheduling
     def drafts_for(self, seq) -> int:
-        """Drafts for a sequence this step: only in decode, with its anchor on the host (nothing in flight),
-        after its first token is computed, and never past max_tokens (the step yields up to drafts + 1).
-        With a prefix cache, a verification stops short of the next interval boundary: the boundary is then
-        reached by a plain step, whose state the cache captures at launch (a verification's state is only
-        known at read-back)."""
+        """The most drafts a sequence may send this step: only in decode, with its anchor on the host
+        (nothing in flight), after its first token is computed, and never past max_tokens (the step yields
+        up to drafts + 1). With a prefix cache, a verification stops short of the next interval boundary:
+        the boundary is then reached by a plain step, whose state the cache captures at launch (a
+        verification's state is only known at read-back)."""
         if not (seq.active and seq.params.speculative and seq.pending == 0 and seq.need == 1 and seq.kv_valid > 0):
             return 0
+        return self._cap(seq)
+
+    def _cap(self, seq) -> int:
         return self.kv.max_drafts(seq, max(0, min(self.n_draft, seq.params.max_tokens - seq.num_generated - 1)))
 
     def plan(self, seqs) -> None:
-        for seq in seqs:  # every live sequence: a stale count must not survive a preemption
-            seq.spec_drafts = self.drafts_for(seq)
+        """Sequence.spec_drafts of every live sequence (a stale count must not survive a preemption), as
+        the policy chooses within drafts_for; decoding sequences left plain tell the policy so."""
+        seqs = list(seqs)
+        n = self.policy.choose(seqs, [self.drafts_for(s) for s in seqs], sum(s.active for s in seqs))
+        for seq, k in zip(seqs, n):
+            seq.spec_drafts = k
+            if k == 0 and seq.active and seq.params.speculative and seq.num_generated > 0:
+                self.policy.skipped(seq)
 
-    def must_sync(self, flight) -> bool:
-        return flight.spec is not None or any(s.seq.active and s.seq.params.speculative for s in flight.sampling)
+    def must_sync(self, flight, seqs) -> bool:
+        """Commit `flight` before scheduling: it verified, or the policy may draft for one of the sequences
+        it sampled once their tokens are on the host (seqs: every live sequence, for the batch size)."""
+        if flight.spec is not None:
+            return True
+        cand = [s.seq for s in flight.sampling if s.seq.active and s.seq.params.speculative]
+        if not cand:
+            return False
+        if isinstance(self.policy, FixedDrafting):  # drafts whenever it may: the original rule
+            return True
+        seqs = list(seqs)
+        return any(self.policy.choose(cand, [self._cap(q) for q in cand], sum(q.active for q in seqs)))
 
     # ---- drafting
     def propose(self, seqs: list[ScheduledSeq], layout: SeqLayout, n: int) -> tuple[mx.array, mx.array | None]:
@@ -144,6 +178,10 @@ class Speculator:
         ver = [i for i, v in enumerate(lay.verify or []) if v]
         rows = batch.logits_rows.tolist() if batch.logits_rows is not None else []
         R = len(rows)
+        c = self.counters
+        c["spec_steps" if ver else "plain_steps"] += 1
+        c["plain_decodes"] += sum(1 for s in plan.scheduled
+                                  if not s.drafts and s.num_tokens == 1 and s.samples and s.start >= s.seq.prompt_len)
         if ver:
             vs = [plan.scheduled[i] for i in ver]  # pack keeps plan order: layout sequence i is scheduled[i]
             vl, _ = lay.subset(ver)
@@ -216,11 +254,15 @@ class Speculator:
             self.kv.advance(s.seq, k[j])  # the anchor was counted at scheduling; the accepted drafts now
             c["draft_tokens"] += v.n[j]
             c["accepted_tokens"] += k[j]
-            c["spec_steps"] += 1
+            c["spec_verifications"] += 1
+            self.policy.record(s.seq, v.n[j], k[j])
             out.append((s, drafts[j][: k[j]] + [nxt[j]]))
         return out
 
     def stats(self) -> dict:
+        """The counters, n_draft, the policy's name and mean_acceptance_length: tokens per verification
+        (accepted drafts + the bonus / correction; 0 before any)."""
         c = self.counters
-        tau = (c["accepted_tokens"] + c["spec_steps"]) / c["spec_steps"] if c["spec_steps"] else 0.0
-        return {**c, "n_draft": self.n_draft, "mean_acceptance_length": tau}
+        v = c["spec_verifications"]
+        tau = (c["accepted_tokens"] + v) / v if v else 0.0
+        return {**c, "n_draft": self.n_draft, "draft_policy": self.policy.name, "mean_acceptance_length": tau}

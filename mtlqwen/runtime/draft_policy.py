@@ -1,0 +1,231 @@
+"""How many drafts each decoding sequence verifies in a step: the fixed rule or adaptive drafting.
+
+A speculative step costs several plain decode steps (benchmarks/spec.md), so drafting pays only when the
+tokens a step yields grow faster than its cost. `AdaptiveDrafting` picks, per step, a draft length N (0:
+plain decode) and which sequences speculate, maximising expected tokens per unit of time
+
+    rate(N, k) = (S + sum of the k largest gains_i(N)) / (c(S, 0) + (c(S, N) - c(S, 0)) * k / S)
+
+where S is the number of decoding sequences in the step, c the step-cost table (`StepCosts`),
+gains_i(N) = E[tau_i(N)] - 1 the expected accepted drafts of sequence i, and the extra cost of speculation
+is taken as proportional to the share k / S of sequences that speculate (the drafter pass and the
+verification rows scale with them). tau_i(N) = 1 + a + ... + a^N for a sequence whose drafts are accepted
+with probability a each (one rejection ends the run), a estimated from its own verifications
+(`AcceptanceEstimate`). N = 0 always competes, so by the table a drafter never makes a step yield fewer
+tokens per unit of time than plain decoding.
+
+`FixedDrafting` is the engine's original rule: every eligible sequence verifies all the drafts it may.
+"""
+
+from __future__ import annotations
+
+import json
+from bisect import bisect_right
+from dataclasses import dataclass
+from pathlib import Path
+
+
+# ------------------------------------------------------------------------------------------- the table
+@dataclass(frozen=True)
+class StepCosts:
+    """Wall time of one engine step, by decoding sequences S (rows of the table) and drafts per speculating
+    sequence N (columns; N = 0 is a plain decode step). Units are free (ms, or ratios to one cell): only
+    ratios matter. Between grid points the cost is linear in S and in N; past the largest S it grows along
+    the last segment (a single row: constant in S); below the smallest S it is the first row."""
+
+    seqs: tuple[int, ...]  # ascending, >= 1
+    drafts: tuple[int, ...]  # ascending, starting at 0
+    ms: tuple[tuple[float, ...], ...]  # ms[i][j]: cost at seqs[i], drafts[j]
+
+    def __post_init__(self):
+        if not self.seqs or list(self.seqs) != sorted(set(self.seqs)) or self.seqs[0] < 1:
+            raise ValueError(f"StepCosts.seqs must be ascending distinct ints >= 1, got {self.seqs!r}")
+        if len(self.drafts) < 2 or self.drafts[0] != 0 or list(self.drafts) != sorted(set(self.drafts)):
+            raise ValueError(f"StepCosts.drafts must be ascending distinct ints starting at 0 with at least one "
+                             f"draft length, got {self.drafts!r}")
+        if len(self.ms) != len(self.seqs) or any(len(r) != len(self.drafts) for r in self.ms):
+            raise ValueError(f"StepCosts.ms must be {len(self.seqs)} rows of {len(self.drafts)} costs")
+        if any(not v > 0 for r in self.ms for v in r):
+            raise ValueError("StepCosts.ms must be positive")
+
+    def cost(self, S: int, N: int) -> float:
+        """Step cost at S decoding sequences with N drafts each (interpolated)."""
+        if N < 0 or N > self.drafts[-1]:
+            raise ValueError(f"N={N} outside the table's drafts 0..{self.drafts[-1]}")
+        row = [self._in_drafts(r, N) for r in self.ms]
+        if len(row) == 1 or S <= self.seqs[0]:
+            return row[0]
+        i = min(bisect_right(self.seqs, S), len(self.seqs) - 1)  # segment [i-1, i], the last one beyond
+        s0, s1 = self.seqs[i - 1], self.seqs[i]
+        return row[i - 1] + (row[i] - row[i - 1]) * (S - s0) / (s1 - s0)
+
+    def _in_drafts(self, r: tuple[float, ...], N: int) -> float:
+        j = bisect_right(self.drafts, N) - 1
+        if self.drafts[j] == N:
+            return r[j]
+        n0, n1 = self.drafts[j], self.drafts[j + 1]
+        return r[j] + (r[j + 1] - r[j]) * (N - n0) / (n1 - n0)
+
+    @classmethod
+    def from_rows(cls, rows: list[dict], compiled: bool | None = None) -> StepCosts:
+        """From spec_bench.py's JSON rows ({"seqs", "n_draft", "commit", "compiled", "plain_step_ms",
+        "spec_step_ms"}): with `compiled` given, only the rows measured that way (spec_bench --compile
+        on / off) where the table has any, as the engine will run its speculative steps;
+        n_draft 0 rows give the plain column (a drafter loaded, nobody speculating) where present, else each
+        batch's plain_step_ms; of several rows at one (seqs, n_draft) the engine's own commit mode ("auto",
+        or the one speculative.commit_mode_for picks) is taken when measured, else the cheapest."""
+        from .speculative import commit_mode_for  # noqa: PLC0415 (speculative imports this module)
+
+        if compiled is not None:
+            want = "on" if compiled else "off"
+            rows = [r for r in rows if r.get("compiled", "off") == want] or rows
+        cells: dict[tuple[int, int], list[dict]] = {}
+        for r in rows:
+            cells.setdefault((int(r["seqs"]), int(r["n_draft"])), []).append(r)
+        seqs = sorted({s for s, _ in cells})
+        drafts = sorted({n for _, n in cells} | {0})
+        ms = []
+        for S in seqs:
+            row = []
+            for N in drafts:
+                got = cells.get((S, N))
+                if N == 0 and not got:
+                    plain = [r["plain_step_ms"] for (s, _), rs in cells.items() if s == S for r in rs]
+                    if not plain:
+                        raise ValueError(f"no plain step time at {S} sequences")
+                    row.append(float(min(plain)))
+                    continue
+                if not got:
+                    raise ValueError(f"the table has no row at {S} sequences, n_draft {N}")
+                own = [r for r in got if r.get("commit") in ("auto", commit_mode_for(N))] if N else []
+                row.append(float(min(r["spec_step_ms"] for r in (own or got))))
+            ms.append(tuple(row))
+        return cls(tuple(seqs), tuple(drafts), tuple(ms))
+
+    @classmethod
+    def load(cls, path: str | Path, compiled: bool | None = None) -> StepCosts:
+        """A JSON file: spec_bench.py --json output ({"rows": [...]}, `compiled` as in from_rows) or
+        {"seqs", "drafts", "ms"}."""
+        d = json.loads(Path(path).read_text())
+        if "rows" in d:
+            return cls.from_rows(d["rows"], compiled)
+        return cls(tuple(d["seqs"]), tuple(d["drafts"]), tuple(tuple(r) for r in d["ms"]))
+
+
+# H200, Qwen3.5-9B shape 4-bit g64 target + the 9B drafter shape (bf16), 512-token context, forced
+# acceptance of 4 drafts, uncompiled speculative steps, the engine's commit mode per N (benchmarks/spec.md,
+# results/spec.json): ms per engine step. Plain column: the plain engine without a drafter.
+H200_9B_COSTS = StepCosts(
+    seqs=(1, 8),
+    drafts=(0, 4, 8, 15),
+    ms=((5.41, 26.27, 32.16, 36.24),
+        (15.70, 64.69, 66.47, 71.44)),
+)
+
+
+# ---------------------------------------------------------------------------------- per-sequence state
+@dataclass
+class AcceptanceEstimate:
+    """A sequence's running acceptance: exponentially decayed counts of accepted drafts and of rejections
+    (a run of n drafts with k accepted is k successes, then one failure unless k == n), pulled towards a
+    prior of `prior` acceptance worth `weight` observations. Steps in which it does not speculate decay
+    the counts too, so a sequence turned off drifts back to the prior and is tried again."""
+
+    accepted: float = 0.0
+    rejected: float = 0.0
+
+    def rate(self, prior: float, weight: float) -> float:
+        return (self.accepted + weight * prior) / (self.accepted + self.rejected + weight)
+
+
+def expected_tokens(a: float, n: int) -> float:
+    """E[tau] for n drafts accepted with probability a each: 1 + a + ... + a^n (the bonus included)."""
+    return float(n + 1) if a >= 1.0 else (1.0 - a ** (n + 1)) / (1.0 - a)
+
+
+# ------------------------------------------------------------------------------------------- policies
+class FixedDrafting:
+    """Every eligible sequence verifies every draft it may (up to the engine's n_draft)."""
+
+    name = "fixed"
+
+    def choose(self, seqs: list, caps: list[int], rows: int) -> list[int]:
+        return list(caps)
+
+    def record(self, seq, drafts: int, accepted: int) -> None:
+        pass
+
+    def skipped(self, seq) -> None:
+        pass
+
+
+class AdaptiveDrafting:
+    """Draft length and speculating sequences per step, from `costs` and each sequence's acceptance (module
+    docstring). decay: weight kept by past observations per step (0.8 forgets with a horizon of ~5 steps);
+    prior / prior_weight: the acceptance assumed before a sequence has verified."""
+
+    name = "adaptive"
+
+    def __init__(self, costs: StepCosts = H200_9B_COSTS, decay: float = 0.8, prior: float = 0.8,
+                 prior_weight: float = 2.0):
+        if not isinstance(costs, StepCosts):
+            raise TypeError(f"costs must be a StepCosts, got {type(costs).__name__}")
+        if not 0.0 <= decay < 1.0 or not 0.0 <= prior <= 1.0 or not prior_weight > 0:
+            raise ValueError(f"need 0 <= decay < 1, 0 <= prior <= 1, prior_weight > 0 "
+                             f"(got {decay}, {prior}, {prior_weight})")
+        self.costs, self.decay, self.prior, self.prior_weight = costs, decay, prior, prior_weight
+
+    def estimate(self, seq) -> AcceptanceEstimate:
+        if seq.draft_estimate is None:
+            seq.draft_estimate = AcceptanceEstimate()
+        return seq.draft_estimate
+
+    def acceptance(self, seq) -> float:
+        return self.estimate(seq).rate(self.prior, self.prior_weight)
+
+    def record(self, seq, drafts: int, accepted: int) -> None:
+        e = self.estimate(seq)
+        e.accepted = self.decay * e.accepted + accepted
+        e.rejected = self.decay * e.rejected + (1.0 if accepted < drafts else 0.0)
+
+    def skipped(self, seq) -> None:
+        e = self.estimate(seq)
+        e.accepted *= self.decay
+        e.rejected *= self.decay
+
+    def choose(self, seqs: list, caps: list[int], rows: int) -> list[int]:
+        """Drafts per sequence (0 = plain decode). caps: the most each may verify (0: not eligible); rows:
+        decoding sequences in the step (at least the eligible ones)."""
+        live = [i for i, c in enumerate(caps) if c > 0]
+        out = [0] * len(caps)
+        if not live:
+            return out
+        S = max(rows, len(live))
+        n_max = min(max(caps), self.costs.drafts[-1])
+        rates = {i: self.acceptance(seqs[i]) for i in live}
+        c0 = self.costs.cost(S, 0)
+        best, choice = S / c0, (0, [])
+        for N in sorted({d for d in self.costs.drafts if 0 < d <= n_max} | {n_max}):
+            cN = self.costs.cost(S, N)
+            gains = sorted(((expected_tokens(rates[i], min(N, caps[i])) - 1.0, i) for i in live), reverse=True)
+            tokens = float(S)
+            for k, (g, _) in enumerate(gains, 1):
+                tokens += g
+                rate = tokens / (c0 + (cN - c0) * k / S)
+                if rate > best * (1.0 + 1e-9):  # a tie keeps the cheaper choice
+                    best, choice = rate, (N, [i for _, i in gains[:k]])
+        N, chosen = choice
+        for i in chosen:
+            out[i] = min(N, caps[i])
+        return out
+
+
+def make_policy(policy, costs, compiled: bool | None = None) -> FixedDrafting | AdaptiveDrafting:
+    """EngineConfig's draft_policy ("fixed", "adaptive" or a policy object) and draft_costs (None: the H200
+    table; a StepCosts or a JSON path for StepCosts.load, read for compiled or uncompiled steps)."""
+    if not isinstance(policy, str):
+        return policy
+    if policy == "fixed":
+        return FixedDrafting()
+    table = H200_9B_COSTS if costs is None else costs if isinstance(costs, StepCosts) else StepCosts.load(costs, compiled)
+    return AdaptiveDrafting(table)

@@ -1,0 +1,297 @@
+"""Speculative statistics (engine.stats(), /metrics) and the draft policies (runtime/draft_policy.py): the
+adaptive policy's choices for given tables and acceptances, exactly; engines drafting adaptively give
+plain decoding's greedy tokens and leak nothing; a table where drafting never pays keeps plain steps
+pipelined (as many steps as an engine without a drafter)."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from engine_checks import assert_idle, greedy
+from hf_checkpoints import random_token_ids
+from mtlqwen.frontends.metrics import Metrics
+from mtlqwen.runtime import Engine, EngineConfig, Sequence, SamplingParams
+from mtlqwen.runtime.draft_policy import (H200_9B_COSTS, AcceptanceEstimate, AdaptiveDrafting, FixedDrafting,
+                                          StepCosts, expected_tokens, make_policy)
+from test_speculative import Oracle, check_workload, draft_dir, drafter, plain_outputs, spec_workloads  # noqa: F401
+
+KW = dict(slots=1, step_tokens=32, block_tokens=16, num_blocks=8, prefix_interval=0)
+
+
+def seq_with(accepted: float = 0.0, rejected: float = 0.0) -> Sequence:
+    s = Sequence(0, [1, 2, 3], SamplingParams(), 0)
+    s.draft_estimate = AcceptanceEstimate(accepted, rejected)
+    return s
+
+
+def wrong_by_one(ref):
+    """A proposer whose every draft is the plain run's token + 1: nothing is ever accepted."""
+    def propose(seqs, layout, n):
+        rows = []
+        for s in seqs:
+            full = ref[tuple(s.seq.tokens[: s.seq.prompt_len])]
+            r = full[s.start + 1 : s.start + 1 + n] + [0] * n
+            rows.append([(t + 1) % 500 for t in r[:n]])
+        return mx.array(rows, dtype=mx.int32), None
+    return propose
+
+
+# ------------------------------------------------------------------------------------------ statistics
+def test_stats_and_metrics_count_exactly(model, drafter):
+    """One request, n_draft 4. Oracle drafts, max_tokens 11: the prefill step samples token 1 (a plain step),
+    then two verifications accept 4 + 4 drafts (5 tokens each). Drafts always wrong, max_tokens 5: the caps
+    shrink with max_tokens (3, 2, 1 drafts, one token each), then a plain decode of the last token."""
+    prompt = random_token_ids(9, 512, seed=41)
+    for max_tokens, good, want in (
+        (11, True, dict(spec_steps=2, plain_steps=1, spec_verifications=2, draft_tokens=8, accepted_tokens=8,
+                        plain_decodes=0, mean_acceptance_length=5.0)),
+        (5, False, dict(spec_steps=3, plain_steps=2, spec_verifications=3, draft_tokens=6, accepted_tokens=0,
+                        plain_decodes=1, mean_acceptance_length=1.0)),
+    ):
+        sp = greedy(max_tokens, ignore_eos=True)
+        (base,) = plain_outputs(model, [prompt], sp, **{k: v for k, v in KW.items() if k != "prefix_interval"})
+        eng = Engine(model, draft=drafter, n_draft=4, **KW)
+        ref = {tuple(prompt): prompt + base.token_ids}
+        eng.spec.propose = Oracle(ref) if good else wrong_by_one(ref)
+        (out,) = eng.generate([prompt], sp)
+        assert out.token_ids == base.token_ids
+        s = eng.stats()
+        assert {k: s[k] for k in want} == want and s["draft_policy"] == "fixed"
+        assert s["steps"] == s["spec_steps"] + s["plain_steps"]
+        text = Metrics("t").render(s)
+        for name, key in (("spec_decode_steps_total", "spec_steps"), ("spec_decode_plain_steps_total", "plain_steps"),
+                          ("spec_decode_num_drafts_total", "spec_verifications"),
+                          ("spec_decode_num_draft_tokens_total", "draft_tokens"),
+                          ("spec_decode_num_accepted_tokens_total", "accepted_tokens"),
+                          ("spec_decode_plain_decodes_total", "plain_decodes")):
+            assert f'mtlqwen:{name}{{model_name="t"}} {want[key]}\n' in text, name
+        tau = "5" if good else "1"
+        assert f'mtlqwen:spec_decode_mean_acceptance_length{{model_name="t"}} {tau}\n' in text
+        assert_idle(eng)
+
+
+def test_metrics_without_a_drafter_read_zero(model):
+    eng = Engine(model, **KW)
+    eng.generate([random_token_ids(5, 512, seed=1)], greedy(3))
+    text = Metrics("t").render(eng.stats())
+    for name in ("spec_decode_steps_total", "spec_decode_plain_steps_total", "spec_decode_num_drafts_total",
+                 "spec_decode_mean_acceptance_length"):
+        assert f'mtlqwen:{name}{{model_name="t"}} 0\n' in text, name
+
+
+# ------------------------------------------------------------------------------------------ the table
+def test_step_costs_interpolate_and_load(tmp_path):
+    t = StepCosts((1, 3), (0, 4, 8), ((1.0, 3.0, 5.0), (3.0, 7.0, 11.0)))
+    assert [t.cost(1, n) for n in (0, 2, 4, 6, 8)] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert t.cost(2, 0) == 2.0 and t.cost(2, 4) == 5.0 and t.cost(2, 6) == 6.5
+    assert t.cost(5, 0) == 5.0 and t.cost(5, 8) == 17.0  # past the last batch: along the last segment
+    assert t.cost(0, 4) == 3.0  # below the first batch: the first row
+    assert StepCosts((4,), (0, 2), ((2.0, 3.0),)).cost(32, 2) == 3.0  # one row: constant in S
+    with pytest.raises(ValueError, match="outside the table"):
+        t.cost(1, 9)
+    for bad in (dict(seqs=(), drafts=(0, 1), ms=()), dict(seqs=(1,), drafts=(1, 2), ms=((1.0, 1.0),)),
+                dict(seqs=(1,), drafts=(0,), ms=((1.0,),)), dict(seqs=(1,), drafts=(0, 1), ms=((1.0, 0.0),)),
+                dict(seqs=(2, 1), drafts=(0, 1), ms=((1.0, 2.0), (1.0, 2.0))), dict(seqs=(1,), drafts=(0, 1), ms=((1.0,),))):
+        with pytest.raises(ValueError, match="StepCosts"):
+            StepCosts(**bad)
+    # spec_bench rows: the engine's own commit mode per n_draft (candidates below 9 drafts, replay from 9),
+    # the plain column from n_draft 0 rows (a drafter loaded) where measured, else plain_step_ms
+    rows = [dict(seqs=1, n_draft=4, commit="candidates", plain_step_ms=5.0, spec_step_ms=20.0),
+            dict(seqs=1, n_draft=4, commit="replay", plain_step_ms=5.0, spec_step_ms=18.0),
+            dict(seqs=1, n_draft=15, commit="candidates", plain_step_ms=5.0, spec_step_ms=30.0),
+            dict(seqs=1, n_draft=15, commit="replay", plain_step_ms=5.0, spec_step_ms=33.0),
+            dict(seqs=8, n_draft=0, commit="replay", plain_step_ms=15.0, spec_step_ms=16.0),
+            dict(seqs=8, n_draft=4, commit="candidates", plain_step_ms=15.0, spec_step_ms=60.0),
+            dict(seqs=8, n_draft=15, commit="replay", plain_step_ms=15.0, spec_step_ms=70.0)]
+    got = StepCosts.from_rows(rows)
+    assert got == StepCosts((1, 8), (0, 4, 15), ((5.0, 20.0, 33.0), (16.0, 60.0, 70.0)))
+    (tmp_path / "bench.json").write_text(json.dumps({"args": {}, "rows": rows}))
+    (tmp_path / "table.json").write_text(json.dumps({"seqs": [1], "drafts": [0, 3], "ms": [[1, 2]]}))
+    assert StepCosts.load(tmp_path / "bench.json") == got
+    assert StepCosts.load(tmp_path / "table.json") == StepCosts((1,), (0, 3), ((1, 2),))
+    with pytest.raises(ValueError, match="no row at 8 sequences, n_draft 15"):
+        StepCosts.from_rows(rows[:-1])
+    # measured uncompiled and compiled: the engine reads the rows of the way it runs its steps
+    both = [{**r, "compiled": "off"} for r in rows] + [{**r, "compiled": "on", "spec_step_ms": r["spec_step_ms"] / 2}
+                                                       for r in rows]
+    assert StepCosts.from_rows(both, compiled=False) == got == StepCosts.from_rows(rows, compiled=True)
+    halved = StepCosts((1, 8), (0, 4, 15), ((5.0, 10.0, 16.5), (8.0, 30.0, 35.0)))
+    assert StepCosts.from_rows(both, compiled=True) == halved
+    (tmp_path / "both.json").write_text(json.dumps({"rows": both}))
+    assert StepCosts.load(tmp_path / "both.json", compiled=True) == halved
+
+
+# ------------------------------------------------------------------------------------------ the policy
+def test_expected_tokens_and_estimates():
+    assert expected_tokens(1.0, 4) == 5.0 and expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    p = AdaptiveDrafting(decay=0.5, prior=0.8, prior_weight=2.0)
+    s = seq_with()
+    assert p.acceptance(s) == pytest.approx(0.8)  # the prior alone
+    p.record(s, 4, 4)  # all accepted: 4 successes, no failure
+    assert (s.draft_estimate.accepted, s.draft_estimate.rejected) == (4.0, 0.0)
+    p.record(s, 4, 1)  # 1 success then a failure; the past weighs half
+    assert (s.draft_estimate.accepted, s.draft_estimate.rejected) == (3.0, 1.0)
+    assert p.acceptance(s) == pytest.approx((3.0 + 1.6) / (4.0 + 2.0))
+    p.skipped(s)
+    assert (s.draft_estimate.accepted, s.draft_estimate.rejected) == (1.5, 0.5)
+    fresh = Sequence(1, [1], SamplingParams(), 0)
+    assert p.acceptance(fresh) == pytest.approx(0.8) and fresh.draft_estimate == AcceptanceEstimate()
+    for bad in (dict(decay=1.0), dict(prior=1.5), dict(prior_weight=0.0)):
+        with pytest.raises(ValueError):
+            AdaptiveDrafting(**bad)
+    with pytest.raises(TypeError, match="StepCosts"):
+        AdaptiveDrafting(costs={"seqs": [1]})
+
+
+def test_adaptive_choices_for_given_tables_and_acceptances():
+    # one sequence, a step with 4 drafts costs 2 plain steps: draft iff E[tau(4)] > 2
+    t = StepCosts((1,), (0, 4), ((1.0, 2.0),))
+    p = AdaptiveDrafting(t, prior=0.8, prior_weight=2.0)
+    assert p.choose([seq_with()], [4], 1) == [4]  # a = 0.8: E = 3.36
+    assert p.choose([seq_with(0.0, 8.0)], [4], 1) == [0]  # a = 1.6 / 10: E = 1.19
+    assert p.choose([seq_with()], [0], 1) == [0]  # not eligible
+    assert p.choose([seq_with()], [7], 1) == [4]  # the table's longest run bounds N
+    # the batch turns drafting off: 2x a plain step at 1 sequence, 10x at 8 (4x at 4, interpolated)
+    t = StepCosts((1, 8), (0, 4), ((1.0, 2.0), (2.0, 20.0)))
+    p = AdaptiveDrafting(t, prior=0.8, prior_weight=2.0)
+    assert p.choose([seq_with()], [4], 1) == [4]
+    assert p.choose([seq_with() for _ in range(8)], [4] * 8, 8) == [0] * 8
+    assert p.choose([seq_with() for _ in range(4)], [4] * 4, 4) == [0] * 4
+    assert p.choose([seq_with()], [4], 8) == [0]  # one eligible among 8 decoding: still the batch of 8
+    # mixed acceptance: only the sequence that accepts speculates (a = 0.9 vs 0.1; extra cost shared 1/2)
+    t = StepCosts((2,), (0, 2), ((1.0, 2.0),))
+    p = AdaptiveDrafting(t, prior=0.5, prior_weight=2.0)
+    good, bad = seq_with(8.0, 0.0), seq_with(0.0, 8.0)
+    assert p.choose([bad, good], [2, 2], 2) == [0, 2]  # (2 + 1.71) / 1.5 beats 2 / 1 and (2 + 1.82) / 2
+    assert p.choose([bad, seq_with(0.0, 8.0)], [2, 2], 2) == [0, 0]
+    # the draft length in between the table's: 4 (rate 4.0951 / 3) beats 6 (5.2170 / 4) at a = 0.9
+    t = StepCosts((1,), (0, 4, 8), ((1.0, 3.0, 5.0),))
+    p = AdaptiveDrafting(t, prior=0.5, prior_weight=2.0)
+    assert p.choose([seq_with(8.0, 0.0)], [6], 1) == [4]
+    assert p.choose([seq_with(1e9, 0.0)], [6], 1) == [6]  # a -> 1: 7 / 4 beats 5 / 3
+    # a capped sequence gains only the drafts it may send, at the full run's share of the cost
+    p = AdaptiveDrafting(StepCosts((2,), (0, 4), ((1.0, 1.2),)), prior=1.0, prior_weight=1.0)
+    assert p.choose([seq_with(), seq_with()], [4, 1], 2) == [4, 1]  # 7 / 1.2 beats 6 / 1.1
+    p = AdaptiveDrafting(StepCosts((2,), (0, 4), ((1.0, 1.5),)), prior=1.0, prior_weight=1.0)
+    assert p.choose([seq_with(), seq_with()], [4, 1], 2) == [4, 0]  # 6 / 1.25 beats 7 / 1.5
+    # a bad drafter's run: accepted nothing twice, then plain; the decay brings it back after 3 plain steps
+    t = StepCosts((1,), (0, 4), ((1.0, 2.0),))
+    p = AdaptiveDrafting(t, decay=0.8, prior=0.8, prior_weight=2.0)
+    s, seen = seq_with(), []
+    for _ in range(8):
+        (n,) = p.choose([s], [4], 1)
+        seen.append(n)
+        p.record(s, 4, 0) if n else p.skipped(s)
+    assert seen == [4, 4, 0, 0, 0, 4, 0, 0]
+    assert FixedDrafting().choose([seq_with(), seq_with()], [3, 0], 2) == [3, 0]
+
+
+def test_h200_table_drafts_only_when_acceptance_pays():
+    """By the measured H200 table a step of 15 drafts costs 6.7 plain steps at 1 sequence and 4.55 at 8:
+    a = 0.9 (E[tau(15)] = 8.1) pays at both, a = 0.85 (E = 6.0) only at 8, a = 0.7 (E[tau(4)] = 2.8,
+    4.9 plain steps at 1 sequence, 4.1 at 8) nowhere, 32 sequences (extrapolated) included."""
+    def choice(a, S):
+        return AdaptiveDrafting(H200_9B_COSTS, prior=a, prior_weight=1.0).choose([seq_with() for _ in range(S)], [15] * S, S)
+
+    assert choice(0.9, 1) == [15] and choice(0.9, 8) == [15] * 8
+    assert choice(0.85, 1) == [0] and choice(0.85, 8) == [15] * 8
+    assert choice(0.7, 1) == [0] and choice(0.7, 8) == [0] * 8 and choice(0.7, 32) == [0] * 32
+    assert isinstance(make_policy("fixed", None), FixedDrafting)
+    assert make_policy("adaptive", None).costs is H200_9B_COSTS
+    mine = FixedDrafting()
+    assert make_policy(mine, None) is mine
+
+
+# ------------------------------------------------------------------------------------------ the engine
+# drafting pays at 1 to 4 sequences while the acceptance stays high (7 drafts cost 3 plain steps)
+CHEAP = StepCosts((1, 4), (0, 1, 3, 7, 15), ((1.0, 1.5, 2.0, 3.0, 5.0), (2.0, 3.0, 4.0, 6.0, 10.0)))
+
+
+def test_config_knobs(model, drafter, tmp_path):
+    with pytest.raises(ValueError, match="draft_policy must be one of"):
+        EngineConfig(draft="d", draft_policy="sometimes")
+    with pytest.raises(ValueError, match="draft_policy must be one of"):
+        EngineConfig(draft="d", draft_policy=3)
+    with pytest.raises(ValueError, match="draft_costs is the adaptive policy's"):
+        EngineConfig(draft="d", draft_policy="fixed", draft_costs="t.json")
+    with pytest.raises(ValueError, match="draft_policy needs a drafter"):
+        EngineConfig(draft_policy="adaptive")
+    for bad in (2, 16, True, "8"):
+        with pytest.raises(ValueError, match="draft_bits must be"):
+            EngineConfig(draft="d", draft_bits=bad)
+    # default on the CPU references: the fixed rule; given a table or asked for: the adaptive one
+    assert Engine(model, draft=drafter, **KW).stats()["draft_policy"] == "fixed"
+    assert Engine(model, draft=drafter, draft_costs=CHEAP, **KW).spec.policy.costs is CHEAP  # a table: adaptive
+    eng = Engine(model, draft=drafter, draft_policy="adaptive", draft_costs=CHEAP, **KW)
+    assert eng.spec.policy.costs is CHEAP and eng.stats()["draft_policy"] == "adaptive"
+    # a spec_bench JSON: the rows of the engine's compiled or uncompiled speculative steps
+    rows = [dict(seqs=1, n_draft=n, commit="auto", compiled=c, plain_step_ms=1.0, spec_step_ms=ms)
+            for n, c, ms in ((0, "off", 1.5), (4, "off", 6.0), (0, "on", 1.2), (4, "on", 3.0))]
+    (tmp_path / "spec.json").write_text(json.dumps({"rows": rows}))
+    for compiled, want in ((False, ((1.5, 6.0),)), (True, ((1.2, 3.0),))):
+        eng = Engine(model, draft=drafter, draft_policy="adaptive", draft_costs=str(tmp_path / "spec.json"),
+                     compile_decode=compiled, **KW)
+        assert eng.spec.policy.costs == StepCosts((1,), (0, 4), want)
+
+
+@pytest.mark.parametrize("good", [True, False])
+def test_adaptive_drafting_keeps_greedy_outputs(model, drafter, good):
+    """Three requests, n_draft 7, with an oracle (full acceptance) or an always-wrong drafter, drafting
+    adaptively by a table where 7 drafts cost 3 plain steps at 1 sequence: outputs equal plain decoding;
+    the oracle speculates as the fixed rule does, the wrong drafter is turned off after a few rejections
+    (fewer verifications than the fixed rule, plain decodes in between); nothing leaks."""
+    prompts = [random_token_ids(n, 512, seed=300 + n) for n in (7, 30, 18)]
+    sp = greedy(20, ignore_eos=True)
+    kw = dict(slots=3, step_tokens=32, block_tokens=16, num_blocks=30, prefix_interval=0)
+    base = plain_outputs(model, prompts, sp, **{k: v for k, v in kw.items() if k != "prefix_interval"})
+    ref = {tuple(p): p + o.token_ids for p, o in zip(prompts, base)}
+    stats = {}
+    for policy in ("fixed", "adaptive"):
+        eng = Engine(model, draft=drafter, n_draft=7, draft_policy=policy,
+                     draft_costs=CHEAP if policy == "adaptive" else None, **kw)
+        eng.spec.propose = Oracle(ref) if good else wrong_by_one(ref)
+        outs = eng.generate(prompts, sp)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+        stats[policy] = eng.stats()
+        assert_idle(eng)
+    fixed, adaptive = stats["fixed"], stats["adaptive"]
+    assert adaptive["spec_verifications"] > 0
+    if good:
+        assert adaptive["accepted_tokens"] == adaptive["draft_tokens"] > 0
+        assert adaptive["mean_acceptance_length"] > 4
+    else:
+        assert adaptive["accepted_tokens"] == fixed["accepted_tokens"] == 0
+        assert adaptive["spec_verifications"] < fixed["spec_verifications"] and adaptive["plain_decodes"] > fixed["plain_decodes"]
+
+
+def test_drafting_that_never_pays_runs_the_plain_engine(model, drafter):
+    """A table where any draft costs 100 plain steps: no verification, and as many engine steps as an
+    engine without a drafter (the plain steps stay pipelined: no read-back before scheduling)."""
+    prompts = [random_token_ids(n, 512, seed=400 + n) for n in (11, 26)]
+    sp = greedy(12, ignore_eos=True)
+    kw = dict(slots=2, step_tokens=32, block_tokens=16, num_blocks=20)
+    plain = Engine(model, prefix_interval=0, **kw)
+    base = plain.generate(prompts, sp)
+    eng = Engine(model, draft=drafter, n_draft=7, draft_policy="adaptive", prefix_interval=0,
+                 draft_costs=StepCosts((1,), (0, 7), ((1.0, 100.0),)), **kw)
+    outs = eng.generate(prompts, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    s = eng.stats()
+    assert s["spec_steps"] == s["spec_verifications"] == s["draft_tokens"] == 0
+    assert s["steps"] == s["plain_steps"] == plain.stats()["steps"]
+    assert s["plain_decodes"] == 2 * 11  # every token after the first of each request
+    assert_idle(eng)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(w=spec_workloads())
+def test_random_workloads_with_adaptive_drafting_match_plain_decoding(model, drafter, w):
+    """test_speculative's hypothesis workloads (staggered arrivals, prefix boundaries, preemptions, opted-out
+    requests, oracle drafts with noise 0 / 0.3 / 1) drafting adaptively: plain decoding's tokens (near-ties
+    excepted), no leaks (check_workload)."""
+    check_workload(model, drafter, None, w, draft_policy=AdaptiveDrafting(CHEAP))
