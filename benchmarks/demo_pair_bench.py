@@ -7,8 +7,9 @@ Parts:
   tau      acceptance length τ (tokens per speculative step, bonus included) of the drafter at n_draft
            15 on the first --prompt-len tokens of held-out stdlib files (never trained on), greedy and
            at temperature 0.7 (seeded: Gumbel-coupled verification keeps the target's distribution).
-  speedup  greedy tokens/s of the engine with and without the drafter, 1 and 8 sequences at once, the
-           same prompts (EOS ignored, so both generate the same number of tokens); output equality too.
+  speedup  greedy tokens/s of the engine without the drafter, with it at a fixed n_draft, and with the
+           adaptive draft policy, 1 and 8 sequences at once, the same prompts (EOS ignored, so every run
+           generates the same number of tokens); output equality too.
   chat     a multi-turn chat built from held-out functions' docstrings through the pair's ChatML
            template: each turn's prompt is the previous turns plus a new user message; per turn, the
            tokens restored from the prefix cache and the TTFT, cache on against off.
@@ -52,13 +53,14 @@ def part_tau(pair, args) -> dict:
     for name, sp in (("greedy", SamplingParams(temperature=0.0, max_tokens=args.gen)),
                      ("temp0.7", SamplingParams(temperature=0.7, max_tokens=args.gen, seed=7))):
         engine = Engine(pair.model, tokenizer=pair.tokenizer, slots=min(8, len(prompts)), draft=pair.drafter,
-                        n_draft=15, prefix_interval=0)
+                        n_draft=15, prefix_interval=0, draft_policy="fixed")
         engine.generate(prompts, sp)
         st = engine.spec.stats()
-        res[name] = {"tau": round(st["mean_acceptance_length"], 3), "spec_steps": st["spec_steps"],
+        res[name] = {"tau": round(st["mean_acceptance_length"], 3), "verifications": st["spec_verifications"],
                      "accepted": st["accepted_tokens"], "drafted": st["draft_tokens"]}
-        print(f"tau {name:>8}: {st['mean_acceptance_length']:.2f} tokens per speculative step "
-              f"({st['accepted_tokens']} of {st['draft_tokens']} drafts accepted, {st['spec_steps']} steps)", flush=True)
+        print(f"tau {name:>8}: {st['mean_acceptance_length']:.2f} tokens per verification "
+              f"({st['accepted_tokens']} of {st['draft_tokens']} drafts accepted, {st['spec_verifications']} "
+              "verifications)", flush=True)
     return res
 
 
@@ -75,7 +77,9 @@ def part_speedup(pair, args) -> dict:
     for S in (1, 8):
         prompts = heldout_prompts(pair.tokenizer, S, args.prompt_len)
         row = {}
-        for name, kw in (("plain", {}), ("drafter", {"draft": pair.drafter, "n_draft": args.n_draft})):
+        variants = (("plain", {}), ("drafter", {"draft": pair.drafter, "n_draft": args.n_draft, "draft_policy": "fixed"}),
+                    ("adaptive", {"draft": pair.drafter, "n_draft": args.n_draft, "draft_policy": "adaptive"}))
+        for name, kw in variants:
             runs = []
             for _ in range(args.repeats):
                 engine = Engine(pair.model, tokenizer=pair.tokenizer, slots=S, prefix_interval=0, **kw)
@@ -86,12 +90,15 @@ def part_speedup(pair, args) -> dict:
             if runs[0][2] is not None:
                 row[name]["tau"] = round(runs[0][2]["mean_acceptance_length"], 3)
             row[f"{name}_tokens"] = [o.token_ids for o in runs[0][1]]
-        same = sum(a == b for a, b in zip(row.pop("plain_tokens"), row.pop("drafter_tokens")))
+        plain = row.pop("plain_tokens")
+        same = {v: sum(a == b for a, b in zip(plain, row.pop(f"{v}_tokens"))) for v in ("drafter", "adaptive")}
         row["speedup"] = round(row["drafter"]["tok_s"] / row["plain"]["tok_s"], 3)
-        row["same_greedy_output"] = f"{same} of {S}"
+        row["speedup_adaptive"] = round(row["adaptive"]["tok_s"] / row["plain"]["tok_s"], 3)
+        row["same_greedy_output"] = {v: f"{k} of {S}" for v, k in same.items()}
         res[f"S{S}"] = row
-        print(f"speed-up S={S}: plain {row['plain']['tok_s']} tok/s, drafter {row['drafter']['tok_s']} tok/s "
-              f"(tau {row['drafter'].get('tau')}) -> {row['speedup']}x; same output {row['same_greedy_output']}",
+        print(f"speed-up S={S}: plain {row['plain']['tok_s']} tok/s, drafter (n_draft {args.n_draft}) "
+              f"{row['drafter']['tok_s']} tok/s (tau {row['drafter'].get('tau')}) -> {row['speedup']}x, adaptive "
+              f"{row['adaptive']['tok_s']} tok/s -> {row['speedup_adaptive']}x; same output {row['same_greedy_output']}",
               flush=True)
     return res
 
