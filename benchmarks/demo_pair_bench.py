@@ -89,6 +89,7 @@ def part_speedup(pair, args) -> dict:
             row[name] = {"tok_s": round(S * args.gen / wall, 1), "wall_s": round(wall, 3)}
             if runs[0][2] is not None:
                 row[name]["tau"] = round(runs[0][2]["mean_acceptance_length"], 3)
+            print(f"  S={S} {name}: {row[name]}", flush=True)  # at once: a run cut by a time limit keeps it
             row[f"{name}_tokens"] = [o.token_ids for o in runs[0][1]]
         plain = row.pop("plain_tokens")
         same = {v: sum(a == b for a, b in zip(plain, row.pop(f"{v}_tokens"))) for v in ("drafter", "adaptive")}
