@@ -82,9 +82,9 @@ def test_ctrl_c_stops_generate_with_a_summary(endless_ckpt):
 
 
 def test_ctrl_c_during_a_long_prompt():
-    """Interrupted while the prompt is processed (the built-in model: 6000 tokens take many seconds on
-    the CPU): the summary says how much of the prompt was done."""
-    child = spawn("generate", "-p", "y" * 6000, "-m", "8")
+    """Interrupted while the prompt is processed (the random built-in model with its byte tokenizer: 6000
+    tokens take many seconds on the CPU): the summary says how much of the prompt was done."""
+    child = spawn("generate", "--model", "random", "-p", "y" * 6000, "-m", "8")
     try:
         child.expect(r"prompt: +\d+%", timeout=90)  # the prompt bar is up: processing has begun
         child.sendintr()
