@@ -62,6 +62,7 @@ def test_drafter_accepts_on_heldout_text_and_keeps_greedy_output(pair):
     spec = engine.generate([prompt], sp)[0]
     assert spec.token_ids == plain.token_ids and len(plain.token_ids) > 0
     stats = engine.spec.stats()
+    assert engine.spec.n_draft == 3  # the pair's own default draft length (mtlqwen.demo.DEMO_N_DRAFT)
     assert stats["spec_steps"] > 0
     assert stats["mean_acceptance_length"] > 1.2  # tokens per speculative step: drafts do get accepted
 

@@ -331,6 +331,10 @@ def test_knobs_opt_out_stats_and_memory(model, drafter, draft_dir):
     assert resolve_n_draft(16, None, 8, 128) == 15
     assert resolve_n_draft(16, None, 8, 64) == 7  # capped: 8 slots x 8 tokens fill the step
     assert resolve_n_draft(16, 4, 8, 128) == 4
+    # a drafter's own default (the demo pair's 3), capped like the block's; a given value wins
+    assert resolve_n_draft(16, None, 8, 128, default=3) == 3
+    assert resolve_n_draft(16, None, 8, 24, default=7) == 2
+    assert resolve_n_draft(16, 5, 8, 128, default=3) == 5
     for bad in (0, 16, 2.0, True):
         with pytest.raises(ValueError, match="n_draft"):
             resolve_n_draft(16, bad, 8, 128)

@@ -20,6 +20,9 @@ from ..model.qwen35 import Qwen35Model
 
 PAIR_DIR = Path(__file__).resolve().parent / "pair"
 LOSS_WINDOW = 512  # tokens per held-out window (each scored from a fresh state, as in training)
+# The pair's drafts a step by default: its acceptance hardly grows past 3 (tau 1.64 at 3, 1.70 at 15 on
+# held-out text) while each draft costs verification rows (benchmarks/demo_pair.md, "Draft length")
+DEMO_N_DRAFT = 3
 
 
 class DemoPairMissing(FileNotFoundError):
@@ -129,6 +132,7 @@ def load_demo_pair(path: str | Path | None = None, dequantize: bool = True, fp32
     model.source = "built-in demo model (trained on the Python standard library)"
     drafter = _load_drafter(d / "drafter", model, dequantize, fp32)
     drafter.source = "built-in demo drafter"
+    drafter.default_n_draft = DEMO_N_DRAFT
     record = json.loads((d / "demo.json").read_text())
     return DemoPair(model, load_tokenizer(d / "target"), drafter, record, d)
 

@@ -188,6 +188,9 @@ class Drafter:
     def __init__(self, config: DFlashConfig, weights: dict[str, mx.array], target: Qwen35Model):
         c = self.config = config
         self.target, self.weights = target, weights
+        # drafts a step when Engine(n_draft=None): None = block_size - 1; whoever measured this drafter's
+        # acceptance may set fewer (the demo pair: mtlqwen.demo)
+        self.default_n_draft: int | None = None
         self.eps = c.rms_norm_eps
         inv_freq, attn_factor = rope_frequencies(c)
         self.rope = RopeTables(c.head_dim, c.rope_theta)
@@ -357,6 +360,7 @@ def quantize_drafter(drafter: Drafter, quantize) -> Drafter:
     weights = quantize_weights(float_weights(drafter), config, parse_quantize_arg(quantize))
     mx.eval(weights)
     out = Drafter(config, weights, drafter.target)
+    out.default_n_draft = drafter.default_n_draft
     if hasattr(drafter, "source"):
         out.source = drafter.source
     return out

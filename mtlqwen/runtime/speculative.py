@@ -39,12 +39,14 @@ from .sampling import sample_isolating
 from .scheduler import ScheduledSeq, StepPlan
 
 
-def resolve_n_draft(block_size: int, n_draft: int | None, slots: int, step_tokens: int) -> int:
-    """Drafts per speculative step: the drafter's block_size - 1 by default, capped so that every slot can
-    verify (slots x (n_draft + 1) <= step_tokens); a given value is checked against both."""
+def resolve_n_draft(block_size: int, n_draft: int | None, slots: int, step_tokens: int,
+                    default: int | None = None) -> int:
+    """Drafts per speculative step: `default` (the drafter's own, else its block_size - 1) when n_draft is
+    None, capped so that every slot can verify (slots x (n_draft + 1) <= step_tokens); a given value is
+    checked against both."""
     cap = step_tokens // slots - 1
     if n_draft is None:
-        n = min(block_size - 1, cap)
+        n = min(min(default, block_size - 1) if default else block_size - 1, cap)
         if n < 1:
             raise ValueError(f"step_tokens={step_tokens} leaves no room for drafts with {slots} slots "
                              f"(each speculating slot needs at least 2 tokens)")
@@ -70,7 +72,8 @@ def load_draft(model, draft, n_draft, slots: int, step_tokens: int, bits: int | 
         drafter = load_drafter(Path(draft) if Path(draft).exists() else draft, model, quantize=quant)
     if drafter.target is not model:
         raise ValueError("the drafter was loaded for another target model")
-    return drafter, resolve_n_draft(drafter.block_size, n_draft, slots, step_tokens)
+    return drafter, resolve_n_draft(drafter.block_size, n_draft, slots, step_tokens,
+                                    getattr(drafter, "default_n_draft", None))
 
 
 @dataclass
