@@ -100,8 +100,9 @@ SELECT: dict[str, int] = {
     # Attention batches whose longest query chunk has more than this many queries take the tensor-core prefill
     # kernel (attention/prefill.py, CUDA: FlashAttention-2 over the paged blocks with mma.sync); up to it,
     # decode and verification rows (1-16 queries) take the decode kernel above, which re-reads every key per
-    # 16 query rows in fp32 FMAs; 0 = never (the decode kernel for every batch). A default, not yet measured:
-    # the crossover is to be timed on the H200 (benchmarks/prefill_attention_bench.py --crossover). On Metal
+    # 16 query rows in fp32 FMAs; 0 = never (the decode kernel for every batch). Its equivalence tests passed on
+    # the H200 (benchmarks/results/gpu-tests-prefill-attention-moe.log); the crossover is a default, not yet
+    # timed (benchmarks/prefill_attention_bench.py --crossover). On Metal
     # there is no tensor-core rendering (Apple GPUs have no mma.sync; the emulator has no simdgroup_matrix):
     # the decode kernel's portable SIMT body serves prefill chunks too (a plain SIMT tiling could not share a
     # K/V tile among more rows: at head_dim 256 its 16 fp32 query rows already take half of Metal's 32 KiB of
