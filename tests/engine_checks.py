@@ -63,3 +63,13 @@ def run_arrivals(eng, requests, max_steps: int = 20_000):
         step += 1
         assert step < max_steps
     return [outs[i] for i in range(len(requests))]
+
+
+def in_flight_verifications(eng):
+    """Step `eng` until it has no work; after each step whose launch verified drafts, yield that
+    verification (its sequences and stash) while it is still in flight, before its commit."""
+    while eng.has_work():
+        eng.step()
+        fl = eng._inflight
+        if fl is not None and fl.spec is not None:
+            yield fl.spec

@@ -16,7 +16,7 @@ from mtlqwen.runtime.scheduler import ScheduledSeq
 from mtlqwen.runtime.sequence import Sequence
 
 from dflash_checkpoints import write_tiny_drafter
-from engine_checks import assert_idle, greedy
+from engine_checks import assert_idle, greedy, in_flight_verifications
 from hf_checkpoints import random_token_ids
 
 
@@ -185,12 +185,8 @@ def test_kv_valid_after_speculative_commits_and_boundaries(model, drafter):
     for p in prompts:
         eng.submit(p, greedy(30, ignore_eos=True))
     checked = 0
-    while eng.has_work():
-        eng.step()
-        fl = eng._inflight
-        if fl is None or fl.spec is None:
-            continue
-        for s in fl.spec.seqs:
+    for ver in in_flight_verifications(eng):
+        for s in ver.seqs:
             assert s.start == len(s.seq.tokens) - 1 and s.seq.kv_valid == s.start + 1
             assert eng.kv.to_boundary(s.start) >= s.drafts + 2
             checked += 1

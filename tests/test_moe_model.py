@@ -7,7 +7,6 @@ against fp32; the budget is test_gpu_model.py's (bf16 activations)."""
 
 from __future__ import annotations
 
-import copy
 
 import numpy as np
 import pytest
@@ -46,19 +45,10 @@ def model():
 def dense_twin(model):
     """The same weights, every quantized matrix dequantized (experts included), everything fp32."""
     from mtlqwen.model.qwen35 import Qwen35Model  # noqa: PLC0415
+    from mtlqwen.model.quantize import dense_config, dequantize_weights  # noqa: PLC0415
 
-    c, src, w = model.config, model.weights, {}
-    for name, a in src.items():
-        mod = name.rsplit(".", 1)[0]
-        if name.endswith((".scales", ".biases")) and f"{mod}.weight" in src:
-            continue
-        if f"{mod}.scales" in src:
-            spec = c.quant_overrides.get(mod, c.quantization)
-            a = mx.dequantize(a, src[f"{mod}.scales"], src[f"{mod}.biases"], group_size=spec.group_size, bits=spec.bits)
-        w[name] = a.astype(mx.float32)
-    dense = copy.copy(c)
-    dense.quantization, dense.quant_overrides = None, {}
-    return Qwen35Model(dense, w)
+    return Qwen35Model(dense_config(model.config),
+                       dequantize_weights(model.weights, model.config, mx.float32, cast_all=True))
 
 
 def cpu_logits(m, prompt) -> np.ndarray:

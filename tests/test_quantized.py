@@ -12,19 +12,12 @@ import mlx.core as mx
 import mtlqwen
 from mtlqwen.model import Qwen35Model
 from mtlqwen.model.convert import convert
+from mtlqwen.model.quantize import dense_config, dequantize_weights
 
 
 def dequantized_twin(model: Qwen35Model) -> Qwen35Model:
     """The same model with every quantized module replaced by its dequantized float weight."""
-    w = dict(model.weights)
-    for name in [k for k in w if k.endswith(".scales")]:
-        module = name[: -len(".scales")]
-        spec = model.config.quant_overrides.get(module, model.config.quantization)
-        w[f"{module}.weight"] = mx.dequantize(
-            w[f"{module}.weight"], w.pop(name), w.pop(f"{module}.biases"), group_size=spec.group_size, bits=spec.bits
-        )
-    cfg = type(model.config)(**{**model.config.__dict__, "quantization": None, "quant_overrides": {}})
-    return Qwen35Model(cfg, w)
+    return Qwen35Model(dense_config(model.config), dequantize_weights(model.weights, model.config))
 
 
 def rel_err(a, b) -> float:

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dflash_checkpoints import write_tiny_drafter
-from engine_checks import assert_idle, assert_reference, greedy, run_arrivals
+from engine_checks import assert_idle, assert_reference, greedy, in_flight_verifications, run_arrivals
 from hf_checkpoints import random_token_ids
 from mtlqwen import SeqLayout
 from mtlqwen.model.dflash import DrafterCache, load_drafter
@@ -164,14 +164,10 @@ def test_state_and_drafter_context_after_partial_accepts(model, drafter, verify_
     eng.spec.propose = partial
     eng.submit(prompt, sp)
     checked = 0
-    while eng.has_work():
-        eng.step()
-        fl = eng._inflight
-        if fl is None or fl.spec is None:
-            continue
-        (s,) = fl.spec.seqs
+    for ver in in_flight_verifications(eng):
+        (s,) = ver.seqs
         P, seq = s.start, s.seq
-        assert fl.spec.stash.mode == verify_commit and not fl.spec.stash.committed  # waiting for this step's commit
+        assert ver.stash.mode == verify_commit and not ver.stash.committed  # waiting for this step's commit
         assert seq.tokens == full[: P + 1]
         # plain run: the prompt in one chunk (as the engine did), then one token per step
         ref = model.make_cache(8, 1, bt)

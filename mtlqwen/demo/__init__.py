@@ -53,27 +53,15 @@ def pair_dir(path: str | Path | None = None) -> Path:
     return d
 
 
-def _dequantize(weights: dict, config, fp32: bool = False) -> dict:
-    """Quantized modules back to bf16 (the same values the quantized matmul multiplies by); fp32: every
-    float tensor in fp32 instead."""
+def _dequantize(weights: dict, config, fp32: bool = False):
+    """(dense weights, their config): quantized modules back to bf16; fp32: every float tensor in fp32."""
     import mlx.core as mx  # noqa: PLC0415
 
-    dtype = mx.float32 if fp32 else mx.bfloat16
-    out = {}
-    for name, w in weights.items():
-        if name.endswith((".scales", ".biases")):
-            continue
-        module = name[: -len(".weight")] if name.endswith(".weight") else None
-        if module is not None and f"{module}.scales" in weights:
-            spec = config.quant_overrides.get(module, config.quantization)
-            w = mx.dequantize(w, weights[f"{module}.scales"], weights[f"{module}.biases"],
-                              group_size=spec.group_size, bits=spec.bits).astype(dtype)
-        elif fp32 and mx.issubdtype(w.dtype, mx.floating):
-            w = w.astype(mx.float32)
-        out[name] = w
-    config.quantization, config.quant_overrides = None, {}
+    from ..model.quantize import dense_config, dequantize_weights  # noqa: PLC0415
+
+    out = dequantize_weights(weights, config, mx.float32 if fp32 else mx.bfloat16, cast_all=fp32)
     mx.eval(out)
-    return out
+    return out, dense_config(config)
 
 
 def _load_target(d: Path, dequantize: bool, fp32: bool = False):
@@ -91,7 +79,9 @@ def _load_target(d: Path, dequantize: bool, fp32: bool = False):
     if config.quantization is not None:
         validate_quant(config, weights)
     check_weights(weights, config)
-    return Qwen35Model(config, _dequantize(weights, config, fp32) if config.quantization is not None else weights)
+    if config.quantization is not None:
+        weights, config = _dequantize(weights, config, fp32)
+    return Qwen35Model(config, weights)
 
 
 def _load_drafter(d: Path, target, dequantize: bool, fp32: bool = False):
@@ -109,7 +99,7 @@ def _load_drafter(d: Path, target, dequantize: bool, fp32: bool = False):
     weights = read_safetensors(d)
     if config.quantization is not None:
         validate_quant(config, weights)
-        weights = _dequantize(weights, config, fp32)
+        weights, config = _dequantize(weights, config, fp32)
     check_fit(config, weights, target.config)
     check_drafter_weights(weights, config)
     weights = {k: v.astype(mx.float32) if k.endswith("norm.weight") else v for k, v in weights.items()}

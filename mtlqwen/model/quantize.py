@@ -7,6 +7,7 @@ shared-expert gate stay at 8 bits (their outputs pick experts; mlx-lm does the s
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import mlx.core as mx
@@ -83,3 +84,29 @@ def quantize_weights(weights: dict[str, mx.array], config: Qwen35Config, spec: Q
     config.quantization = spec
     config.quant_overrides = overrides
     return out
+
+
+def dequantize_weights(weights: dict[str, mx.array], config, dtype=None, cast_all: bool = False) -> dict[str, mx.array]:
+    """quantize_weights undone: each quantized module's packed weight, scales and biases become one dense
+    weight (mx.dequantize: the values the quantized matmul multiplies by), in `dtype` (None: the scales').
+    cast_all: every other float tensor in `dtype` too. `config` (a Qwen35Config or DFlashConfig) names
+    each module's bits and group size; pair the result with dense_config(config)."""
+    out = {}
+    for name, w in weights.items():
+        module = name.rsplit(".", 1)[0]
+        if name.endswith((".scales", ".biases")) and f"{module}.weight" in weights:
+            continue
+        if f"{module}.scales" in weights:
+            spec = config.quant_overrides.get(module, config.quantization)
+            w = mx.dequantize(w, weights[f"{module}.scales"], weights[f"{module}.biases"],
+                              group_size=spec.group_size, bits=spec.bits)
+            w = w if dtype is None else w.astype(dtype)
+        elif cast_all and dtype is not None and mx.issubdtype(w.dtype, mx.floating):
+            w = w.astype(dtype)
+        out[name] = w
+    return out
+
+
+def dense_config(config):
+    """A copy of `config` describing float weights (no quantization, no per-module overrides)."""
+    return dataclasses.replace(config, quantization=None, quant_overrides={})

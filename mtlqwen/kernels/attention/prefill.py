@@ -28,6 +28,7 @@ import mlx.core as mx
 
 from ..portable import KernelExample, PortableKernel
 from ..selection import SELECT
+from ..tensor_core import MMA_HEADER
 from ..seqs import SeqLayout
 from . import kernels as decode
 from .kernels import MAX_SPLITS
@@ -55,18 +56,6 @@ __device__ __forceinline__ void pf_ldm4(uint32_t (&r)[4], unsigned a) {
 __device__ __forceinline__ void pf_ldm4t(uint32_t (&r)[4], unsigned a) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-template <int XK>
-__device__ __forceinline__ void pf_mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                       uint32_t b0, uint32_t b1) {
-  if constexpr (XK == 1)
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  else
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 // two floats -> one register of two 16-bit values (lo = the lower column)
 template <int XK> __device__ __forceinline__ uint32_t pf_pack(float lo, float hi) {
@@ -174,8 +163,8 @@ _BODY = r"""
         const int m = lane >> 3;
         const int r = 16 * p + (lane & 7) + 8 * (m >> 1), ch = 2 * kk + (m & 1);
         pf_ldm4(b, ks_base + r * HD * 2 + ((ch ^ (r & 7)) * 16));
-        pf_mma<XK>(s[2 * p], a[0], a[1], a[2], a[3], b[0], b[1]);
-        pf_mma<XK>(s[2 * p + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
+        qm_mma<XK>(s[2 * p], a[0], a[1], a[2], a[3], b[0], b[1]);
+        qm_mma<XK>(s[2 * p + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
       }
     }
     // online softmax (log2 domain); the 4 lanes of a row share its max through shuffles
@@ -231,8 +220,8 @@ _BODY = r"""
         const int m = lane >> 3;
         const int r = 16 * kj + (lane & 7) + 8 * (m & 1), ch = 2 * p + (m >> 1);
         pf_ldm4t(b, vs_base + r * HD * 2 + ((ch ^ (r & 7)) * 16));
-        pf_mma<XK>(o[2 * p], a0, a1, a2, a3, b[0], b[1]);
-        pf_mma<XK>(o[2 * p + 1], a0, a1, a2, a3, b[2], b[3]);
+        qm_mma<XK>(o[2 * p], a0, a1, a2, a3, b[0], b[1]);
+        qm_mma<XK>(o[2 * p + 1], a0, a1, a2, a3, b[2], b[3]);
       }
     }
   }
@@ -293,7 +282,7 @@ def _kernel(split: bool, gate: bool, smem: int) -> PortableKernel:
             "GATE_CODE", _GATE_CODE if gate and not split else "")
         _K[key] = PortableKernel(name=f"mtl_prefill_attn_s{int(split)}_g{int(gate and not split)}_m{smem}",
                                  input_names=ins, output_names=["po", "pm", "pl"] if split else ["out"], body=body,
-                                 cuda_body=body, header=_HEADER, shared_memory=smem)
+                                 cuda_body=body, header=_HEADER + MMA_HEADER, shared_memory=smem)
     return _K[key]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 import mlx.core as mx
+from ..tensor_core import MMA_HEADER  # noqa: F401  (the qmv and qgemm headers add it)
 
 # x kind -> how the kernel reads raw activation bits (bf16 and fp32 are pure bit moves, fp16 converts)
 XKIND = {mx.float32: 0, mx.bfloat16: 1, mx.float16: 2}
@@ -270,22 +271,7 @@ MMA_BODY = r"""
   }
 """
 
-MMA_HEADER = r"""
-#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
-template <int XK>
-__device__ __forceinline__ void qm_mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                       uint32_t b0, uint32_t b1) {
-  if constexpr (XK == 1)
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  else
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-#endif
-"""
+
 
 
 def mma_ptrs(P: int, epi: int) -> str:
