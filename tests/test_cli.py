@@ -253,3 +253,18 @@ def test_first_ctrl_c_is_a_flag_the_second_interrupts():
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is before  # the previous handler is back
+
+
+def test_sampling_defaults_demo_samples_unless_told():
+    """No --model (the demo pair): temperature 0.7, top-p 0.95; a checkpoint: greedy, top-p off; a flag given
+    always wins."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from mtlqwen.frontends.args import sampling_defaults  # noqa: PLC0415
+
+    ns = lambda **kw: SimpleNamespace(**{"model": None, "temp": None, "top_p": None, **kw})  # noqa: E731
+    assert sampling_defaults(ns()) == (0.7, 0.95)
+    assert sampling_defaults(ns(model="./ckpt")) == (0.0, 1.0)
+    assert sampling_defaults(ns(model="random")) == (0.0, 1.0)
+    assert sampling_defaults(ns(temp=0.0)) == (0.0, 0.95)
+    assert sampling_defaults(ns(model="./ckpt", temp=0.3, top_p=0.5)) == (0.3, 0.5)
