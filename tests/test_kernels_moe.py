@@ -164,6 +164,11 @@ def test_route_metal_emulated(T, E, k, renorm, shared, seed):
     rng = np.random.default_rng(seed)
     lg = mx.array(rng.standard_normal((T, E)).astype(np.float32))
     sg = mx.array(rng.standard_normal((T, 1)).astype(np.float32)) if shared else None
+    if k > E:  # more experts asked than exist: not the kernel's (the op's reference then refuses it)
+        assert kernels.route(lg, k, renorm, sg) is None
+        with pytest.raises(ValueError, match=f"needs 1 <= k <= experts, got k={k} for {E} experts"):
+            moe_route_ref(lg, k, renorm, sg)
+        return
     with metal_emulator.emulating():
         inds, w = kernels.route(lg, k, renorm, sg)
     ri, rw = moe_route_ref(lg, k, renorm, sg)

@@ -15,6 +15,8 @@ def moe_route_ref(logits: mx.array, k: int, renorm: bool = True,
     expert's gate sigmoid(shared_logit [T, 1]) last). fp32 softmax over all E, the top k, renormalised to
     sum 1 when `renorm`. The k are ordered by decreasing probability (the kernel's order, so outputs
     compare position by position)."""
+    if not 1 <= k <= logits.shape[-1]:
+        raise ValueError(f"top-k routing needs 1 <= k <= experts, got k={k} for {logits.shape[-1]} experts")
     probs = mx.softmax(logits.astype(mx.float32), axis=-1)  # [T, E]
     inds = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]  # [T, k], any order
     w = mx.take_along_axis(probs, inds, axis=-1)
