@@ -71,3 +71,29 @@ def test_memory_plan_sizes_the_pool_and_the_prefix_share(model):
     plan = plan_memory(c, dt, EngineConfig(block_tokens=16, kv_bytes=7 * per_block + 1, prefix_interval=32), 4096)
     assert (plan.num_blocks, plan.prefix_entry_bytes) == (7, per_slot)  # 32 tokens are whole blocks: no tail copy
     assert plan_memory(c, dt, EngineConfig(num_blocks=3, prefix_interval=0), 4096).prefix_bytes == 0
+
+
+def test_device_sized_pool_leaves_the_snapshot_share_out_before_the_full_context_cap(model, monkeypatch):
+    """A device-sized default pool: the prefix snapshots' budget comes out of the device's KV budget, not out
+    of the pool the full-context cap leaves (a small model on a big GPU keeps every block it can use:
+    the demo pair on the H200 once got 1 block and could not serve a 39-token prompt)."""
+    from mtlqwen.model.cache import ModelCache  # noqa: PLC0415
+    from mtlqwen.runtime import memory  # noqa: PLC0415
+
+    c, dt = model.config, model.dtype
+    per_block, per_slot = ModelCache.bytes_per_block(c, 16, dt), ModelCache.bytes_per_slot(c, dt)
+    cap = 2 * (4096 // 16)  # 2 slots of full context
+    monkeypatch.setattr(memory.mx, "get_active_memory", lambda: 0)
+    big = 1 << 40  # far more than the cap needs, and than the snapshots' 1 GiB
+    monkeypatch.setattr(memory, "device_memory", lambda: (big, None))
+    plan = plan_memory(c, dt, EngineConfig(block_tokens=16, slots=2, prefix_interval=32), 4096)
+    assert (plan.num_blocks, plan.prefix_bytes) == (cap, memory.DEFAULT_CACHE_BYTES)
+    # memory-bound: the snapshots' budget is taken out of the device budget, then the cap applies
+    total = int((200 * per_block / memory.GPU_KV_SHARE + 3 * per_slot) / memory.GPU_MEMORY_FRACTION) + 64
+    monkeypatch.setattr(memory, "device_memory", lambda: (total, None))
+    avail = int((total * memory.GPU_MEMORY_FRACTION - 3 * per_slot) * memory.GPU_KV_SHARE)
+    plan = plan_memory(c, dt, EngineConfig(block_tokens=16, slots=2, prefix_interval=32,
+                                           prefix_cache_bytes=50 * per_block), 4096)
+    assert avail // per_block == 200 and plan.num_blocks == (avail - 50 * per_block) // per_block == 150
+    off = plan_memory(c, dt, EngineConfig(block_tokens=16, slots=2, prefix_interval=0), 4096)
+    assert off.num_blocks == 200  # no prefix cache: nothing left out

@@ -30,9 +30,12 @@ def device_memory() -> tuple[int | None, int | None]:
 def resolve_num_blocks(
     config, dtype, block_tokens: int, slots: int, max_model_len: int,
     num_blocks: int | None = None, kv_bytes: int | None = None, extra_block_bytes: int = 0,
+    reserve_bytes: int = 0,
 ) -> int:
     """num_blocks, else kv_bytes / bytes per bundle, else a device default capped at what `slots`
     full-context sequences could ever use. extra_block_bytes: what else a bundle holds (drafter K/V).
+    reserve_bytes: what the device default leaves out of its KV budget for something else (the prefix
+    snapshots), before the cap: a small model whose pool the cap bounds keeps its whole pool.
     Under tensor parallelism `config` is the rank's shard (sharding.shard_config): the bytes per bundle
     and per slot are this rank's, so a budget buys N times the bundles of one process."""
     per_block = ModelCache.bytes_per_block(config, block_tokens, dtype) + extra_block_bytes
@@ -55,7 +58,7 @@ def resolve_num_blocks(
         if free is not None:
             avail = min(avail, free * GPU_MEMORY_FRACTION)
         avail -= (slots + 1) * ModelCache.bytes_per_slot(config, dtype)
-        budget = max(per_block, int(avail * GPU_KV_SHARE))
+        budget = max(per_block, int(avail * GPU_KV_SHARE) - reserve_bytes)
     return max(1, min(cap, budget // per_block))
 
 
@@ -72,15 +75,14 @@ def plan_memory(config, dtype, engine_config, max_model_len: int, extra_block_by
     """The pool and prefix-cache sizes for an EngineConfig (resolve_num_blocks; with a default, device-sized
     pool and the prefix cache on, the snapshots' budget is taken out of the KV share)."""
     ec = engine_config
+    budget = (DEFAULT_CACHE_BYTES if ec.prefix_cache_bytes is None else ec.prefix_cache_bytes) if ec.prefix_interval else 0
+    # a default KV budget taken from free device memory leaves the snapshots' share out (a given
+    # num_blocks / kv_bytes is the caller's own division)
     num_blocks = resolve_num_blocks(config, dtype, ec.block_tokens, ec.slots, max_model_len, ec.num_blocks,
-                                    ec.kv_bytes, extra_block_bytes)
+                                    ec.kv_bytes, extra_block_bytes, reserve_bytes=budget)
     if not ec.prefix_interval:
         return MemoryPlan(num_blocks, 0, 0)
     per_block = ModelCache.bytes_per_block(config, ec.block_tokens, dtype)
-    budget = DEFAULT_CACHE_BYTES if ec.prefix_cache_bytes is None else ec.prefix_cache_bytes
-    if ec.num_blocks is None and ec.kv_bytes is None and device_memory()[0] is not None:
-        # the default KV budget was taken from free device memory: leave the snapshots' share out
-        num_blocks = max(1, num_blocks - budget // per_block)
     per_entry = ModelCache.bytes_per_slot(config, dtype)
     if ec.prefix_interval % ec.block_tokens:  # plus the copy of the partial last block
         per_entry += per_block
