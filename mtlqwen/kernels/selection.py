@@ -99,21 +99,25 @@ SELECT: dict[str, int] = {
     "attn_min_split_keys": 64,
     # Attention batches whose longest query chunk has more than this many queries take the tensor-core prefill
     # kernel (attention/prefill.py, CUDA: FlashAttention-2 over the paged blocks with mma.sync); up to it,
-    # decode and verification rows (1-16 queries) take the decode kernel above, which re-reads every key per
-    # 16 query rows in fp32 FMAs; 0 = never (the decode kernel for every batch). Its equivalence tests passed on
-    # the H200 (benchmarks/results/gpu-tests-prefill-attention-moe.log); the crossover is a default, not yet
-    # timed (benchmarks/prefill_attention_bench.py --crossover). On Metal
+    # decode rows take the decode kernel above, which re-reads every key per 16 query rows in fp32 FMAs; 0 =
+    # never (the decode kernel for every batch). Its equivalence tests passed on the H200
+    # (benchmarks/results/gpu-tests-prefill-attention-moe.log). Crossover timed on the H200
+    # (prefill_attention_bench.py --crossover, 8 sequences, 9B attention shape): the prefill kernel wins from
+    # the smallest count timed, 4 queries a sequence (90 vs 188 us at 4k cached keys, 610 vs 1,429 us at
+    # 32k; 613 vs 4,744 us at 16 queries and 32k), so 3; 2-3 were not timed. Traced (compiled) layouts keep
+    # the decode kernel: the prefill kernel's plan reads kv_valid on the host. On Metal
     # there is no tensor-core rendering (Apple GPUs have no mma.sync; the emulator has no simdgroup_matrix):
     # the decode kernel's portable SIMT body serves prefill chunks too (a plain SIMT tiling could not share a
     # K/V tile among more rows: at head_dim 256 its 16 fp32 query rows already take half of Metal's 32 KiB of
     # threadgroup memory), and check_metal runs it on a prefill-sized batch (metal_cases.py). MLX's own
     # attention over gathered K/V is not used: it would copy each sequence's context out of the pool every
     # layer.
-    "prefill_attn_min_queries": 16,
+    "prefill_attn_min_queries": 3,
     # Warps a prefill-attention block (16 query rows each, attention/prefill.py): 8 = 128 query rows per 64-key
     # tile, FlashAttention-2's choice at head_dim 256 (128 KiB of shared memory and 248 registers a lane: one
     # block an SM); 4 = 64 rows, two blocks an SM, but each K/V tile copied from L2 serves half the rows.
-    # Not yet measured (benchmarks/prefill_attention_bench.py --nw 4 8).
+    # H200, 32k causal prompt at the 9B shape (prefill_attention_bench.py --nw 4 8): 8 warps 40.0 ms a layer
+    # (220 TFLOP/s), 4 warps 42.0 ms (209) in 4096-query chunks; 40.4 / 43.0 ms in 1024-query chunks.
     "prefill_attn_warps": 8,
     # A prefill-attention batch of too few query tiles to fill the SMs (a short chunk over a long context) splits
     # its key range, each split at least this many keys, and the decode kernel's merge combines them
