@@ -60,6 +60,7 @@ def ours(config, args) -> dict:
     model, _ = build_model(SimpleNamespace(model=None, shape=args.shape, bits=4, group_size=64))
     vocab = config.vocab_size
     res = Live("mtlqwen")
+    res["weights_gib"] = mx.get_active_memory() / 2**30  # the device memory a shape needs before any KV
     greedy = SamplingParams(max_tokens=args.gen, ignore_eos=True)
 
     def decode_rate(n_req: int, prompt_len: int, step_tokens: int):
@@ -87,15 +88,12 @@ def ours(config, args) -> dict:
         for st in args.prefill_steps:
             prefill_rate(min(n, 4096), st)  # warm-up at this budget
             res[f"prefill_{n}_step{st}"], _ = median_of(lambda n=n, st=st: prefill_rate(n, st), args.repeats)
-    if args.skip_batch:
-        del model
-        mx.clear_cache()
-        return res
-    for b in args.batch:
+    for b in ([] if args.skip_batch else args.batch):
         decode_rate(b, 64, 128)
         rb = [decode_rate(b, args.prompt, 128) for _ in range(args.repeats)]
         res[f"decode_b{b}"] = statistics.median(r[0] for r in rb)
         res[f"ttft_b{b}_s"] = statistics.median(r[1] for r in rb)
+    res["peak_gib"] = mx.get_peak_memory() / 2**30
     del model
     mx.clear_cache()
     return res
