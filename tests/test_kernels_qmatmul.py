@@ -122,6 +122,36 @@ def test_the_tensor_core_rows_have_a_metal_fallback_row(monkeypatch, backend_nam
     assert not gemv.mma_rows_to_mlx(6)
 
 
+def test_small_k_rows_go_to_dequantize_not_mlx_qmm_on_cuda(monkeypatch):
+    """CUDA, 9+ rows, K % 256 != 0: dequantize + GEMM for linear / linear_multi / swiglu (the kernels answer,
+    MLX's quantized GEMM is never reached); K % 256 == 0 without the tensor-core GEMM: declined as before;
+    another back-end or the row off: declined."""
+    from mtlqwen.kernels.qmatmul import gemv  # noqa: PLC0415
+
+    monkeypatch.setattr(gemv, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(gemv.qgemm, "available", lambda: False)
+    monkeypatch.setitem(selection.SELECT, "dequant_kernel", 0)  # MLX's dequantize: runs on the CPU
+    rng = np.random.default_rng(3)
+    for bits, gs in ((8, 128), (4, 64)):
+        p, up = (make_params(rng, 96, gs, bits, gs, mx.float32) for _ in range(2))
+        x = mx.array(rng.standard_normal((9, gs)).astype(np.float32))
+        w, wu = (mx.dequantize(q.weight, q.scales, q.biases, group_size=gs, bits=bits) for q in (p, up))
+        np.testing.assert_allclose(np.array(gemv.linear_kernel(x, p)), np.array(x @ w.T), rtol=1e-6, atol=1e-6)
+        ys = gemv.linear_multi_kernel(x, [p, up])
+        np.testing.assert_allclose(np.array(ys[1]), np.array(x @ wu.T), rtol=1e-6, atol=1e-6)
+        g = x @ w.T
+        np.testing.assert_allclose(np.array(gemv.swiglu_linear_kernel(x, p, up)),
+                                   np.array(g * mx.sigmoid(g) * (x @ wu.T)), rtol=1e-5, atol=1e-6)
+    p256 = make_params(rng, 128, 256, 8, 128, mx.float32)
+    x256 = mx.array(rng.standard_normal((9, 256)).astype(np.float32))
+    assert gemv.linear_kernel(x256, p256) is None and gemv.swiglu_linear_kernel(x256, p256, p256) is None
+    monkeypatch.setitem(selection.SELECT, "small_k_dequant", 0)
+    assert gemv.linear_kernel(x, p) is None
+    monkeypatch.setitem(selection.SELECT, "small_k_dequant", 1)
+    monkeypatch.setattr(gemv, "gpu_backend", lambda: "metal")
+    assert gemv.linear_kernel(x, p) is None
+
+
 # ---------------------------------------------------------------- GPU: kernels against references
 def _poisoned(npair: int | None = None):
     """The qmatmul module with outputs poisoned; npair sets the 4-bit nibble-pair unpack for this example."""
@@ -193,16 +223,23 @@ def test_linear_multi_and_swiglu_match_reference(m, kg, n, bits, gs, dtype, seed
 @needs_gpu
 @settings(max_examples=n_examples(10), **GPU_SETTINGS)
 @given(m=st.sampled_from([9, 15, 17, 33, 300]), bits=st.sampled_from([4, 8]), gs=st.sampled_from([32, 64, 128]),
-       dtype=st.sampled_from(["bfloat16", "float32"]), seed=st.integers(0, 2**31 - 1))
-def test_linear_large_m_paths(m, bits, gs, dtype, seed):
-    """Rows past the GEMV: qmv per 8 rows, MLX's GEMM, or dequantize + GEMM, per the selection table."""
+       kg=st.sampled_from([1, 2, 4]), dtype=st.sampled_from(["bfloat16", "float32"]), seed=st.integers(0, 2**31 - 1))
+def test_linear_large_m_paths(m, bits, gs, kg, dtype, seed):
+    """Rows past the GEMV: the tensor-core GEMM, MLX's GEMM, or dequantize + GEMM, per the selection table;
+    K of one group a row included (the MoE dispatch test's shared expert failed there)."""
     _poisoned()
-    from mtlqwen.kernels.qmatmul import linear  # noqa: PLC0415
+    from mtlqwen.kernels.qmatmul import linear, swiglu_linear  # noqa: PLC0415
+    from mtlqwen.kernels.qmatmul.reference import swiglu_linear_ref  # noqa: PLC0415
     dt = DTYPES[dtype]
     rng = np.random.default_rng(seed)
-    p = make_params(rng, 96, 4 * gs, bits, gs, dt)
-    x = mx.array(rng.standard_normal((m, 4 * gs)).astype(np.float32)).astype(dt)
+    p, up = (make_params(rng, 96, kg * gs, bits, gs, dt) for _ in range(2))
+    x = mx.array(rng.standard_normal((m, kg * gs)).astype(np.float32)).astype(dt)
     assert rel_err(linear(x, p), ref32(x, p)) < TOL[dt]
+    with mx.stream(mx.cpu):
+        x32 = x.astype(mx.float32)
+        to32 = [LinearParams(q.weight, q.scales.astype(mx.float32), q.biases.astype(mx.float32), bits, gs) for q in (p, up)]
+        want = np.array(swiglu_linear_ref(x32, *to32))
+    assert rel_err(swiglu_linear(x, p, up), want) < 2 * TOL[dt]
 
 
 def _add_norm32(h, delta, w, eps):

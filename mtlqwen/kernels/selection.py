@@ -27,6 +27,12 @@ SELECT: dict[str, int] = {
     # tensor-core GEMM for it (qmm_naive: 77 us per 32x4096 matrix, benchmarks/decode_profile.md);
     # dequantize the small matrix and use the bf16 GEMM instead.
     "small_n_dequant": 1,
+    # CUDA, more rows than the qmv takes, K not a multiple of 256 (the tensor-core GEMM's k-step): 1 =
+    # dequantize + GEMM rather than MLX's quantized GEMM. On the H200 the MoE dispatch test failed at 9 tokens
+    # exactly where MLX's quantized_matmul served a 9-row projection with K = 128 (8-bit g128) or 64 (4-bit
+    # g64: non-finite outputs), and passed wherever those shapes ran on other ops (its gather_qmm, our
+    # kernels). Real Qwen3.5 shapes have K % 256 == 0; small K comes from tests and tiny models.
+    "small_k_dequant": 1,
     # CUDA, 4-bit, bf16/fp16 x: rows from which the tensor-core qmv variant (mma.sync) replaces the FMA
     # kernel; 0 = never. Steady state (one launch): at M=8 mma 1.09 / 1.27 TB/s vs FMA 0.43 / 0.33 and MLX's
     # GEMM 1.11 / 1.05 (4096-K / 12288-K); at M=1 mma 1.24 / 1.36 vs FMA 1.69 / 1.94. Its equivalence test

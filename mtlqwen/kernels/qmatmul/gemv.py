@@ -166,17 +166,31 @@ def qmv_rows_exceeded(x2: mx.array) -> bool:
     return x2.shape[0] > SELECT["qmv_max_rows"]
 
 
+def small_k_rows(x2: mx.array, ps: list[LinearParams]) -> bool:
+    """More rows than qmv takes with a K the tensor-core GEMM cannot step through, on CUDA: these go to
+    dequantize + GEMM, never to MLX's quantized GEMM (SELECT["small_k_dequant"])."""
+    return (SELECT["small_k_dequant"] and gpu_backend() == "cuda" and qmv_rows_exceeded(x2)
+            and x2.shape[1] % 256 != 0 and all(p.quantized for p in ps))
+
+
+def dequant_linear(x2: mx.array, p: LinearParams) -> mx.array:
+    """x2 [M, K] @ W^T with W dequantized to x2's dtype (the dequantize kernel where it covers p)."""
+    if SELECT["dequant_kernel"] and dequant.supported(p, x2.dtype):
+        return x2 @ dequant.dequantize(p, x2.dtype).T
+    return x2 @ p.dequantized().astype(x2.dtype).T
+
+
 def _big_m(x2: mx.array, p: LinearParams) -> mx.array:
     """More rows than qmv takes: the tensor-core GEMM (CUDA), else MLX's quantized GEMM (None: the
     reference) or dequantize + GEMM."""
     M = x2.shape[0]
     if _use_qgemm(x2, [p]):
         return qgemm.qgemm(x2, [p])[0]
+    if small_k_rows(x2, [p]):
+        return dequant_linear(x2, p)
     small_n = SELECT["small_n_dequant"] and p.out_features % 128 != 0
     if (SELECT["dequant_gemm_min_rows"] <= M or small_n) and x2.dtype in (mx.bfloat16, mx.float16):
-        if SELECT["dequant_kernel"] and dequant.supported(p, x2.dtype):
-            return x2 @ dequant.dequantize(p, x2.dtype).T
-        return x2 @ p.dequantized().astype(x2.dtype).T
+        return dequant_linear(x2, p)
     if M <= SELECT["qmv_loop_max_rows"]:  # a few qmv launches beat MLX's GEMM for small M
         return mx.concatenate([qmv(x2[i:i + 8], [p])[0] for i in range(0, M, 8)], axis=0)
     return None
@@ -213,6 +227,8 @@ def linear_multi_kernel(x: mx.array, ps: list[LinearParams]):
     x2, lead = _flat(x)
     if len(ps) <= 4 and _use_qgemm(x2, ps):
         return [y.reshape(*lead, p.out_features) for y, p in zip(qgemm.qgemm(x2, ps), ps)]
+    if small_k_rows(x2, ps):
+        return [dequant_linear(x2, p).reshape(*lead, p.out_features) for p in ps]
     if (x2.shape[0] > SELECT["qmv_max_rows"] or len(ps) > 4 or mma_rows_to_mlx(x2.shape[0])
             or not qmv_supported(x2, ps)):
         return None
@@ -223,6 +239,9 @@ def swiglu_linear_kernel(x: mx.array, gate: LinearParams, up: LinearParams):
     x2, lead = _flat(x)
     if gate.out_features == up.out_features and _use_qgemm(x2, [gate, up]):
         return qgemm.qgemm(x2, [gate, up], epi=1)[0].reshape(*lead, gate.out_features)
+    if small_k_rows(x2, [gate, up]):
+        g, u = dequant_linear(x2, gate), dequant_linear(x2, up)
+        return ((g * mx.sigmoid(g)) * u).reshape(*lead, gate.out_features)
     if (x2.shape[0] > SELECT["qmv_max_rows"] or gate.out_features != up.out_features
             or mma_rows_to_mlx(x2.shape[0]) or not qmv_supported(x2, [gate, up])):
         return None
