@@ -322,6 +322,47 @@ def test_compiled_verification_steps(model, drafter, verify_commit):
         assert mx.allclose(a.astype(mx.float32), b.astype(mx.float32), rtol=1e-5, atol=1e-5).item()
 
 
+# ------------------------------------------------------------------------------------ draft lengths
+@pytest.mark.parametrize("interval, max_tokens, want", [
+    # max_tokens 30 leaves 28, 12 and 4 tokens past the anchor after each step: 15, then 7 (not 12),
+    # then 3 (not 4); the last token is a plain decode
+    (0, 30, [15, 7, 3]),
+    # 24-token snapshot interval: anchor + drafts stay short of positions 24 and 48 (kv_valid 9 -> 13
+    # drafts, 17 -> 5, 21 -> 1, 23 -> none: a plain step reaches the boundary), and max_tokens 40 at the end
+    (24, 40, [7, 3, 1, 15, 3, 1]),
+])
+def test_drafts_round_down_to_draft_lengths(model, drafter, interval, max_tokens, want):
+    """With full acceptance, each verification sends the largest of 1, 3, 7, 15 that fits what the sequence
+    may send (max_tokens, the next interval boundary), exactly; outputs equal plain decoding."""
+    prompt = random_token_ids(9, 512, seed=61)
+    sp = greedy(max_tokens, ignore_eos=True)
+    kw = dict(slots=1, step_tokens=32, block_tokens=8, num_blocks=12)
+    (base,) = plain_outputs(model, [prompt], sp, **kw)
+    eng = Engine(model, draft=drafter, n_draft=15, prefix_interval=interval, **kw)
+    eng.spec.propose = Oracle({tuple(prompt): prompt + base.token_ids})
+    eng.submit(prompt, sp)
+    seen = [ver.n for ver in in_flight_verifications(eng)]
+    assert seen == [[n] for n in want]
+    assert eng.stats()["accepted_tokens"] == sum(want)
+    assert eng.generate([prompt], sp)[0].token_ids == base.token_ids
+    assert_idle(eng)
+
+
+def test_draft_lengths_of_an_engine_n_draft_off_the_buckets(model, drafter):
+    """n_draft 5 counts as a length of its own: a sequence that may send 4 sends 3, one that may send 5+ sends 5."""
+    eng = Engine(model, slots=1, step_tokens=32, block_tokens=16, num_blocks=8, draft=drafter, n_draft=5,
+                 prefix_interval=0)
+    assert eng.spec.lengths == (1, 3, 5)
+    prompt = random_token_ids(9, 512, seed=62)
+    sp = greedy(12, ignore_eos=True)
+    (base,) = plain_outputs(model, [prompt], sp, slots=1, step_tokens=32, block_tokens=16, num_blocks=8)
+    eng.spec.propose = Oracle({tuple(prompt): prompt + base.token_ids})
+    eng.submit(prompt, sp)
+    # 1 token generated: 5 drafts (6 tokens); 7 generated: 4 may go, 3 do (4 tokens); 11: a plain decode
+    assert [ver.n for ver in in_flight_verifications(eng)] == [[5], [3]]
+    assert_idle(eng)
+
+
 # ------------------------------------------------------------------------------------------- knobs
 def test_knobs_opt_out_stats_and_memory(model, drafter, draft_dir):
     assert resolve_n_draft(16, None, 8, 128) == 15

@@ -32,6 +32,24 @@ def _pow2_at_least(n: int, lo: int) -> int:
     return b
 
 
+def padded_tables(block_tables: list[list[int]], width: int) -> mx.array:
+    """Block tables [B, width] int32, each row padded with block 0 (masked out by kv_valid)."""
+    return mx.array([t + [0] * (width - len(t)) for t in block_tables], dtype=mx.int32)
+
+
+def lookup_trace(fns: OrderedDict, key: tuple, build, max_traces: int) -> tuple[object, bool]:
+    """(the compiled function of `key`, whether it was built now): build() makes it on a miss; at most
+    max_traces are kept, the least recently used dropped."""
+    fn = fns.get(key)
+    if fn is not None:
+        fns.move_to_end(key)
+        return fn, False
+    fn = fns[key] = build()
+    if len(fns) > max_traces:
+        fns.popitem(last=False)
+    return fn, True
+
+
 class CompiledDecode:
     """`model.forward` for batches whose sequences all send one token (decode), compiled per shape class;
     `with_taps` does `model.forward_with_taps` for the speculative engine's decode batches and `verifying`
@@ -75,7 +93,7 @@ class CompiledDecode:
         width = _pow2_at_least(max(len(t) for t in layout.block_tables), 1)
         max_len = _pow2_at_least(layout.longest(), self.MIN_LEN)
         self.model.rope.ensure(max_len)  # the trace holds the table: it must cover the whole bucket
-        tables = mx.array([t + [0] * (width - len(t)) for t in layout.block_tables], dtype=mx.int32)
+        tables = padded_tables(layout.block_tables, width)
         arrays = [layout.array(n) for n in _INPUTS] + [tables]
         rows = () if logits_rows is None else (logits_rows,)
         verify = verify_commit is not None  # eligible layouts: all verify, or none
@@ -85,15 +103,10 @@ class CompiledDecode:
         # commit mode (it decides what a verification stashes)
         shape = (tuple(layout.query_start_loc), width, max_len, self.model.rope.size, layout.block_tokens,
                  len(rows) and logits_rows.shape[0], taps, verify_commit)
-        fn = self._fns.get(shape)
-        if fn is None:
-            fn = self._fns[shape] = mx.compile(self._step_fn(B, layout.query_start_loc, width, max_len,
-                                                             layout.block_tokens, bool(rows), taps, verify_commit))
-            self.traces += 1
-            if len(self._fns) > self.max_traces:
-                self._fns.popitem(last=False)
-        else:
-            self._fns.move_to_end(shape)
+        fn, new = lookup_trace(self._fns, shape, lambda: mx.compile(self._step_fn(
+            B, layout.query_start_loc, width, max_len, layout.block_tokens, bool(rows), taps, verify_commit)),
+            self.max_traces)
+        self.traces += new
         n_attn, n_gdn = len(cache.k_pools), len(cache.conv_states)
         head, pools, stash = fn(input_ids, arrays, rows, cache.arrays())
         cache.k_pools[:], cache.v_pools[:] = pools[:n_attn], pools[n_attn : 2 * n_attn]

@@ -15,6 +15,10 @@ with probability a each (one rejection ends the run), a estimated from its own v
 tokens per unit of time than plain decoding.
 
 `FixedDrafting` is the engine's original rule: every eligible sequence verifies all the drafts it may.
+
+Draft lengths: whatever a policy chooses, a sequence sends a draft length from `draft_lengths(n_draft)`
+(the buckets 1, 3, 7, 15 up to n_draft, and n_draft itself), rounded down by `bucket_drafts`: every
+distinct length makes its own compiled trace and kernel instantiations, so a workload meets few of them.
 """
 
 from __future__ import annotations
@@ -23,6 +27,21 @@ import json
 from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
+
+
+# ------------------------------------------------------------------------------------ draft lengths
+DRAFT_BUCKETS = (1, 3, 7, 15)
+
+
+def draft_lengths(n_draft: int) -> tuple[int, ...]:
+    """The draft lengths a speculative step may send with the engine's n_draft: the buckets up to it and
+    n_draft itself (ascending)."""
+    return tuple(sorted({b for b in DRAFT_BUCKETS if b <= n_draft} | ({n_draft} if n_draft > 0 else set())))
+
+
+def bucket_drafts(n: int, lengths: tuple[int, ...]) -> int:
+    """The largest of `lengths` that does not exceed n (0 when none does)."""
+    return max((b for b in lengths if b <= n), default=0)
 
 
 # ------------------------------------------------------------------------------------------- the table

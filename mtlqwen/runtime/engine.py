@@ -169,7 +169,7 @@ class Engine(Generation):
             make_policy(policy, cfg.draft_costs, self.compiled is not None))  # the table's rows for these steps
         self.scratch = (slots, self.num_blocks)
         if self.spec is not None:
-            self.spec.compiled = self.compiled
+            self.spec.use_compiled(self.compiled, self.num_blocks)  # block num_blocks: the padding bundle
         self.pad_buckets = cfg.pad_buckets
         self.buckets = token_buckets(cfg.prefill_budget) if self.pad_buckets else None
         self.eos = set(self.config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", None) or ())

@@ -15,7 +15,8 @@ The engine calls four hooks when a drafter is loaded:
                      kv_valid. While the draft policy would draft for nobody, plain steps stay pipelined.
 
 How many drafts each sequence sends is the draft policy's choice (draft_policy.py): all it may (fixed) or
-what maximises expected tokens per unit of time by a step-cost table (adaptive).
+what maximises expected tokens per unit of time by a step-cost table (adaptive), rounded down to one of
+the engine's draft lengths (draft_policy.draft_lengths: few lengths, few compiled traces).
 
 Drafter context rows exist exactly for positions < kv_valid at step boundaries: prefill chunks and plain
 decode anchors are committed by being computed, so their rows are written in the same step; a
@@ -31,8 +32,9 @@ import mlx.core as mx
 
 from ..kernels import SeqLayout
 from ..model.cache import VerifyStash
+from ..model.compiled_draft import CompiledDraft
 from ..model.dflash import Drafter, DrafterCache, load_drafter, quantize_drafter
-from .draft_policy import FixedDrafting
+from .draft_policy import FixedDrafting, bucket_drafts, draft_lengths
 from .kv_manager import KVManager
 from .rejection import position_noise, sample_drafts, verify
 from .sampling import sample_isolating
@@ -113,7 +115,9 @@ class Speculator:
         self.model, self.drafter, self.n_draft, self.cache = model, drafter, n_draft, cache
         self.verify_commit = verify_commit
         self.policy = FixedDrafting() if policy is None else policy
-        self.compiled = None  # a CompiledDecode when the engine compiles speculative steps (Engine(compile_decode=True))
+        self.lengths = draft_lengths(n_draft)  # the draft lengths a step may send (bucket_drafts)
+        self.compiled = None  # a CompiledDecode when the engine compiles speculative steps (use_compiled)
+        self.compiled_draft: CompiledDraft | None = None  # the drafter's proposal and context writes, then
         self.kv = kv  # the snapshot boundary rule and the one writer of kv_valid
         self.dcache: DrafterCache = drafter.make_cache(cache)
         cache.drafter_cache = self.dcache  # ModelCache's declared field: copied and reset with the bundles
@@ -122,6 +126,20 @@ class Speculator:
         # verifying sequence and step; plain_decodes: sequences that decoded one token without drafts
         self.counters = {"draft_tokens": 0, "accepted_tokens": 0, "spec_verifications": 0, "spec_steps": 0,
                          "plain_steps": 0, "plain_decodes": 0}
+
+    def use_compiled(self, compiled, scratch_block: int | None) -> None:
+        """Run the target's decode-with-taps and all-verify steps through `compiled` (a CompiledDecode) and
+        the drafter through a CompiledDraft whose padding rows go to scratch_block; None: uncompiled."""
+        self.compiled = compiled
+        self.compiled_draft = None if compiled is None else CompiledDraft(self.drafter, scratch_block)
+
+    def write_context(self, taps: mx.array, layout: SeqLayout, rows: list[int] | None = None) -> None:
+        """Drafter context of layout's tokens from taps (rows of it, or all), compiled when the engine is."""
+        if self.compiled_draft is not None:
+            self.compiled_draft.write_context(taps, layout, self.dcache, rows)
+        else:
+            self.drafter.write_context(taps if rows is None else taps[mx.array(rows, dtype=mx.int32)], layout,
+                                       self.dcache)
 
     @staticmethod
     def bytes_per_block(drafter: Drafter | None, block_tokens: int, dtype) -> int:
@@ -133,20 +151,25 @@ class Speculator:
         (nothing in flight), after its first token is computed, and never past max_tokens (the step yields
         up to drafts + 1). With a prefix cache, a verification stops short of the next interval boundary:
         the boundary is then reached by a plain step, whose state the cache captures at launch (a
-        verification's state is only known at read-back)."""
+        verification's state is only known at read-back). Rounded down to a draft length (draft_lengths)."""
         if not (seq.active and seq.params.speculative and seq.pending == 0 and seq.need == 1 and seq.kv_valid > 0):
             return 0
         return self._cap(seq)
 
     def _cap(self, seq) -> int:
-        return self.kv.max_drafts(seq, max(0, min(self.n_draft, seq.params.max_tokens - seq.num_generated - 1)))
+        """The most drafts seq may send, rounded down to a draft length."""
+        n = self.kv.max_drafts(seq, max(0, min(self.n_draft, seq.params.max_tokens - seq.num_generated - 1)))
+        return bucket_drafts(n, self.lengths)
 
     def plan(self, seqs) -> None:
         """Sequence.spec_drafts of every live sequence (a stale count must not survive a preemption), as
-        the policy chooses within drafts_for; decoding sequences left plain tell the policy so."""
+        the policy chooses within drafts_for, rounded down to a draft length (the policy sees bucketed caps;
+        a choice between lengths, e.g. an adaptive N from its table's columns, is bucketed the same way);
+        decoding sequences left plain tell the policy so."""
         seqs = list(seqs)
         n = self.policy.choose(seqs, [self.drafts_for(s) for s in seqs], sum(s.active for s in seqs))
         for seq, k in zip(seqs, n):
+            k = bucket_drafts(k, self.lengths)
             seq.spec_drafts = k
             if k == 0 and seq.active and seq.params.speculative and seq.num_generated > 0:
                 self.policy.skipped(seq)
@@ -169,9 +192,10 @@ class Speculator:
         """One drafter pass for all verifying sequences: (greedy drafts [S, n] int32, draft logits
         [S, n, V] or None when every sequence is greedy). Tests replace this to force acceptance."""
         anchors = [s.seq.tokens[s.start] for s in seqs]
+        d = self.drafter if self.compiled_draft is None else self.compiled_draft
         if all(s.seq.params.greedy for s in seqs):
-            return self.drafter.propose(anchors, layout, self.dcache, n), None
-        return self.drafter.propose_with_logits(anchors, layout, self.dcache, n)
+            return d.propose(anchors, layout, self.dcache, n), None
+        return d.propose_with_logits(anchors, layout, self.dcache, n)
 
     # ---- the step
     def launch(self, plan: StepPlan, batch, cache) -> tuple[mx.array | None, _Verification | None, list]:
@@ -224,13 +248,13 @@ class Speculator:
             plain = [i for i, v in enumerate(lay.verify) if not v]
             if plain:
                 pl, prow = lay.subset(plain)
-                self.drafter.write_context(taps[mx.array(prow, dtype=mx.int32)], pl, self.dcache)
+                self.write_context(taps, pl, prow)
             tl = logits[R:].reshape(len(ver), N + 1, -1)
             k, nxt = verify(tl, drafts, n, [s.seq.params for s in vs], noise)
             state = _Verification(vs, vl, n, drafts, k, nxt, taps, [qsl[i] for i in ver], stash)
             mx.async_eval(k, nxt, drafts)
         else:
-            self.drafter.write_context(taps, lay, self.dcache)
+            self.write_context(taps, lay)
         mx.async_eval(*self.dcache.arrays())
         return tokens, state, failed
 
@@ -250,7 +274,7 @@ class Speculator:
             rows.extend(range(start, start + kj + 1))
             qsl.append(qsl[-1] + kj + 1)
         cl = SeqLayout(qsl, list(v.layout.kv_valid), v.layout.block_tables, v.layout.state_rows, v.layout.block_tokens)
-        self.drafter.write_context(v.taps[mx.array(rows, dtype=mx.int32)], cl, self.dcache)
+        self.write_context(v.taps, cl, rows)
         c = self.counters
         out = []
         for j, s in enumerate(v.seqs):
