@@ -134,3 +134,23 @@ def test_engine_compiles_the_drafter_and_keeps_plain_tokens(model, drafter):
     assert stats[0] == stats[1] and stats[1]["spec_steps"] > 0
     cd = eng.spec.compiled_draft
     assert cd is not None and 1 <= len(cd._propose) < stats[1]["spec_steps"]
+
+
+def test_default_compiles_with_a_drafter_where_the_kernels_run(model, drafter, monkeypatch):
+    """compile_decode's default: off on the CPU references (uncompiled drafter, the uncompiled H200 table for
+    the adaptive policy), on where the kernels run, the drafter pass included (and the compiled table);
+    an explicit value wins either way."""
+    from mtlqwen.runtime import engine as engine_mod  # noqa: PLC0415
+    from mtlqwen.runtime.draft_policy import H200_9B_COMPILED_COSTS, H200_9B_COSTS  # noqa: PLC0415
+
+    kw = dict(slots=1, step_tokens=32, block_tokens=16, num_blocks=8, draft=drafter, prefix_interval=0)
+    eng = Engine(model, **kw)
+    assert eng.compiled is None and eng.spec.compiled is None and eng.spec.compiled_draft is None
+    assert eng.stats()["draft_policy"] == "fixed"
+    monkeypatch.setattr(engine_mod, "use_kernels", lambda: True)  # as on a GPU back-end
+    eng = Engine(model, **kw)
+    assert eng.compiled is not None and eng.spec.compiled is eng.compiled
+    assert eng.spec.compiled_draft.drafter is drafter and eng.spec.compiled_draft.scratch_block == eng.num_blocks
+    assert eng.spec.policy.costs is H200_9B_COMPILED_COSTS
+    eng = Engine(model, compile_decode=False, **kw)
+    assert eng.compiled is None and eng.spec.compiled_draft is None and eng.spec.policy.costs is H200_9B_COSTS

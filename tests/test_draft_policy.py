@@ -15,7 +15,7 @@ from engine_checks import assert_idle, greedy
 from hf_checkpoints import random_token_ids
 from mtlqwen.frontends.metrics import Metrics
 from mtlqwen.runtime import Engine, EngineConfig, Sequence, SamplingParams
-from mtlqwen.runtime.draft_policy import (H200_9B_COSTS, AcceptanceEstimate, AdaptiveDrafting, FixedDrafting,
+from mtlqwen.runtime.draft_policy import (H200_9B_COMPILED_COSTS, H200_9B_COSTS, AcceptanceEstimate, AdaptiveDrafting, FixedDrafting,
                                           StepCosts, bucket_drafts, draft_lengths, expected_tokens, make_policy)
 from test_speculative import Oracle, check_workload, draft_dir, drafter, plain_outputs, spec_workloads  # noqa: F401
 
@@ -213,6 +213,9 @@ def test_h200_table_drafts_only_when_acceptance_pays():
     assert choice(0.7, 1) == [0] and choice(0.7, 8) == [0] * 8 and choice(0.7, 32) == [0] * 32
     assert isinstance(make_policy("fixed", None), FixedDrafting)
     assert make_policy("adaptive", None).costs is H200_9B_COSTS
+    assert make_policy("adaptive", None, compiled=False).costs is H200_9B_COSTS
+    assert make_policy("adaptive", None, compiled=True).costs is H200_9B_COMPILED_COSTS
+    assert H200_9B_COMPILED_COSTS.cost(1, 15) == 21.23 and H200_9B_COMPILED_COSTS.cost(32, 0) == 9.58
     mine = FixedDrafting()
     assert make_policy(mine, None) is mine
 

@@ -142,6 +142,19 @@ H200_9B_COSTS = StepCosts(
 )
 
 
+# The same pair, compiled steps (Engine(compile_decode=True): decode-with-taps and all-verify steps through
+# mx.compile, the drafter pass not yet compiled), forced acceptance of min(6, N) drafts, the engine's commit
+# mode (benchmarks/spec.md "Compiled speculative steps", results/spec-compiled-b1-b8-b32.json). The engine's
+# default table when it compiles; a measurement with the compiled drafter pass should replace it.
+H200_9B_COMPILED_COSTS = StepCosts(
+    seqs=(1, 8, 32),
+    drafts=(0, 7, 15),
+    ms=((3.90, 16.53, 21.23),
+        (8.24, 35.23, 49.11),
+        (9.58, 87.45, 103.67)),
+)
+
+
 # ---------------------------------------------------------------------------------- per-sequence state
 @dataclass
 class AcceptanceEstimate:
@@ -241,10 +254,12 @@ class AdaptiveDrafting:
 
 def make_policy(policy, costs, compiled: bool | None = None) -> FixedDrafting | AdaptiveDrafting:
     """EngineConfig's draft_policy ("fixed", "adaptive" or a policy object) and draft_costs (None: the H200
-    table; a StepCosts or a JSON path for StepCosts.load, read for compiled or uncompiled steps)."""
+    table of compiled steps when `compiled`, else of uncompiled ones; a StepCosts or a JSON path for
+    StepCosts.load, read for compiled or uncompiled steps)."""
     if not isinstance(policy, str):
         return policy
     if policy == "fixed":
         return FixedDrafting()
-    table = H200_9B_COSTS if costs is None else costs if isinstance(costs, StepCosts) else StepCosts.load(costs, compiled)
+    default = H200_9B_COMPILED_COSTS if compiled else H200_9B_COSTS
+    table = default if costs is None else costs if isinstance(costs, StepCosts) else StepCosts.load(costs, compiled)
     return AdaptiveDrafting(table)
