@@ -126,7 +126,7 @@ def test_engine_compiles_the_drafter_and_keeps_plain_tokens(model, drafter):
             fl = eng._inflight
             if fl is not None and fl.spec is not None:
                 for s in fl.spec.seqs:
-                    assert_drafter_context(eng, s.seq, s.start, model, drafter, zero_past=False)
+                    assert_drafter_context(eng, s.seq, s.start, model, drafter)
         assert [outs[r].token_ids for r in rids] == [o.token_ids for o in base]
         s = eng.stats()
         stats.append({k: s[k] for k in ("draft_tokens", "accepted_tokens", "spec_verifications", "spec_steps")})

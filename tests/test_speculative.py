@@ -104,6 +104,39 @@ def test_commit_candidates_equals_plain_run_exactly(model, verify_commit, k):
         model.commit_candidates(c, stash, [k])
 
 
+def test_commit_by_device_counts_equals_host_counts(model):
+    """Two verifications of 3 and 5 tokens committed in "candidates" mode by the device array of accepted
+    counts (as the launched step does) leave the same pools, bit for bit, as by host counts; a replay
+    needs host counts, and a count array of the wrong shape is refused."""
+    bt = 16
+    prompts = [random_token_ids(n, 512, seed=n) for n in (13, 20)]
+
+    def verified(mode):
+        c = model.make_cache(6, 2, bt)
+        lay = SeqLayout([0, 13, 33], [0, 0], [[0], [2, 3]], [0, 1], bt)
+        model.hidden(mx.array(prompts[0] + prompts[1], dtype=mx.int32), lay, c)
+        vl = SeqLayout([0, 3, 8], [13, 20], [[0], [2, 3]], [0, 1], bt, verify=[True, True])
+        _, _, stash = model.forward_verifying(mx.array([5, 6, 7, 8, 9, 10, 11, 12], dtype=mx.int32), vl, c,
+                                              verify_commit=mode)
+        return c, stash
+
+    for k in ([0, 4], [2, 1], [1, 0]):
+        host, hs = verified("candidates")
+        model.commit_candidates(host, hs, k)
+        dev, ds = verified("candidates")
+        model.commit_candidates(dev, ds, mx.array(k, dtype=mx.int32))
+        assert ds.committed
+        for a, b in zip(host.arrays(), dev.arrays()):
+            assert np.array_equal(np.array(a), np.array(b))
+    c, stash = verified("replay")
+    with pytest.raises(ValueError, match="needs the accepted counts on the host"):
+        model.commit_candidates(c, stash, mx.array([0, 0], dtype=mx.int32))
+    c, stash = verified("candidates")
+    with pytest.raises(ValueError, match="expected \\(2,\\)"):
+        model.commit_candidates(c, stash, mx.array([0], dtype=mx.int32))
+    assert not stash.committed
+
+
 # ------------------------------------------------------------------------------------- engine: greedy
 def test_oracle_drafter_reaches_full_acceptance(model, drafter):
     prompts = [random_token_ids(n, 512, seed=100 + n) for n in (9, 40, 23)]
@@ -143,9 +176,11 @@ def test_garbage_drafter_accepts_about_nothing_and_changes_nothing(model, drafte
 
 def test_state_and_drafter_context_after_partial_accepts(model, drafter, verify_commit):
     """Each step accepts a different number of drafts (0..n). Whenever a verification is launched, the
-    slot's GDN state must be that of a plain token-by-token run over the committed tokens (exact), and
-    the drafter context rows must exist exactly for positions < kv_valid (= the one-shot projection of
-    the committed tokens' taps; zero past it)."""
+    slot's GDN state must be that of a plain token-by-token run over the committed tokens (exact): in
+    "candidates" mode the launched step has picked it already (the anchor and its accepted drafts
+    included), in "replay" mode it waits for the read-back; the drafter context rows must be exact for
+    positions < kv_valid (= the one-shot projection of the committed tokens' taps) and zero past the
+    furthest position a verification wrote (anchor + all drafts)."""
     prompt, n_draft, bt = random_token_ids(19, 512, seed=7), 4, 16
     sp = greedy(40, ignore_eos=True)
     (base,) = plain_outputs(model, [prompt], sp, slots=1, step_tokens=32, block_tokens=bt, num_blocks=8)
@@ -163,31 +198,34 @@ def test_state_and_drafter_context_after_partial_accepts(model, drafter, verify_
 
     eng.spec.propose = partial
     eng.submit(prompt, sp)
-    checked = 0
+    checked, written = 0, 0
     for ver in in_flight_verifications(eng):
         (s,) = ver.seqs
         P, seq = s.start, s.seq
-        assert ver.stash.mode == verify_commit and not ver.stash.committed  # waiting for this step's commit
+        picked = verify_commit == "candidates"  # committed in the launched step, by the device's counts
+        assert ver.stash.mode == verify_commit and ver.stash.committed == picked
         assert seq.tokens == full[: P + 1]
+        end = P + 1 + ver.accepted.item() if picked else P  # the tokens the slot's state has seen
         # plain run: the prompt in one chunk (as the engine did), then one token per step
         ref = model.make_cache(8, 1, bt)
         table = list(range(8))
         model.hidden(mx.array(prompt, dtype=mx.int32), SeqLayout([0, len(prompt)], [0], [table], [0], bt), ref)
-        for p in range(len(prompt), P):
+        for p in range(len(prompt), end):
             model.hidden(mx.array([full[p]], dtype=mx.int32), SeqLayout([0, 1], [p], [table], [0], bt), ref)
         slot = seq.slot
         for a, b in zip(eng.cache.conv_states + eng.cache.rec_states, ref.conv_states + ref.rec_states):
             assert np.array_equal(np.array(a[slot]), np.array(b[0]))
-        assert_drafter_context(eng, seq, P, model, drafter)  # the anchor's row comes with its acceptance
+        written = max(written, P + 1 + ver.n[0])  # this step wrote the anchor's and every draft's row
+        assert_drafter_context(eng, seq, P, model, drafter, zero_from=written)
         checked += 1
     assert checked >= 5 and set(calls) >= {0, 1, 2, 3, 4}
     assert eng.stats()["accepted_tokens"] > 0
     assert eng.generate([prompt], sp)[0].token_ids == base.token_ids
 
 
-def assert_drafter_context(eng, seq, P, model, drafter, zero_past=True):
-    """seq's drafter rows for positions < P equal the one-shot projection of its tokens' taps; rows from P
-    to the end of its blocks are zero (never written) when zero_past."""
+def assert_drafter_context(eng, seq, P, model, drafter, zero_from=None):
+    """seq's drafter rows for positions < P equal the one-shot projection of its tokens' taps; rows from
+    zero_from to the end of its blocks are zero (never written), when given."""
     bt, nb = eng.block_tokens, len(seq.block_table)
     table = list(range(nb))
     ref = model.make_cache(nb, 1, bt)
@@ -200,7 +238,7 @@ def assert_drafter_context(eng, seq, P, model, drafter, zero_past=True):
         g = np.array(got[mx.array(seq.block_table)]).reshape(-1, *got.shape[2:])
         w = np.array(want).reshape(-1, *want.shape[2:])
         np.testing.assert_allclose(g[:P], w[:P], rtol=1e-4, atol=1e-4)
-        assert not zero_past or not g[P:].any()
+        assert zero_from is None or not g[zero_from:].any()
 
 
 def test_drafter_context_through_chunked_prefill_and_prefix_hits(model, drafter):
@@ -223,7 +261,7 @@ def test_drafter_context_through_chunked_prefill_and_prefix_hits(model, drafter)
         fl = eng._inflight
         if fl is not None and fl.spec is not None:
             (s,) = fl.spec.seqs
-            assert_drafter_context(eng, s.seq, s.start, model, drafter, zero_past=False)
+            assert_drafter_context(eng, s.seq, s.start, model, drafter)
             checked += 1
     assert checked >= 3 and eng.stats()["prefix_hits"] == 1 and out.cached_tokens == 40
     assert [first.token_ids, out.token_ids] == [o.token_ids for o in plain]

@@ -6,10 +6,11 @@ The engine calls four hooks when a drafter is loaded:
   launch(plan, b, c) one drafter pass for all verifying sequences, their proposals scattered into the packed
                      ids, one target pass (taps captured) for the whole batch, sampling of the plain rows,
                      verification of the rest, drafter context for the tokens committed by this pass.
-  commit(state)      after the one read-back: accepted drafts + the next token per verifying sequence; GDN
-                     states (picked candidates or a replay: REPLAY_MIN_DRAFTS) and drafter context
-                     of the anchor + accepted drafts are committed and kv_valid covers them. KV of rejected
-                     drafts is left where it is, past kv_valid.
+  commit(state)      after the one read-back: accepted drafts + the next token per verifying sequence;
+                     kv_valid covers them. GDN states are committed by picking candidates on the device in
+                     the launched step (by the device's accepted counts), or here by a replay
+                     (REPLAY_MIN_DRAFTS). KV and drafter context of rejected drafts are left where they
+                     are, past kv_valid.
   must_sync(flight)  a step that verified, or sampled a sequence that may draft next step, is committed
                      before the next one is scheduled: its drafts need the host to know the anchor and
                      kv_valid. While the draft policy would draft for nobody, plain steps stay pipelined.
@@ -18,9 +19,10 @@ How many drafts each sequence sends is the draft policy's choice (draft_policy.p
 what maximises expected tokens per unit of time by a step-cost table (adaptive), rounded down to one of
 the engine's draft lengths (draft_policy.draft_lengths: few lengths, few compiled traces).
 
-Drafter context rows exist exactly for positions < kv_valid at step boundaries: prefill chunks and plain
-decode anchors are committed by being computed, so their rows are written in the same step; a
-verification's rows wait for its acceptance.
+Drafter context rows are exact for positions < kv_valid at step boundaries: every row a step computes is
+written in that step (prefill chunks, plain decode anchors, a verification's anchor and all its drafts).
+A rejected draft's row lies past kv_valid, where the drafter never reads (its attention stops at the
+anchor's kv_valid), and the step that commits that position writes it again first.
 """
 
 from __future__ import annotations
@@ -80,8 +82,9 @@ def load_draft(model, draft, n_draft, slots: int, step_tokens: int, bits: int | 
 
 @dataclass
 class _Verification:
-    """What a launched step leaves for commit: device arrays are read back in one go. A failed step just
-    drops it (nothing of the verification is elsewhere)."""
+    """What a launched step leaves for commit: device arrays are read back in one go. A candidates commit
+    is in the launched step already; a failed step fails its sequences (failures.py), whose slots are
+    zeroed before any reuse."""
 
     seqs: list[ScheduledSeq]
     layout: SeqLayout  # the verifying sequences alone (kv_valid = anchor positions)
@@ -89,8 +92,6 @@ class _Verification:
     drafts: mx.array  # [S, N] int32
     accepted: mx.array  # [S] int32
     next_token: mx.array  # [S] int32: correction or bonus
-    taps: mx.array  # [T, k*H] taps of the whole step
-    starts: list[int]  # packed row of each anchor
     stash: VerifyStash  # the verifying forward's GDN parts, applied by Qwen35Model.commit_candidates
 
 
@@ -245,16 +246,15 @@ class Speculator:
             failed = [(samp[r].seq, e) for r, e in bad.items()]
         state = None
         if ver:
-            plain = [i for i, v in enumerate(lay.verify) if not v]
-            if plain:
-                pl, prow = lay.subset(plain)
-                self.write_context(taps, pl, prow)
             tl = logits[R:].reshape(len(ver), N + 1, -1)
             k, nxt = verify(tl, drafts, n, [s.seq.params for s in vs], noise)
-            state = _Verification(vs, vl, n, drafts, k, nxt, taps, [qsl[i] for i in ver], stash)
+            if stash.mode == "candidates":  # the state pick by the device's accepted counts, in this step's graph
+                self.model.commit_candidates(cache, stash, k)
+            state = _Verification(vs, vl, n, drafts, k, nxt, stash)
             mx.async_eval(k, nxt, drafts)
-        else:
-            self.write_context(taps, lay)
+        # drafter context of every row, a verification's anchor + all its drafts included: rows past the
+        # accepted ones lie past kv_valid, where nothing reads them, until a later step writes them again
+        self.write_context(taps, lay)
         mx.async_eval(*self.dcache.arrays())
         return tokens, state, failed
 
@@ -264,17 +264,12 @@ class Speculator:
         return v.accepted.tolist(), v.next_token.tolist(), v.drafts.tolist()
 
     def commit(self, v: _Verification, verified=None) -> list[tuple[ScheduledSeq, list[int]]]:
-        """Apply a verification: GDN candidates, drafter context, kv_valid. Returns each sequence's tokens.
-        verified: what read(v) returned (read here when None)."""
+        """Apply a verification: kv_valid covers the accepted drafts, and a replay commit reruns them (a
+        candidates commit and the drafter context were part of the launched step). Returns each sequence's
+        tokens. verified: what read(v) returned (read here when None)."""
         k, nxt, drafts = verified if verified is not None else self.read(v)
-        self.model.commit_candidates(self.cache, v.stash, k)
-        # drafter context of the anchor + accepted drafts: positions P .. P + k
-        qsl, rows = [0], []
-        for start, kj in zip(v.starts, k):
-            rows.extend(range(start, start + kj + 1))
-            qsl.append(qsl[-1] + kj + 1)
-        cl = SeqLayout(qsl, list(v.layout.kv_valid), v.layout.block_tables, v.layout.state_rows, v.layout.block_tokens)
-        self.write_context(v.taps, cl, rows)
+        if not v.stash.committed:  # replay: accepted + 1 rows per sequence, a host-shaped graph
+            self.model.commit_candidates(self.cache, v.stash, k)
         c = self.counters
         out = []
         for j, s in enumerate(v.seqs):
