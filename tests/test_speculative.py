@@ -106,8 +106,11 @@ def test_commit_candidates_equals_plain_run_exactly(model, verify_commit, k):
 
 def test_commit_by_device_counts_equals_host_counts(model):
     """Two verifications of 3 and 5 tokens committed in "candidates" mode by the device array of accepted
-    counts (as the launched step does) leave the same pools, bit for bit, as by host counts; a replay
-    needs host counts, and a count array of the wrong shape is refused."""
+    counts (as the launched step does), uncompiled and through CompiledDecode.commit (one trace for every
+    count), leave the same pools, bit for bit, as by host counts; a replay needs host counts, and a count
+    array of the wrong shape is refused."""
+    from mtlqwen.model.compiled import CompiledDecode  # noqa: PLC0415
+
     bt = 16
     prompts = [random_token_ids(n, 512, seed=n) for n in (13, 20)]
 
@@ -120,17 +123,25 @@ def test_commit_by_device_counts_equals_host_counts(model):
                                               verify_commit=mode)
         return c, stash
 
+    compiled = CompiledDecode(model)
     for k in ([0, 4], [2, 1], [1, 0]):
         host, hs = verified("candidates")
         model.commit_candidates(host, hs, k)
         dev, ds = verified("candidates")
         model.commit_candidates(dev, ds, mx.array(k, dtype=mx.int32))
-        assert ds.committed
-        for a, b in zip(host.arrays(), dev.arrays()):
-            assert np.array_equal(np.array(a), np.array(b))
+        comp, cs = verified("candidates")
+        compiled.commit(comp, cs, mx.array(k, dtype=mx.int32))
+        assert ds.committed and cs.committed
+        for a, b, c in zip(host.arrays(), dev.arrays(), comp.arrays()):
+            assert np.array_equal(np.array(a), np.array(b)) and np.array_equal(np.array(a), np.array(c))
+    assert compiled.traces == 1
+    with pytest.raises(RuntimeError, match="committed already"):
+        compiled.commit(comp, cs, mx.array(k, dtype=mx.int32))
     c, stash = verified("replay")
     with pytest.raises(ValueError, match="needs the accepted counts on the host"):
         model.commit_candidates(c, stash, mx.array([0, 0], dtype=mx.int32))
+    with pytest.raises(ValueError, match="picks candidates by a device array"):
+        compiled.commit(c, stash, mx.array([0, 0], dtype=mx.int32))
     c, stash = verified("candidates")
     with pytest.raises(ValueError, match="expected \\(2,\\)"):
         model.commit_candidates(c, stash, mx.array([0], dtype=mx.int32))

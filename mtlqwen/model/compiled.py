@@ -53,14 +53,16 @@ def lookup_trace(fns: OrderedDict, key: tuple, build, max_traces: int) -> tuple[
 class CompiledDecode:
     """`model.forward` for batches whose sequences all send one token (decode), compiled per shape class;
     `with_taps` does `model.forward_with_taps` for the speculative engine's decode batches and `verifying`
-    does `model.forward_verifying` for its batches in which every sequence verifies.
-    At most `max_traces` traces are kept (least recently used dropped)."""
+    does `model.forward_verifying` for its batches in which every sequence verifies, and `commit` its
+    candidate pick by the device's accepted counts. At most `max_traces` traces of each kind are kept
+    (least recently used dropped)."""
 
     MIN_LEN = 256  # attention length bound never below this: short contexts share one trace
 
     def __init__(self, model, max_traces: int = 32):
         self.model, self.max_traces = model, max_traces
         self._fns: OrderedDict[tuple, object] = OrderedDict()
+        self._commits: OrderedDict[tuple, object] = OrderedDict()  # candidate picks (commit)
         self.traces = 0  # traces built so far (a new key; tests and benchmarks read it)
 
     @staticmethod
@@ -86,6 +88,34 @@ class CompiledDecode:
         if not layout.verify or not all(layout.verify):
             raise ValueError("CompiledDecode.verifying needs a batch in which every sequence verifies")
         return self._run(input_ids, layout, cache, logits_rows, tuple(taps), verify_commit)
+
+    def commit(self, cache, stash: VerifyStash, accepted: mx.array) -> None:
+        """`model.commit_candidates(cache, stash, accepted)` of a "candidates" verification by the device's
+        accepted counts [S] int32, compiled per (sequences, verify rows); the state pools are rebound."""
+        lay = stash.layout
+        if stash.mode != "candidates" or not isinstance(accepted, mx.array) or accepted.shape != (lay.num_seqs,):
+            raise ValueError("CompiledDecode.commit picks candidates by a device array of one count per sequence")
+        if stash.committed:
+            raise RuntimeError("this verification was committed already")
+        n_gdn = len(cache.conv_states)
+        fn, new = lookup_trace(self._commits, (lay.num_seqs, lay.num_tokens), lambda: mx.compile(self._commit_fn(n_gdn)),
+                               self.max_traces)
+        self.traces += new
+        starts, slots = mx.array(lay.query_start_loc[:-1], dtype=mx.int32), mx.array(lay.state_rows, dtype=mx.int32)
+        trees = [stash.layers[i].tree() for i in range(n_gdn)]
+        conv, rec = fn(trees, [accepted, starts, slots], cache.conv_states, cache.rec_states)
+        cache.conv_states[:], cache.rec_states[:] = conv, rec
+        stash.committed = True
+
+    def _commit_fn(self, n_gdn: int):
+        model = self.model
+
+        def step(trees, rows, conv, rec):
+            view = SimpleNamespace(conv_states=list(conv), rec_states=list(rec))
+            model.pick_candidates(view, {i: GDNStash.from_tree(t) for i, t in enumerate(trees)}, *rows)
+            return view.conv_states, view.rec_states
+
+        return step
 
     def _run(self, input_ids, layout: SeqLayout, cache, logits_rows, taps, verify_commit: str | None = None):
         """(logits, taps or None, VerifyStash or None); verify_commit: the mode of an all-verify batch."""

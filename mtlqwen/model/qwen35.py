@@ -416,17 +416,30 @@ class Qwen35Model:
                            lay.block_tables, lay.state_rows, lay.block_tokens)
         k = accepted if on_device else mx.array(accepted, dtype=mx.int32)
         starts = mx.array(qsl[:-1], dtype=mx.int32)
+        if mode != "replay":
+            self.pick_candidates(cache, stash.layers, k, starts, slots)
+            return
         win = self._conv_window(k, starts, S)
         for idx, part in stash.layers.items():
-            rec, old_conv, raw = part.rec, part.old_conv, part.raw
-            if mode == "replay":
-                m = self.gdn_mixers[idx]
-                _, new = gated_delta(*(t[rows] for t in rec), m.A_log, m.dt_bias, cache.rec_states[idx], rl)
-            else:
-                new = rec[starts + k]  # rec: all states [Tv, Hv, dv, dk]; the one after anchor + k drafts
+            m = self.gdn_mixers[idx]
+            _, new = gated_delta(*(t[rows] for t in part.rec), m.A_log, m.dt_bias, cache.rec_states[idx], rl)
             cache.rec_states[idx][slots] = new
-            flat = mx.concatenate([old_conv.reshape(S * old_conv.shape[1], -1), raw.astype(old_conv.dtype)])
-            cache.conv_states[idx][slots] = flat[win].reshape(S, old_conv.shape[1], -1)
+            self._commit_conv(cache, idx, part, win, slots)
+
+    def pick_candidates(self, cache, layers: dict[int, GDNStash], k: mx.array, starts: mx.array,
+                        slots: mx.array) -> None:
+        """The "candidates" commit's graph from arrays alone (a compiled trace runs it too): slot slots[j]
+        takes the state after row starts[j] + k[j] of every layer's candidates. k, starts, slots: [S] int32."""
+        win = self._conv_window(k, starts, k.shape[0])
+        for idx, part in layers.items():
+            cache.rec_states[idx][slots] = part.rec[starts + k]  # rec: all states [Tv, Hv, dv, dk]
+            self._commit_conv(cache, idx, part, win, slots)
+
+    @staticmethod
+    def _commit_conv(cache, idx: int, part: GDNStash, win: mx.array, slots: mx.array) -> None:
+        S, K1 = part.old_conv.shape[:2]
+        flat = mx.concatenate([part.old_conv.reshape(S * K1, -1), part.raw.astype(part.old_conv.dtype)])
+        cache.conv_states[idx][slots] = flat[win].reshape(S, K1, -1)
 
     def _conv_window(self, k: mx.array, starts: mx.array, S: int) -> mx.array:
         """Rows of [all old conv rows (S x (K-1)) ; all raw verify rows] that hold each sequence's last K-1

@@ -129,18 +129,15 @@ class Speculator:
                          "plain_steps": 0, "plain_decodes": 0}
 
     def use_compiled(self, compiled, scratch_block: int | None) -> None:
-        """Run the target's decode-with-taps and all-verify steps through `compiled` (a CompiledDecode) and
-        the drafter through a CompiledDraft whose padding rows go to scratch_block; None: uncompiled."""
+        """Run the target's decode-with-taps and all-verify steps and the candidate commits through `compiled`
+        (a CompiledDecode), the drafter through a CompiledDraft whose padding rows go to scratch_block;
+        None: uncompiled."""
         self.compiled = compiled
         self.compiled_draft = None if compiled is None else CompiledDraft(self.drafter, scratch_block)
 
-    def write_context(self, taps: mx.array, layout: SeqLayout, rows: list[int] | None = None) -> None:
-        """Drafter context of layout's tokens from taps (rows of it, or all), compiled when the engine is."""
-        if self.compiled_draft is not None:
-            self.compiled_draft.write_context(taps, layout, self.dcache, rows)
-        else:
-            self.drafter.write_context(taps if rows is None else taps[mx.array(rows, dtype=mx.int32)], layout,
-                                       self.dcache)
+    def write_context(self, taps: mx.array, layout: SeqLayout) -> None:
+        """Drafter context of layout's tokens from their taps, compiled when the engine is."""
+        (self.drafter if self.compiled_draft is None else self.compiled_draft).write_context(taps, layout, self.dcache)
 
     @staticmethod
     def bytes_per_block(drafter: Drafter | None, block_tokens: int, dtype) -> int:
@@ -249,7 +246,7 @@ class Speculator:
             tl = logits[R:].reshape(len(ver), N + 1, -1)
             k, nxt = verify(tl, drafts, n, [s.seq.params for s in vs], noise)
             if stash.mode == "candidates":  # the state pick by the device's accepted counts, in this step's graph
-                self.model.commit_candidates(cache, stash, k)
+                (self.model.commit_candidates if self.compiled is None else self.compiled.commit)(cache, stash, k)
             state = _Verification(vs, vl, n, drafts, k, nxt, stash)
             mx.async_eval(k, nxt, drafts)
         # drafter context of every row, a verification's anchor + all its drafts included: rows past the
