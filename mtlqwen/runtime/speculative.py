@@ -5,7 +5,8 @@ The engine calls four hooks when a drafter is loaded:
                      the scheduler then gives it 1 + drafts tokens of the step budget.
   launch(plan, b, c) one drafter pass for all verifying sequences, their proposals scattered into the packed
                      ids, one target pass (taps captured) for the whole batch, sampling of the plain rows,
-                     verification of the rest, drafter context for the tokens committed by this pass.
+                     verification of the rest and its candidate states picked by the device's accepted
+                     counts, drafter context of every row of the step.
   commit(state)      after the one read-back: accepted drafts + the next token per verifying sequence;
                      kv_valid covers them. GDN states are committed by picking candidates on the device in
                      the launched step (by the device's accepted counts), or here by a replay
