@@ -35,7 +35,8 @@ Measured per (sequences S, n_draft, commit mode):
   engine   wall time per Engine.step() in steady state, every sequence decoding (S requests, EOS
            ignored): plain engine (pipelined) vs speculative engine (synchronous: drafting needs the
            previous step's tokens). This is the number the speed-up uses.
-  parts    the same batch through the model alone: plain decode forward, drafter pass, verification
+  parts    the same batch through the model alone: plain decode forward, drafter pass (uncompiled, and
+           compiled as the engine runs it with compile_decode: model/compiled_draft.py), verification
            forward (taps + candidate states or replay inputs) + commit of n_draft // 2 accepted drafts
            (--accept K: min(K, n_draft)), each timed with a sync.
 """
@@ -54,6 +55,7 @@ import mlx.core as mx
 
 from mtlqwen.kernels import SeqLayout
 from mtlqwen.model import QuantSpec
+from mtlqwen.model.compiled_draft import CompiledDraft
 from mtlqwen.model.dflash import Drafter, drafter_shapes
 from mtlqwen.model.dflash_config import parse_dflash_config
 from mtlqwen.model.qwen35 import VERIFY_COMMITS
@@ -189,6 +191,11 @@ def part_ms(model, drafter, S: int, n: int, args, mode: str) -> dict:
     def draft():
         mx.eval(drafter.propose([0] * S, dec, dcache, n))
 
+    compiled_draft = CompiledDraft(drafter)
+
+    def draft_compiled():  # the engine's drafter pass when it compiles (one trace, replayed)
+        mx.eval(compiled_draft.propose([0] * S, dec, dcache, n))
+
     B = n + 1
     ver = SeqLayout([i * B for i in range(S + 1)], [L] * S, tables, list(range(S)), bt, verify=[True] * S)
     vids = mx.zeros((S * B,), dtype=mx.int32)
@@ -200,7 +207,8 @@ def part_ms(model, drafter, S: int, n: int, args, mode: str) -> dict:
         model.commit_candidates(cache, stash, [acc] * S)
         mx.eval(mx.argmax(logits, axis=-1), t, *cache.arrays())
 
-    return {name: _timed(fn, args.steps) for name, fn in (("decode", decode), ("draft", draft), ("verify", verify))}
+    return {name: _timed(fn, args.steps) for name, fn in (("decode", decode), ("draft", draft),
+                                                          ("draft_compiled", draft_compiled), ("verify", verify))}
 
 
 def write_json(args, rows: list[dict]) -> None:
@@ -278,9 +286,10 @@ def main(argv=None) -> int:
     ap.add_argument("--commit", nargs="+", choices=[*VERIFY_COMMITS, "auto"], default=list(VERIFY_COMMITS),
                     help="how verified GDN states are committed (Engine(verify_commit=...); auto: the engine's "
                          "choice per step, as served); each is measured")
-    ap.add_argument("--compile", nargs="+", choices=["off", "on"], default=["off"],
-                    help="speculative steps uncompiled and/or through mx.compile (Engine(compile_decode=True)); "
-                         "each is measured")
+    ap.add_argument("--compile", nargs="+", choices=["off", "on"], default=["on"],
+                    help="speculative steps uncompiled (compile_decode=False) and/or through mx.compile "
+                         "(compile_decode=True: target steps and the drafter pass); each is measured. Default "
+                         "on: the engine's own default where the GPU kernels run")
     ap.add_argument("--accept", type=int, default=None,
                     help="force min(K, n_draft) accepted drafts per verification (default: the random drafter's ~0)")
     ap.add_argument("--prompt-len", type=int, default=512, help="context of every sequence when measured")
@@ -314,7 +323,7 @@ def main(argv=None) -> int:
             for mode, comp in modes:
                 with forced_acceptance(args.accept):
                     spec = engine_step_ms(model, drafter, S, n, args, None if mode == "auto" else mode,
-                                          True if comp == "on" else None)
+                                          comp == "on")
                 row = {"seqs": S, "n_draft": n, "commit": mode, "compiled": comp, "plain_step_ms": plain, "spec_step_ms": spec,
                        "ratio": spec / plain, "speedup": {t: (t * plain / spec if n and t <= n + 1 else None) for t in TAUS}}
                 if n and not args.no_parts and comp == args.compile[0]:  # model-only parts: the same either way
@@ -324,11 +333,12 @@ def main(argv=None) -> int:
                 print(json.dumps(row), flush=True)
                 write_json(args, rows)  # after every row: a part cut short by its time limit keeps what it measured
     print("\n| seqs | n_draft | commit | compiled | plain step ms | spec step ms | spec / plain | "
-          + " | ".join(f"speed-up at tau={t}" for t in TAUS) + " | parts: decode / draft / verify ms |")
+          + " | ".join(f"speed-up at tau={t}" for t in TAUS) + " | parts: decode / draft / draft compiled / verify ms |")
     print("|---|---|---|---|---|---|---|" + "---|" * len(TAUS) + "---|")
     for r in rows:
         sp = " | ".join(f"{r['speedup'][t]:.2f}x" if r["speedup"][t] else "-" for t in TAUS)
-        parts = " / ".join(f"{r['parts_ms'][k]:.2f}" for k in ("decode", "draft", "verify")) if "parts_ms" in r else "-"
+        parts = " / ".join(f"{r['parts_ms'][k]:.2f}" for k in ("decode", "draft", "draft_compiled", "verify")) \
+            if "parts_ms" in r else "-"
         print(f"| {r['seqs']} | {r['n_draft']} | {r['commit']} | {r['compiled']} | {r['plain_step_ms']:.2f} | {r['spec_step_ms']:.2f} "
               f"| {r['ratio']:.2f} | {sp} | {parts} |")
     return 0

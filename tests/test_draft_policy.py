@@ -15,8 +15,8 @@ from engine_checks import assert_idle, greedy
 from hf_checkpoints import random_token_ids
 from mtlqwen.frontends.metrics import Metrics
 from mtlqwen.runtime import Engine, EngineConfig, Sequence, SamplingParams
-from mtlqwen.runtime.draft_policy import (H200_9B_COSTS, AcceptanceEstimate, AdaptiveDrafting, FixedDrafting,
-                                          StepCosts, expected_tokens, make_policy)
+from mtlqwen.runtime.draft_policy import (H200_9B_COMPILED_COSTS, H200_9B_COSTS, AcceptanceEstimate, AdaptiveDrafting, FixedDrafting,
+                                          StepCosts, bucket_drafts, draft_lengths, expected_tokens, make_policy)
 from test_speculative import Oracle, check_workload, draft_dir, drafter, plain_outputs, spec_workloads  # noqa: F401
 
 KW = dict(slots=1, step_tokens=32, block_tokens=16, num_blocks=8, prefix_interval=0)
@@ -44,12 +44,13 @@ def wrong_by_one(ref):
 def test_stats_and_metrics_count_exactly(model, drafter):
     """One request, n_draft 4. Oracle drafts, max_tokens 11: the prefill step samples token 1 (a plain step),
     then two verifications accept 4 + 4 drafts (5 tokens each). Drafts always wrong, max_tokens 5: the caps
-    shrink with max_tokens (3, 2, 1 drafts, one token each), then a plain decode of the last token."""
+    shrink with max_tokens (3, 2, 1 may go; the draft lengths of n_draft 4 being 1, 3, 4, the second sends 1:
+    3, 1, 1 drafts, one token each), then a plain decode of the last token."""
     prompt = random_token_ids(9, 512, seed=41)
     for max_tokens, good, want in (
         (11, True, dict(spec_steps=2, plain_steps=1, spec_verifications=2, draft_tokens=8, accepted_tokens=8,
                         plain_decodes=0, mean_acceptance_length=5.0)),
-        (5, False, dict(spec_steps=3, plain_steps=2, spec_verifications=3, draft_tokens=6, accepted_tokens=0,
+        (5, False, dict(spec_steps=3, plain_steps=2, spec_verifications=3, draft_tokens=5, accepted_tokens=0,
                         plain_decodes=1, mean_acceptance_length=1.0)),
     ):
         sp = greedy(max_tokens, ignore_eos=True)
@@ -123,6 +124,15 @@ def test_step_costs_interpolate_and_load(tmp_path):
     assert StepCosts.from_rows(both, compiled=True) == halved
     (tmp_path / "both.json").write_text(json.dumps({"rows": both}))
     assert StepCosts.load(tmp_path / "both.json", compiled=True) == halved
+
+
+# ------------------------------------------------------------------------------------ draft lengths
+def test_draft_lengths_and_bucketing():
+    assert draft_lengths(15) == (1, 3, 7, 15) and draft_lengths(7) == (1, 3, 7)
+    assert draft_lengths(4) == (1, 3, 4) and draft_lengths(1) == (1,) and draft_lengths(12) == (1, 3, 7, 12)
+    lengths = draft_lengths(15)
+    assert [bucket_drafts(n, lengths) for n in range(17)] == [0, 1, 1, 3, 3, 3, 3, 7, 7, 7, 7, 7, 7, 7, 7, 15, 15]
+    assert [bucket_drafts(n, draft_lengths(5)) for n in (0, 2, 4, 5, 9)] == [0, 1, 3, 5, 5]
 
 
 # ------------------------------------------------------------------------------------------ the policy
@@ -203,6 +213,9 @@ def test_h200_table_drafts_only_when_acceptance_pays():
     assert choice(0.7, 1) == [0] and choice(0.7, 8) == [0] * 8 and choice(0.7, 32) == [0] * 32
     assert isinstance(make_policy("fixed", None), FixedDrafting)
     assert make_policy("adaptive", None).costs is H200_9B_COSTS
+    assert make_policy("adaptive", None, compiled=False).costs is H200_9B_COSTS
+    assert make_policy("adaptive", None, compiled=True).costs is H200_9B_COMPILED_COSTS
+    assert H200_9B_COMPILED_COSTS.cost(1, 15) == 21.23 and H200_9B_COMPILED_COSTS.cost(32, 0) == 9.58
     mine = FixedDrafting()
     assert make_policy(mine, None) is mine
 

@@ -104,6 +104,50 @@ def test_commit_candidates_equals_plain_run_exactly(model, verify_commit, k):
         model.commit_candidates(c, stash, [k])
 
 
+def test_commit_by_device_counts_equals_host_counts(model):
+    """Two verifications of 3 and 5 tokens committed in "candidates" mode by the device array of accepted
+    counts (as the launched step does), uncompiled and through CompiledDecode.commit (one trace for every
+    count), leave the same pools, bit for bit, as by host counts; a replay needs host counts, and a count
+    array of the wrong shape is refused."""
+    from mtlqwen.model.compiled import CompiledDecode  # noqa: PLC0415
+
+    bt = 16
+    prompts = [random_token_ids(n, 512, seed=n) for n in (13, 20)]
+
+    def verified(mode):
+        c = model.make_cache(6, 2, bt)
+        lay = SeqLayout([0, 13, 33], [0, 0], [[0], [2, 3]], [0, 1], bt)
+        model.hidden(mx.array(prompts[0] + prompts[1], dtype=mx.int32), lay, c)
+        vl = SeqLayout([0, 3, 8], [13, 20], [[0], [2, 3]], [0, 1], bt, verify=[True, True])
+        _, _, stash = model.forward_verifying(mx.array([5, 6, 7, 8, 9, 10, 11, 12], dtype=mx.int32), vl, c,
+                                              verify_commit=mode)
+        return c, stash
+
+    compiled = CompiledDecode(model)
+    for k in ([0, 4], [2, 1], [1, 0]):
+        host, hs = verified("candidates")
+        model.commit_candidates(host, hs, k)
+        dev, ds = verified("candidates")
+        model.commit_candidates(dev, ds, mx.array(k, dtype=mx.int32))
+        comp, cs = verified("candidates")
+        compiled.commit(comp, cs, mx.array(k, dtype=mx.int32))
+        assert ds.committed and cs.committed
+        for a, b, c in zip(host.arrays(), dev.arrays(), comp.arrays()):
+            assert np.array_equal(np.array(a), np.array(b)) and np.array_equal(np.array(a), np.array(c))
+    assert compiled.traces == 1
+    with pytest.raises(RuntimeError, match="committed already"):
+        compiled.commit(comp, cs, mx.array(k, dtype=mx.int32))
+    c, stash = verified("replay")
+    with pytest.raises(ValueError, match="needs the accepted counts on the host"):
+        model.commit_candidates(c, stash, mx.array([0, 0], dtype=mx.int32))
+    with pytest.raises(ValueError, match="picks candidates by a device array"):
+        compiled.commit(c, stash, mx.array([0, 0], dtype=mx.int32))
+    c, stash = verified("candidates")
+    with pytest.raises(ValueError, match="expected \\(2,\\)"):
+        model.commit_candidates(c, stash, mx.array([0], dtype=mx.int32))
+    assert not stash.committed
+
+
 # ------------------------------------------------------------------------------------- engine: greedy
 def test_oracle_drafter_reaches_full_acceptance(model, drafter):
     prompts = [random_token_ids(n, 512, seed=100 + n) for n in (9, 40, 23)]
@@ -143,9 +187,11 @@ def test_garbage_drafter_accepts_about_nothing_and_changes_nothing(model, drafte
 
 def test_state_and_drafter_context_after_partial_accepts(model, drafter, verify_commit):
     """Each step accepts a different number of drafts (0..n). Whenever a verification is launched, the
-    slot's GDN state must be that of a plain token-by-token run over the committed tokens (exact), and
-    the drafter context rows must exist exactly for positions < kv_valid (= the one-shot projection of
-    the committed tokens' taps; zero past it)."""
+    slot's GDN state must be that of a plain token-by-token run over the committed tokens (exact): in
+    "candidates" mode the launched step has picked it already (the anchor and its accepted drafts
+    included), in "replay" mode it waits for the read-back; the drafter context rows must be exact for
+    positions < kv_valid (= the one-shot projection of the committed tokens' taps) and zero past the
+    furthest position a verification wrote (anchor + all drafts)."""
     prompt, n_draft, bt = random_token_ids(19, 512, seed=7), 4, 16
     sp = greedy(40, ignore_eos=True)
     (base,) = plain_outputs(model, [prompt], sp, slots=1, step_tokens=32, block_tokens=bt, num_blocks=8)
@@ -163,31 +209,34 @@ def test_state_and_drafter_context_after_partial_accepts(model, drafter, verify_
 
     eng.spec.propose = partial
     eng.submit(prompt, sp)
-    checked = 0
+    checked, written = 0, 0
     for ver in in_flight_verifications(eng):
         (s,) = ver.seqs
         P, seq = s.start, s.seq
-        assert ver.stash.mode == verify_commit and not ver.stash.committed  # waiting for this step's commit
+        picked = verify_commit == "candidates"  # committed in the launched step, by the device's counts
+        assert ver.stash.mode == verify_commit and ver.stash.committed == picked
         assert seq.tokens == full[: P + 1]
+        end = P + 1 + ver.accepted.item() if picked else P  # the tokens the slot's state has seen
         # plain run: the prompt in one chunk (as the engine did), then one token per step
         ref = model.make_cache(8, 1, bt)
         table = list(range(8))
         model.hidden(mx.array(prompt, dtype=mx.int32), SeqLayout([0, len(prompt)], [0], [table], [0], bt), ref)
-        for p in range(len(prompt), P):
+        for p in range(len(prompt), end):
             model.hidden(mx.array([full[p]], dtype=mx.int32), SeqLayout([0, 1], [p], [table], [0], bt), ref)
         slot = seq.slot
         for a, b in zip(eng.cache.conv_states + eng.cache.rec_states, ref.conv_states + ref.rec_states):
             assert np.array_equal(np.array(a[slot]), np.array(b[0]))
-        assert_drafter_context(eng, seq, P, model, drafter)  # the anchor's row comes with its acceptance
+        written = max(written, P + 1 + ver.n[0])  # this step wrote the anchor's and every draft's row
+        assert_drafter_context(eng, seq, P, model, drafter, zero_from=written)
         checked += 1
     assert checked >= 5 and set(calls) >= {0, 1, 2, 3, 4}
     assert eng.stats()["accepted_tokens"] > 0
     assert eng.generate([prompt], sp)[0].token_ids == base.token_ids
 
 
-def assert_drafter_context(eng, seq, P, model, drafter, zero_past=True):
-    """seq's drafter rows for positions < P equal the one-shot projection of its tokens' taps; rows from P
-    to the end of its blocks are zero (never written) when zero_past."""
+def assert_drafter_context(eng, seq, P, model, drafter, zero_from=None):
+    """seq's drafter rows for positions < P equal the one-shot projection of its tokens' taps; rows from
+    zero_from to the end of its blocks are zero (never written), when given."""
     bt, nb = eng.block_tokens, len(seq.block_table)
     table = list(range(nb))
     ref = model.make_cache(nb, 1, bt)
@@ -200,7 +249,7 @@ def assert_drafter_context(eng, seq, P, model, drafter, zero_past=True):
         g = np.array(got[mx.array(seq.block_table)]).reshape(-1, *got.shape[2:])
         w = np.array(want).reshape(-1, *want.shape[2:])
         np.testing.assert_allclose(g[:P], w[:P], rtol=1e-4, atol=1e-4)
-        assert not zero_past or not g[P:].any()
+        assert zero_from is None or not g[zero_from:].any()
 
 
 def test_drafter_context_through_chunked_prefill_and_prefix_hits(model, drafter):
@@ -223,7 +272,7 @@ def test_drafter_context_through_chunked_prefill_and_prefix_hits(model, drafter)
         fl = eng._inflight
         if fl is not None and fl.spec is not None:
             (s,) = fl.spec.seqs
-            assert_drafter_context(eng, s.seq, s.start, model, drafter, zero_past=False)
+            assert_drafter_context(eng, s.seq, s.start, model, drafter)
             checked += 1
     assert checked >= 3 and eng.stats()["prefix_hits"] == 1 and out.cached_tokens == 40
     assert [first.token_ids, out.token_ids] == [o.token_ids for o in plain]
@@ -320,6 +369,47 @@ def test_compiled_verification_steps(model, drafter, verify_commit):
         assert comp.stats()[key] == plain.stats()[key], key
     for a, b in zip(plain.cache.arrays(), comp.cache.arrays()):  # same states and KV (compiled CPU code may fuse)
         assert mx.allclose(a.astype(mx.float32), b.astype(mx.float32), rtol=1e-5, atol=1e-5).item()
+
+
+# ------------------------------------------------------------------------------------ draft lengths
+@pytest.mark.parametrize("interval, max_tokens, want", [
+    # max_tokens 30 leaves 28, 12 and 4 tokens past the anchor after each step: 15, then 7 (not 12),
+    # then 3 (not 4); the last token is a plain decode
+    (0, 30, [15, 7, 3]),
+    # 24-token snapshot interval: anchor + drafts stay short of positions 24 and 48 (kv_valid 9 -> 13
+    # drafts, 17 -> 5, 21 -> 1, 23 -> none: a plain step reaches the boundary), and max_tokens 40 at the end
+    (24, 40, [7, 3, 1, 15, 3, 1]),
+])
+def test_drafts_round_down_to_draft_lengths(model, drafter, interval, max_tokens, want):
+    """With full acceptance, each verification sends the largest of 1, 3, 7, 15 that fits what the sequence
+    may send (max_tokens, the next interval boundary), exactly; outputs equal plain decoding."""
+    prompt = random_token_ids(9, 512, seed=61)
+    sp = greedy(max_tokens, ignore_eos=True)
+    kw = dict(slots=1, step_tokens=32, block_tokens=8, num_blocks=12)
+    (base,) = plain_outputs(model, [prompt], sp, **kw)
+    eng = Engine(model, draft=drafter, n_draft=15, prefix_interval=interval, **kw)
+    eng.spec.propose = Oracle({tuple(prompt): prompt + base.token_ids})
+    eng.submit(prompt, sp)
+    seen = [ver.n for ver in in_flight_verifications(eng)]
+    assert seen == [[n] for n in want]
+    assert eng.stats()["accepted_tokens"] == sum(want)
+    assert eng.generate([prompt], sp)[0].token_ids == base.token_ids
+    assert_idle(eng)
+
+
+def test_draft_lengths_of_an_engine_n_draft_off_the_buckets(model, drafter):
+    """n_draft 5 counts as a length of its own: a sequence that may send 4 sends 3, one that may send 5+ sends 5."""
+    eng = Engine(model, slots=1, step_tokens=32, block_tokens=16, num_blocks=8, draft=drafter, n_draft=5,
+                 prefix_interval=0)
+    assert eng.spec.lengths == (1, 3, 5)
+    prompt = random_token_ids(9, 512, seed=62)
+    sp = greedy(12, ignore_eos=True)
+    (base,) = plain_outputs(model, [prompt], sp, slots=1, step_tokens=32, block_tokens=16, num_blocks=8)
+    eng.spec.propose = Oracle({tuple(prompt): prompt + base.token_ids})
+    eng.submit(prompt, sp)
+    # 1 token generated: 5 drafts (6 tokens); 7 generated: 4 may go, 3 do (4 tokens); 11: a plain decode
+    assert [ver.n for ver in in_flight_verifications(eng)] == [[5], [3]]
+    assert_idle(eng)
 
 
 # ------------------------------------------------------------------------------------------- knobs

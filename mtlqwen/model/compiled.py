@@ -32,17 +32,37 @@ def _pow2_at_least(n: int, lo: int) -> int:
     return b
 
 
+def padded_tables(block_tables: list[list[int]], width: int) -> mx.array:
+    """Block tables [B, width] int32, each row padded with block 0 (masked out by kv_valid)."""
+    return mx.array([t + [0] * (width - len(t)) for t in block_tables], dtype=mx.int32)
+
+
+def lookup_trace(fns: OrderedDict, key: tuple, build, max_traces: int) -> tuple[object, bool]:
+    """(the compiled function of `key`, whether it was built now): build() makes it on a miss; at most
+    max_traces are kept, the least recently used dropped."""
+    fn = fns.get(key)
+    if fn is not None:
+        fns.move_to_end(key)
+        return fn, False
+    fn = fns[key] = build()
+    if len(fns) > max_traces:
+        fns.popitem(last=False)
+    return fn, True
+
+
 class CompiledDecode:
     """`model.forward` for batches whose sequences all send one token (decode), compiled per shape class;
     `with_taps` does `model.forward_with_taps` for the speculative engine's decode batches and `verifying`
-    does `model.forward_verifying` for its batches in which every sequence verifies.
-    At most `max_traces` traces are kept (least recently used dropped)."""
+    does `model.forward_verifying` for its batches in which every sequence verifies, and `commit` its
+    candidate pick by the device's accepted counts. At most `max_traces` traces of each kind are kept
+    (least recently used dropped)."""
 
     MIN_LEN = 256  # attention length bound never below this: short contexts share one trace
 
     def __init__(self, model, max_traces: int = 32):
         self.model, self.max_traces = model, max_traces
         self._fns: OrderedDict[tuple, object] = OrderedDict()
+        self._commits: OrderedDict[tuple, object] = OrderedDict()  # candidate picks (commit)
         self.traces = 0  # traces built so far (a new key; tests and benchmarks read it)
 
     @staticmethod
@@ -69,13 +89,41 @@ class CompiledDecode:
             raise ValueError("CompiledDecode.verifying needs a batch in which every sequence verifies")
         return self._run(input_ids, layout, cache, logits_rows, tuple(taps), verify_commit)
 
+    def commit(self, cache, stash: VerifyStash, accepted: mx.array) -> None:
+        """`model.commit_candidates(cache, stash, accepted)` of a "candidates" verification by the device's
+        accepted counts [S] int32, compiled per (sequences, verify rows); the state pools are rebound."""
+        lay = stash.layout
+        if stash.mode != "candidates" or not isinstance(accepted, mx.array) or accepted.shape != (lay.num_seqs,):
+            raise ValueError("CompiledDecode.commit picks candidates by a device array of one count per sequence")
+        if stash.committed:
+            raise RuntimeError("this verification was committed already")
+        n_gdn = len(cache.conv_states)
+        fn, new = lookup_trace(self._commits, (lay.num_seqs, lay.num_tokens), lambda: mx.compile(self._commit_fn(n_gdn)),
+                               self.max_traces)
+        self.traces += new
+        starts, slots = mx.array(lay.query_start_loc[:-1], dtype=mx.int32), mx.array(lay.state_rows, dtype=mx.int32)
+        trees = [stash.layers[i].tree() for i in range(n_gdn)]
+        conv, rec = fn(trees, [accepted, starts, slots], cache.conv_states, cache.rec_states)
+        cache.conv_states[:], cache.rec_states[:] = conv, rec
+        stash.committed = True
+
+    def _commit_fn(self, n_gdn: int):
+        model = self.model
+
+        def step(trees, rows, conv, rec):
+            view = SimpleNamespace(conv_states=list(conv), rec_states=list(rec))
+            model.pick_candidates(view, {i: GDNStash.from_tree(t) for i, t in enumerate(trees)}, *rows)
+            return view.conv_states, view.rec_states
+
+        return step
+
     def _run(self, input_ids, layout: SeqLayout, cache, logits_rows, taps, verify_commit: str | None = None):
         """(logits, taps or None, VerifyStash or None); verify_commit: the mode of an all-verify batch."""
         B = layout.num_seqs
         width = _pow2_at_least(max(len(t) for t in layout.block_tables), 1)
         max_len = _pow2_at_least(layout.longest(), self.MIN_LEN)
         self.model.rope.ensure(max_len)  # the trace holds the table: it must cover the whole bucket
-        tables = mx.array([t + [0] * (width - len(t)) for t in layout.block_tables], dtype=mx.int32)
+        tables = padded_tables(layout.block_tables, width)
         arrays = [layout.array(n) for n in _INPUTS] + [tables]
         rows = () if logits_rows is None else (logits_rows,)
         verify = verify_commit is not None  # eligible layouts: all verify, or none
@@ -85,15 +133,10 @@ class CompiledDecode:
         # commit mode (it decides what a verification stashes)
         shape = (tuple(layout.query_start_loc), width, max_len, self.model.rope.size, layout.block_tokens,
                  len(rows) and logits_rows.shape[0], taps, verify_commit)
-        fn = self._fns.get(shape)
-        if fn is None:
-            fn = self._fns[shape] = mx.compile(self._step_fn(B, layout.query_start_loc, width, max_len,
-                                                             layout.block_tokens, bool(rows), taps, verify_commit))
-            self.traces += 1
-            if len(self._fns) > self.max_traces:
-                self._fns.popitem(last=False)
-        else:
-            self._fns.move_to_end(shape)
+        fn, new = lookup_trace(self._fns, shape, lambda: mx.compile(self._step_fn(
+            B, layout.query_start_loc, width, max_len, layout.block_tokens, bool(rows), taps, verify_commit)),
+            self.max_traces)
+        self.traces += new
         n_attn, n_gdn = len(cache.k_pools), len(cache.conv_states)
         head, pools, stash = fn(input_ids, arrays, rows, cache.arrays())
         cache.k_pools[:], cache.v_pools[:] = pools[:n_attn], pools[n_attn : 2 * n_attn]

@@ -257,6 +257,11 @@ class Drafter:
         if T == 0:
             return
         self.rope.ensure(max(kv + layout.q_len(i) for i, kv in enumerate(layout.kv_valid)))
+        self.write_rows(tap_feat, layout, cache)
+
+    def write_rows(self, tap_feat: mx.array, layout: SeqLayout, cache: DrafterCache) -> None:
+        """`write_context`'s graph, its checks and RoPE table done: reads only the layout's positions /
+        write_blocks / write_offsets arrays, so a compiled trace (model/compiled_draft.py) runs it too."""
         ctx = rms_norm(linear(tap_feat, self.fc), self.hidden_norm, self.eps)  # [T, H]
         pos = layout.array("positions")
         for i, (k, v) in enumerate(self._context_kv(ctx)):
@@ -269,24 +274,33 @@ class Drafter:
         qsl = [i * n_slots for i in range(layout.num_seqs + 1)]
         return SeqLayout(qsl, list(layout.kv_valid), layout.block_tables, list(layout.state_rows), layout.block_tokens)
 
-    def draft_hidden(self, anchors, layout: SeqLayout, cache: DrafterCache, n_draft: int) -> mx.array:
-        """Final-normed hidden states of the draft slots 1..n_draft: [S, n_draft, H]. Only layout.kv_valid,
-        block_tables, state_rows and block_tokens are read (query_start_loc is rebuilt for the blocks)."""
-        c = self.config
+    def block_inputs(self, anchors, layout: SeqLayout, n_draft: int) -> tuple[mx.array, SeqLayout]:
+        """(ids [S * (n_draft + 1)] int32: each sequence's [anchor, MASK x n_draft], the blocks' layout)."""
         anchors = [int(a) for a in anchors]
         if len(anchors) != layout.num_seqs:
             raise ValueError(f"{len(anchors)} anchors for {layout.num_seqs} sequences")
         if n_draft < 1:
             raise ValueError("n_draft must be >= 1")
-        S, B = len(anchors), n_draft + 1
-        bl = self._block_layout(layout, B)
-        self.rope.ensure(max(bl.kv_valid) + B)
-        ids = mx.array([t for a in anchors for t in [a] + [c.mask_token_id] * n_draft], dtype=mx.int32)
+        ids = mx.array([t for a in anchors for t in [a] + [self.config.mask_token_id] * n_draft], dtype=mx.int32)
+        return ids, self._block_layout(layout, n_draft + 1)
+
+    def draft_hidden(self, anchors, layout: SeqLayout, cache: DrafterCache, n_draft: int) -> mx.array:
+        """Final-normed hidden states of the draft slots 1..n_draft: [S, n_draft, H]. Only layout.kv_valid,
+        block_tables, state_rows and block_tokens are read (query_start_loc is rebuilt for the blocks)."""
+        ids, bl = self.block_inputs(anchors, layout, n_draft)
+        self.rope.ensure(max(bl.kv_valid) + n_draft + 1)
+        return self.block_hidden(ids, bl, cache)
+
+    def block_hidden(self, ids: mx.array, bl: SeqLayout, cache: DrafterCache) -> mx.array:
+        """`draft_hidden`'s graph over the blocks' ids [S * B] and layout bl (B = n_draft + 1 rows each):
+        reads only bl's query_start_loc and arrays, so a compiled trace runs it too."""
+        c = self.config
+        S = bl.num_seqs
+        T, nH, hd = ids.shape[0], c.num_attention_heads, c.head_dim
         x = self.target.embed_rows(ids)  # [S*B, H] (vocab-parallel under tensor parallelism)
         if c.input_embedding_scale != 1.0:
             x = x * c.input_embedding_scale
         pos = bl.array("positions")
-        T, nH, hd = S * B, c.num_attention_heads, c.head_dim
         for i, L in enumerate(self.layers):
             h = rms_norm(x, L.input_norm, self.eps)
             q = head_norm_rope(linear(h, L.q_proj).reshape(T, nH, hd), L.q_norm, self.eps, pos, self.rope, hd)
@@ -298,17 +312,21 @@ class Drafter:
             g = linear(h, L.gate_proj)
             x = x + linear(g * mx.sigmoid(g) * linear(h, L.up_proj), L.down_proj)  # SwiGLU
         # slot 0 (the anchor) only conditions the block; slot j predicts the token AT position P + j (§1.7)
-        return rms_norm(x.reshape(S, B, -1)[:, 1:], self.final_norm, self.eps)
+        return rms_norm(x.reshape(S, T // S, -1)[:, 1:], self.final_norm, self.eps)
 
-    def draft_logits(self, anchors, layout: SeqLayout, cache: DrafterCache, n_draft: int) -> mx.array:
-        """Draft logits [S, n_draft, vocab] through the target's head (q for rejection sampling)."""
+    def head_logits(self, hidden: mx.array) -> mx.array:
+        """Draft logits from draft hidden states [S, n, H] through the target's head."""
         c = self.config
-        logits = self.target.head(self.draft_hidden(anchors, layout, cache, n_draft))
+        logits = self.target.head(hidden)
         if c.output_multiplier != 1.0:
             logits = logits * c.output_multiplier
         if c.final_logit_softcapping:
             logits = mx.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
         return logits
+
+    def draft_logits(self, anchors, layout: SeqLayout, cache: DrafterCache, n_draft: int) -> mx.array:
+        """Draft logits [S, n_draft, vocab] through the target's head (q for rejection sampling)."""
+        return self.head_logits(self.draft_hidden(anchors, layout, cache, n_draft))
 
     def propose_with_logits(self, anchors, layout: SeqLayout, cache: DrafterCache, n_draft: int):
         """(greedy proposals [S, n_draft] int32, draft logits [S, n_draft, vocab])."""

@@ -387,42 +387,68 @@ class Qwen35Model:
         tapped = mx.concatenate([by_layer[t] for t in taps], axis=-1) if taps else None
         return self.head(h), tapped
 
-    def commit_candidates(self, cache: ModelCache, stash: VerifyStash, accepted: list[int]) -> None:
+    def commit_candidates(self, cache: ModelCache, stash: VerifyStash, accepted: list[int] | mx.array) -> None:
         """Apply what forward_verifying returned: verifying sequence j (in layout order) keeps the GDN
         state after its anchor and first accepted[j] drafts; its conv state becomes the last K-1 raw rows
-        up to that token. Rejected tokens' K/V need no undo: the runtime does not count them in kv_valid."""
+        up to that token. Rejected tokens' K/V need no undo: the runtime does not count them in kv_valid.
+        accepted: host counts, or in "candidates" mode the device array [S] int32 the verification computed
+        (then the pick is part of the step's graph and nothing waits for the host; its range is verify()'s)."""
         if not isinstance(stash, VerifyStash) or stash.layout is None:
             raise TypeError(f"commit_candidates needs the VerifyStash of a verifying forward, got {stash!r:.80}")
         if stash.committed:
             raise RuntimeError("this verification was committed already")
         lay, mode = stash.layout, stash.mode
-        if len(accepted) != lay.num_seqs or any(not 0 <= k < lay.q_len(j) for j, k in enumerate(accepted)):
+        on_device = isinstance(accepted, mx.array)
+        if on_device:
+            if mode != "candidates":
+                raise ValueError("a replay commit reruns accepted + 1 rows: it needs the accepted counts on the host")
+            if accepted.shape != (lay.num_seqs,):
+                raise ValueError(f"accepted has shape {accepted.shape}, expected ({lay.num_seqs},)")
+        elif len(accepted) != lay.num_seqs or any(not 0 <= k < lay.q_len(j) for j, k in enumerate(accepted)):
             raise ValueError(f"accepted {accepted} does not fit verifications of {[lay.q_len(j) for j in range(lay.num_seqs)]} tokens")
-        K1, S = self.config.linear_conv_kernel_dim - 1, lay.num_seqs
-        qsl = lay.query_start_loc
+        S, qsl = lay.num_seqs, lay.query_start_loc
+        slots = mx.array(lay.state_rows, dtype=mx.int32)
+        stash.committed = True
         if mode == "replay":
             # sequence j reruns its first accepted[j] + 1 verify rows from the state its slot still holds
             rows = mx.array([qsl[j] + r for j, k in enumerate(accepted) for r in range(k + 1)], dtype=mx.int32)
             rl = SeqLayout(list(itertools.accumulate((k + 1 for k in accepted), initial=0)), list(lay.kv_valid),
                            lay.block_tables, lay.state_rows, lay.block_tokens)
-        else:
-            pick = mx.array([qsl[j] + k for j, k in enumerate(accepted)], dtype=mx.int32)
-        # window j = [old conv rows (K-1) ; its raw verify rows]: after k drafts, rows k+1 .. k+K-1 are the last
-        # K-1 inputs. Flattened as [all old rows ; all raw rows] so one gather serves every sequence.
-        win = [j * K1 + r if r < K1 else S * K1 + qsl[j] + r - K1
-               for j, k in enumerate(accepted) for r in range(k + 1, k + 1 + K1)]
-        win, slots = mx.array(win, dtype=mx.int32), mx.array(lay.state_rows, dtype=mx.int32)
-        stash.committed = True
+        k = accepted if on_device else mx.array(accepted, dtype=mx.int32)
+        starts = mx.array(qsl[:-1], dtype=mx.int32)
+        if mode != "replay":
+            self.pick_candidates(cache, stash.layers, k, starts, slots)
+            return
+        win = self._conv_window(k, starts, S)
         for idx, part in stash.layers.items():
-            rec, old_conv, raw = part.rec, part.old_conv, part.raw
-            if mode == "replay":
-                m = self.gdn_mixers[idx]
-                _, new = gated_delta(*(t[rows] for t in rec), m.A_log, m.dt_bias, cache.rec_states[idx], rl)
-            else:
-                new = rec[pick]  # rec: all states [Tv, Hv, dv, dk]
+            m = self.gdn_mixers[idx]
+            _, new = gated_delta(*(t[rows] for t in part.rec), m.A_log, m.dt_bias, cache.rec_states[idx], rl)
             cache.rec_states[idx][slots] = new
-            flat = mx.concatenate([old_conv.reshape(S * K1, -1), raw.astype(old_conv.dtype)])
-            cache.conv_states[idx][slots] = flat[win].reshape(S, K1, -1)
+            self._commit_conv(cache, idx, part, win, slots)
+
+    def pick_candidates(self, cache, layers: dict[int, GDNStash], k: mx.array, starts: mx.array,
+                        slots: mx.array) -> None:
+        """The "candidates" commit's graph from arrays alone (a compiled trace runs it too): slot slots[j]
+        takes the state after row starts[j] + k[j] of every layer's candidates. k, starts, slots: [S] int32."""
+        win = self._conv_window(k, starts, k.shape[0])
+        for idx, part in layers.items():
+            cache.rec_states[idx][slots] = part.rec[starts + k]  # rec: all states [Tv, Hv, dv, dk]
+            self._commit_conv(cache, idx, part, win, slots)
+
+    @staticmethod
+    def _commit_conv(cache, idx: int, part: GDNStash, win: mx.array, slots: mx.array) -> None:
+        S, K1 = part.old_conv.shape[:2]
+        flat = mx.concatenate([part.old_conv.reshape(S * K1, -1), part.raw.astype(part.old_conv.dtype)])
+        cache.conv_states[idx][slots] = flat[win].reshape(S, K1, -1)
+
+    def _conv_window(self, k: mx.array, starts: mx.array, S: int) -> mx.array:
+        """Rows of [all old conv rows (S x (K-1)) ; all raw verify rows] that hold each sequence's last K-1
+        conv inputs after its anchor + k[j] drafts: window row t = k[j] + 1 + r (r < K-1) of [old ; raw_j]
+        -> [S * (K-1)] int32, built on the device from k [S] and each verification's first row `starts`."""
+        K1 = self.config.linear_conv_kernel_dim - 1
+        t = k[:, None] + 1 + mx.arange(K1, dtype=mx.int32)[None, :]  # [S, K-1]
+        old = mx.arange(S, dtype=mx.int32)[:, None] * K1 + t
+        return mx.where(t < K1, old, S * K1 + starts[:, None] + t - K1).reshape(-1)
 
     def logits(self, token_ids) -> mx.array:
         """One sequence from an empty state, in one pass: [T, vocab]. The reference every schedule must match."""

@@ -47,7 +47,7 @@ class EngineConfig:
     prefix_cache_bytes: int | None = None  # None: prefix_cache.DEFAULT_CACHE_BYTES
     draft: Any = None  # a Drafter, a directory or a repo id
     n_draft: int | None = None
-    compile_decode: bool | None = None  # None: on when the GPU kernels run (and no drafter)
+    compile_decode: bool | None = None  # None: on when the GPU kernels run (with a drafter too: its pass included)
     verify_commit: str | None = None  # None: chosen per step (speculative.commit_mode_for)
     draft_policy: Any = None  # "fixed" | "adaptive" | a policy object; None: adaptive on the GPU kernels or
     # with draft_costs, else fixed

@@ -15,6 +15,10 @@ with probability a each (one rejection ends the run), a estimated from its own v
 tokens per unit of time than plain decoding.
 
 `FixedDrafting` is the engine's original rule: every eligible sequence verifies all the drafts it may.
+
+Draft lengths: whatever a policy chooses, a sequence sends a draft length from `draft_lengths(n_draft)`
+(the buckets 1, 3, 7, 15 up to n_draft, and n_draft itself), rounded down by `bucket_drafts`: every
+distinct length makes its own compiled trace and kernel instantiations, so a workload meets few of them.
 """
 
 from __future__ import annotations
@@ -23,6 +27,21 @@ import json
 from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
+
+
+# ------------------------------------------------------------------------------------ draft lengths
+DRAFT_BUCKETS = (1, 3, 7, 15)
+
+
+def draft_lengths(n_draft: int) -> tuple[int, ...]:
+    """The draft lengths a speculative step may send with the engine's n_draft: the buckets up to it and
+    n_draft itself (ascending)."""
+    return tuple(sorted({b for b in DRAFT_BUCKETS if b <= n_draft} | ({n_draft} if n_draft > 0 else set())))
+
+
+def bucket_drafts(n: int, lengths: tuple[int, ...]) -> int:
+    """The largest of `lengths` that does not exceed n (0 when none does)."""
+    return max((b for b in lengths if b <= n), default=0)
 
 
 # ------------------------------------------------------------------------------------------- the table
@@ -120,6 +139,19 @@ H200_9B_COSTS = StepCosts(
     drafts=(0, 4, 8, 15),
     ms=((5.41, 26.27, 32.16, 36.24),
         (15.70, 64.69, 66.47, 71.44)),
+)
+
+
+# The same pair, compiled steps (Engine(compile_decode=True): decode-with-taps and all-verify steps through
+# mx.compile, the drafter pass not yet compiled), forced acceptance of min(6, N) drafts, the engine's commit
+# mode (benchmarks/spec.md "Compiled speculative steps", results/spec-compiled-b1-b8-b32.json). The engine's
+# default table when it compiles; a measurement with the compiled drafter pass should replace it.
+H200_9B_COMPILED_COSTS = StepCosts(
+    seqs=(1, 8, 32),
+    drafts=(0, 7, 15),
+    ms=((3.90, 16.53, 21.23),
+        (8.24, 35.23, 49.11),
+        (9.58, 87.45, 103.67)),
 )
 
 
@@ -222,10 +254,12 @@ class AdaptiveDrafting:
 
 def make_policy(policy, costs, compiled: bool | None = None) -> FixedDrafting | AdaptiveDrafting:
     """EngineConfig's draft_policy ("fixed", "adaptive" or a policy object) and draft_costs (None: the H200
-    table; a StepCosts or a JSON path for StepCosts.load, read for compiled or uncompiled steps)."""
+    table of compiled steps when `compiled`, else of uncompiled ones; a StepCosts or a JSON path for
+    StepCosts.load, read for compiled or uncompiled steps)."""
     if not isinstance(policy, str):
         return policy
     if policy == "fixed":
         return FixedDrafting()
-    table = H200_9B_COSTS if costs is None else costs if isinstance(costs, StepCosts) else StepCosts.load(costs, compiled)
+    default = H200_9B_COMPILED_COSTS if compiled else H200_9B_COSTS
+    table = default if costs is None else costs if isinstance(costs, StepCosts) else StepCosts.load(costs, compiled)
     return AdaptiveDrafting(table)

@@ -99,14 +99,17 @@ class Engine(Generation):
     by the table a drafter never slows the engine; n_draft is then the longest run) or a policy object
     (draft_policy.py); default adaptive when the GPU kernels run (the default table is the H200's) or
     draft_costs is given, else fixed. draft_costs: the adaptive policy's table, a draft_policy.StepCosts or a JSON
-    file (spec_bench.py --json output); default draft_policy.H200_9B_COSTS. draft_bits: 8 or 4 quantizes
+    file (spec_bench.py --json output); default draft_policy.H200_9B_COMPILED_COSTS when steps compile, else
+    H200_9B_COSTS. Each sequence's drafts are rounded down to a draft length (draft_policy.draft_lengths:
+    1, 3, 7, 15 and n_draft), so that few compiled traces and kernel instantiations serve a workload. draft_bits: 8 or 4 quantizes
     the drafter's projections (group 64): at load for a directory or repo id, into a new Drafter for a
     loaded float one (model/dflash.quantize_drafter).
 
     compile_decode: run steps in which every sequence decodes one token through `mx.compile`
-    (model/compiled.py); default on when the GPU kernels run, off on the CPU references. With a drafter,
-    True also compiles decode steps with taps and steps in which every sequence verifies (default off
-    there until it has been checked on a GPU).
+    (model/compiled.py); default on when the GPU kernels run, off on the CPU references (the uncompiled
+    graphs are the references). With a drafter it also compiles decode steps with taps, steps in which
+    every sequence verifies, and the drafter's proposals and context writes (model/compiled_draft.py);
+    mixed steps (prefill chunks next to verifications) stay uncompiled.
 
     Not thread-safe: one thread calls submit/step/cancel (a server feeds it through a queue)."""
 
@@ -158,10 +161,9 @@ class Engine(Generation):
         self.scheduler = Scheduler(self.kv, slots, step_tokens, prefill_step_tokens=cfg.prefill_budget)
         # one spare bundle and slot beyond what the scheduler hands out: the padding sequence's scratch
         self.cache = model.make_cache(self.num_blocks + 1, slots + 1, block_tokens)
-        auto = cfg.compile_decode is None
-        compile_decode = use_kernels() if auto else cfg.compile_decode
-        # speculative steps compile only when asked for: their compiled path has not yet run on a GPU
-        self.compiled = CompiledDecode(model) if compile_decode and (drafter is None or not auto) else None
+        compile_decode = use_kernels() if cfg.compile_decode is None else cfg.compile_decode
+        # with a drafter: decode-with-taps and all-verify steps, and the drafter (Speculator.use_compiled)
+        self.compiled = CompiledDecode(model) if compile_decode else None
         policy = cfg.draft_policy if cfg.draft_policy is not None else \
             "adaptive" if use_kernels() or cfg.draft_costs is not None else "fixed"
         self.spec = None if drafter is None else Speculator(
@@ -169,7 +171,7 @@ class Engine(Generation):
             make_policy(policy, cfg.draft_costs, self.compiled is not None))  # the table's rows for these steps
         self.scratch = (slots, self.num_blocks)
         if self.spec is not None:
-            self.spec.compiled = self.compiled
+            self.spec.use_compiled(self.compiled, self.num_blocks)  # block num_blocks: the padding bundle
         self.pad_buckets = cfg.pad_buckets
         self.buckets = token_buckets(cfg.prefill_budget) if self.pad_buckets else None
         self.eos = set(self.config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", None) or ())

@@ -5,21 +5,25 @@ The engine calls four hooks when a drafter is loaded:
                      the scheduler then gives it 1 + drafts tokens of the step budget.
   launch(plan, b, c) one drafter pass for all verifying sequences, their proposals scattered into the packed
                      ids, one target pass (taps captured) for the whole batch, sampling of the plain rows,
-                     verification of the rest, drafter context for the tokens committed by this pass.
-  commit(state)      after the one read-back: accepted drafts + the next token per verifying sequence; GDN
-                     states (picked candidates or a replay: REPLAY_MIN_DRAFTS) and drafter context
-                     of the anchor + accepted drafts are committed and kv_valid covers them. KV of rejected
-                     drafts is left where it is, past kv_valid.
+                     verification of the rest and its candidate states picked by the device's accepted
+                     counts, drafter context of every row of the step.
+  commit(state)      after the one read-back: accepted drafts + the next token per verifying sequence;
+                     kv_valid covers them. GDN states are committed by picking candidates on the device in
+                     the launched step (by the device's accepted counts), or here by a replay
+                     (REPLAY_MIN_DRAFTS). KV and drafter context of rejected drafts are left where they
+                     are, past kv_valid.
   must_sync(flight)  a step that verified, or sampled a sequence that may draft next step, is committed
                      before the next one is scheduled: its drafts need the host to know the anchor and
                      kv_valid. While the draft policy would draft for nobody, plain steps stay pipelined.
 
 How many drafts each sequence sends is the draft policy's choice (draft_policy.py): all it may (fixed) or
-what maximises expected tokens per unit of time by a step-cost table (adaptive).
+what maximises expected tokens per unit of time by a step-cost table (adaptive), rounded down to one of
+the engine's draft lengths (draft_policy.draft_lengths: few lengths, few compiled traces).
 
-Drafter context rows exist exactly for positions < kv_valid at step boundaries: prefill chunks and plain
-decode anchors are committed by being computed, so their rows are written in the same step; a
-verification's rows wait for its acceptance.
+Drafter context rows are exact for positions < kv_valid at step boundaries: every row a step computes is
+written in that step (prefill chunks, plain decode anchors, a verification's anchor and all its drafts).
+A rejected draft's row lies past kv_valid, where the drafter never reads (its attention stops at the
+anchor's kv_valid), and the step that commits that position writes it again first.
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ import mlx.core as mx
 
 from ..kernels import SeqLayout
 from ..model.cache import VerifyStash
+from ..model.compiled_draft import CompiledDraft
 from ..model.dflash import Drafter, DrafterCache, load_drafter, quantize_drafter
-from .draft_policy import FixedDrafting
+from .draft_policy import FixedDrafting, bucket_drafts, draft_lengths
 from .kv_manager import KVManager
 from .rejection import position_noise, sample_drafts, verify
 from .sampling import sample_isolating
@@ -78,8 +83,9 @@ def load_draft(model, draft, n_draft, slots: int, step_tokens: int, bits: int | 
 
 @dataclass
 class _Verification:
-    """What a launched step leaves for commit: device arrays are read back in one go. A failed step just
-    drops it (nothing of the verification is elsewhere)."""
+    """What a launched step leaves for commit: device arrays are read back in one go. A candidates commit
+    is in the launched step already; a failed step fails its sequences (failures.py), whose slots are
+    zeroed before any reuse."""
 
     seqs: list[ScheduledSeq]
     layout: SeqLayout  # the verifying sequences alone (kv_valid = anchor positions)
@@ -87,8 +93,6 @@ class _Verification:
     drafts: mx.array  # [S, N] int32
     accepted: mx.array  # [S] int32
     next_token: mx.array  # [S] int32: correction or bonus
-    taps: mx.array  # [T, k*H] taps of the whole step
-    starts: list[int]  # packed row of each anchor
     stash: VerifyStash  # the verifying forward's GDN parts, applied by Qwen35Model.commit_candidates
 
 
@@ -113,7 +117,9 @@ class Speculator:
         self.model, self.drafter, self.n_draft, self.cache = model, drafter, n_draft, cache
         self.verify_commit = verify_commit
         self.policy = FixedDrafting() if policy is None else policy
-        self.compiled = None  # a CompiledDecode when the engine compiles speculative steps (Engine(compile_decode=True))
+        self.lengths = draft_lengths(n_draft)  # the draft lengths a step may send (bucket_drafts)
+        self.compiled = None  # a CompiledDecode when the engine compiles speculative steps (use_compiled)
+        self.compiled_draft: CompiledDraft | None = None  # the drafter's proposal and context writes, then
         self.kv = kv  # the snapshot boundary rule and the one writer of kv_valid
         self.dcache: DrafterCache = drafter.make_cache(cache)
         cache.drafter_cache = self.dcache  # ModelCache's declared field: copied and reset with the bundles
@@ -122,6 +128,17 @@ class Speculator:
         # verifying sequence and step; plain_decodes: sequences that decoded one token without drafts
         self.counters = {"draft_tokens": 0, "accepted_tokens": 0, "spec_verifications": 0, "spec_steps": 0,
                          "plain_steps": 0, "plain_decodes": 0}
+
+    def use_compiled(self, compiled, scratch_block: int | None) -> None:
+        """Run the target's decode-with-taps and all-verify steps and the candidate commits through `compiled`
+        (a CompiledDecode), the drafter through a CompiledDraft whose padding rows go to scratch_block;
+        None: uncompiled."""
+        self.compiled = compiled
+        self.compiled_draft = None if compiled is None else CompiledDraft(self.drafter, scratch_block)
+
+    def write_context(self, taps: mx.array, layout: SeqLayout) -> None:
+        """Drafter context of layout's tokens from their taps, compiled when the engine is."""
+        (self.drafter if self.compiled_draft is None else self.compiled_draft).write_context(taps, layout, self.dcache)
 
     @staticmethod
     def bytes_per_block(drafter: Drafter | None, block_tokens: int, dtype) -> int:
@@ -133,20 +150,25 @@ class Speculator:
         (nothing in flight), after its first token is computed, and never past max_tokens (the step yields
         up to drafts + 1). With a prefix cache, a verification stops short of the next interval boundary:
         the boundary is then reached by a plain step, whose state the cache captures at launch (a
-        verification's state is only known at read-back)."""
+        verification's state is only known at read-back). Rounded down to a draft length (draft_lengths)."""
         if not (seq.active and seq.params.speculative and seq.pending == 0 and seq.need == 1 and seq.kv_valid > 0):
             return 0
         return self._cap(seq)
 
     def _cap(self, seq) -> int:
-        return self.kv.max_drafts(seq, max(0, min(self.n_draft, seq.params.max_tokens - seq.num_generated - 1)))
+        """The most drafts seq may send, rounded down to a draft length."""
+        n = self.kv.max_drafts(seq, max(0, min(self.n_draft, seq.params.max_tokens - seq.num_generated - 1)))
+        return bucket_drafts(n, self.lengths)
 
     def plan(self, seqs) -> None:
         """Sequence.spec_drafts of every live sequence (a stale count must not survive a preemption), as
-        the policy chooses within drafts_for; decoding sequences left plain tell the policy so."""
+        the policy chooses within drafts_for, rounded down to a draft length (the policy sees bucketed caps;
+        a choice between lengths, e.g. an adaptive N from its table's columns, is bucketed the same way);
+        decoding sequences left plain tell the policy so."""
         seqs = list(seqs)
         n = self.policy.choose(seqs, [self.drafts_for(s) for s in seqs], sum(s.active for s in seqs))
         for seq, k in zip(seqs, n):
+            k = bucket_drafts(k, self.lengths)
             seq.spec_drafts = k
             if k == 0 and seq.active and seq.params.speculative and seq.num_generated > 0:
                 self.policy.skipped(seq)
@@ -169,9 +191,10 @@ class Speculator:
         """One drafter pass for all verifying sequences: (greedy drafts [S, n] int32, draft logits
         [S, n, V] or None when every sequence is greedy). Tests replace this to force acceptance."""
         anchors = [s.seq.tokens[s.start] for s in seqs]
+        d = self.drafter if self.compiled_draft is None else self.compiled_draft
         if all(s.seq.params.greedy for s in seqs):
-            return self.drafter.propose(anchors, layout, self.dcache, n), None
-        return self.drafter.propose_with_logits(anchors, layout, self.dcache, n)
+            return d.propose(anchors, layout, self.dcache, n), None
+        return d.propose_with_logits(anchors, layout, self.dcache, n)
 
     # ---- the step
     def launch(self, plan: StepPlan, batch, cache) -> tuple[mx.array | None, _Verification | None, list]:
@@ -221,16 +244,15 @@ class Speculator:
             failed = [(samp[r].seq, e) for r, e in bad.items()]
         state = None
         if ver:
-            plain = [i for i, v in enumerate(lay.verify) if not v]
-            if plain:
-                pl, prow = lay.subset(plain)
-                self.drafter.write_context(taps[mx.array(prow, dtype=mx.int32)], pl, self.dcache)
             tl = logits[R:].reshape(len(ver), N + 1, -1)
             k, nxt = verify(tl, drafts, n, [s.seq.params for s in vs], noise)
-            state = _Verification(vs, vl, n, drafts, k, nxt, taps, [qsl[i] for i in ver], stash)
+            if stash.mode == "candidates":  # the state pick by the device's accepted counts, in this step's graph
+                (self.model.commit_candidates if self.compiled is None else self.compiled.commit)(cache, stash, k)
+            state = _Verification(vs, vl, n, drafts, k, nxt, stash)
             mx.async_eval(k, nxt, drafts)
-        else:
-            self.drafter.write_context(taps, lay, self.dcache)
+        # drafter context of every row, a verification's anchor + all its drafts included: rows past the
+        # accepted ones lie past kv_valid, where nothing reads them, until a later step writes them again
+        self.write_context(taps, lay)
         mx.async_eval(*self.dcache.arrays())
         return tokens, state, failed
 
@@ -240,17 +262,12 @@ class Speculator:
         return v.accepted.tolist(), v.next_token.tolist(), v.drafts.tolist()
 
     def commit(self, v: _Verification, verified=None) -> list[tuple[ScheduledSeq, list[int]]]:
-        """Apply a verification: GDN candidates, drafter context, kv_valid. Returns each sequence's tokens.
-        verified: what read(v) returned (read here when None)."""
+        """Apply a verification: kv_valid covers the accepted drafts, and a replay commit reruns them (a
+        candidates commit and the drafter context were part of the launched step). Returns each sequence's
+        tokens. verified: what read(v) returned (read here when None)."""
         k, nxt, drafts = verified if verified is not None else self.read(v)
-        self.model.commit_candidates(self.cache, v.stash, k)
-        # drafter context of the anchor + accepted drafts: positions P .. P + k
-        qsl, rows = [0], []
-        for start, kj in zip(v.starts, k):
-            rows.extend(range(start, start + kj + 1))
-            qsl.append(qsl[-1] + kj + 1)
-        cl = SeqLayout(qsl, list(v.layout.kv_valid), v.layout.block_tables, v.layout.state_rows, v.layout.block_tokens)
-        self.drafter.write_context(v.taps[mx.array(rows, dtype=mx.int32)], cl, self.dcache)
+        if not v.stash.committed:  # replay: accepted + 1 rows per sequence, a host-shaped graph
+            self.model.commit_candidates(self.cache, v.stash, k)
         c = self.counters
         out = []
         for j, s in enumerate(v.seqs):

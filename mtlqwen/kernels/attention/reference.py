@@ -100,6 +100,8 @@ def drafter_attention_ref(
     position (context 0..P-1, then the block at P..). Masks: `causal` hides block keys after the query;
     `window` hides keys with query_pos - key_pos >= window (sliding layers). Head h reads KV head h // rep.
     """
+    if layout.traced:
+        return _drafter_attention_traced(q, k_blk, v_blk, k_pool, v_pool, layout, scale, causal, window)
     bt = layout.block_tokens
     outs = []
     for i in range(layout.num_seqs):
@@ -116,5 +118,31 @@ def drafter_attention_ref(
             allowed = allowed & (kpos <= qpos)
         if window is not None:
             allowed = allowed & (qpos - kpos < window)
+        outs.append(masked_gqa_attention(q[s:e], kk, vv, allowed, scale))
+    return mx.concatenate(outs, axis=0)
+
+
+def _drafter_attention_traced(q, k_blk, v_blk, k_pool, v_pool, layout: SeqLayout, scale: float, causal: bool,
+                              window: int | None) -> mx.array:
+    """`drafter_attention_ref` with shapes that do not depend on kv_valid (for `mx.compile`): each block reads
+    every context row of its (padded) table row, masked from P = kv_valid on, then its own keys."""
+    tables, kv_valid = layout.array("block_tables"), layout.array("kv_valid")
+    outs = []
+    for i in range(layout.num_seqs):
+        s, e = layout.query_start_loc[i], layout.query_start_loc[i + 1]
+        T, P = e - s, kv_valid[i]
+        ctx_k = k_pool[tables[i]].reshape(-1, *k_pool.shape[2:]).astype(mx.float32)  # [W * bt, nKV, hd]
+        ctx_v = v_pool[tables[i]].reshape(-1, *v_pool.shape[2:]).astype(mx.float32)
+        C = ctx_k.shape[0]
+        kk = mx.concatenate([ctx_k, k_blk[s:e].astype(mx.float32)], axis=0)
+        vv = mx.concatenate([ctx_v, v_blk[s:e].astype(mx.float32)], axis=0)
+        j = mx.arange(T)[:, None]  # query j sits at P + j
+        ctx_pos, blk = mx.arange(C)[None, :], mx.arange(T)[None, :]
+        ctx_ok = ctx_pos < P
+        blk_ok = blk <= j if causal else mx.ones((T, T), dtype=mx.bool_)
+        if window is not None:
+            ctx_ok = ctx_ok & (P + j - ctx_pos < window)
+            blk_ok = blk_ok & (j - blk < window)
+        allowed = mx.concatenate([mx.broadcast_to(ctx_ok, (T, C)), blk_ok], axis=1)
         outs.append(masked_gqa_attention(q[s:e], kk, vv, allowed, scale))
     return mx.concatenate(outs, axis=0)
