@@ -13,6 +13,7 @@ import pytest
 from mtlqwen import Engine, SamplingParams
 from mtlqwen.demo import PAIR_DIR, DemoPairMissing, heldout_loss, load_demo_pair, pair_dir
 from mtlqwen.demo import is_builtin, load_builtin
+from mtlqwen.kernels import use_kernels
 from mtlqwen.model.builtin import BYTE_VOCAB, ByteTokenizer
 
 PAIR = Path(os.environ.get("MTLQWEN_DEMO_PAIR", PAIR_DIR))
@@ -111,3 +112,26 @@ def test_greedy_continuations_equal_across_schedules(pair32):
             assert engine.stats()["prefix_hits"] >= hits0 + len(prompts)
         assert [o.token_ids for o in outs] == alone, name
         assert all(len(t) == 40 for t in alone)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not use_kernels(), reason="GPU-only: the compiled speculative path runs where the kernels run (CPU: the test above)")
+def test_gpu_compiled_speculation_keeps_greedy_output_at_1_4_8(pair32):
+    """On the GPU kernels the engine compiles decode, verification, the drafter pass and the commit by default:
+    whole greedy continuations with the drafter (fixed policy, every eligible step speculates) equal those
+    without it at 1, 4 and 8 concurrent sequences (fp32: no rounding ties to excuse)."""
+    pair = pair32
+    sp = SamplingParams(temperature=0.0, max_tokens=40)
+    ids = pair.tokenizer.encode(pair.heldout_text)
+    prompts = _heldout_prompts(pair) + [ids[450 + 260 * i : 450 + 260 * i + 50 + 9 * i] for i in range(4)]
+    plain = [o.token_ids for o in Engine(pair.model, tokenizer=pair.tokenizer, slots=8, prefix_interval=0)
+             .generate(prompts, sp)]
+    for slots in (1, 4, 8):
+        engine = Engine(pair.model, tokenizer=pair.tokenizer, slots=slots, draft=pair.drafter, n_draft=7,
+                        draft_policy="fixed", prefix_interval=0)
+        assert engine.compiled is not None  # the default where the kernels run
+        outs = engine.generate(prompts, sp)
+        assert [o.token_ids for o in outs] == plain, f"{slots} slots"
+        st = engine.stats()
+        assert st["spec_steps"] > 0 and st["mean_acceptance_length"] > 1.2
+        assert engine.pool.num_free == engine.pool.num_blocks  # nothing leaked
