@@ -148,7 +148,8 @@ def supported(x: mx.array, gate: LinearParams, up: LinearParams, down: LinearPar
     E, Im, H = gate.weight.shape[0], gate.weight.shape[1], x.shape[1]
     return (gate.bits == up.bits and gate.group_size == up.group_size and up.weight.shape == gate.weight.shape
             and gate.in_features == H and down.weight.shape[:2] == (E, H) and down.in_features == Im
-            and H % 256 == 0 and Im % 256 == 0 and E * inds.size < 2**31)
+            and H % 256 == 0 and Im % 256 == 0 and E * inds.size < 2**31
+            and padded_rows(inds.size, E, 16) // 16 < 65536)  # tiles at MB 16 within grid.y's limit
 
 
 def grouped_experts(x: mx.array, gate: LinearParams, up: LinearParams, down: LinearParams, inds: mx.array,
