@@ -138,7 +138,7 @@ cuda_only = pytest.mark.skipif(not grouped.available(), reason="the grouped GEMM
 def test_grouped_qgemm_matches_reference(poisoned, T, E, k, N, K, bits, gs, mb, dtype, spread, seed):
     """Both launches (SwiGLU gate+up, plain) at the pairs' rows against fp32 on the CPU (N not a multiple
     of the block's rows: a row tail)."""
-    k = min(k, E)
+    k, K = min(k, E), 256 if E == 256 else K  # 256 experts at the smallest K: the CPU quantizes them
     dt = getattr(mx, dtype)
     rng = np.random.default_rng(seed)
     w = [quantized(rng, (E, N, K), bits, gs, dt) for _ in range(2)]
@@ -164,13 +164,14 @@ def test_grouped_qgemm_matches_reference(poisoned, T, E, k, N, K, bits, gs, mb, 
 @pytest.mark.gpu
 @needs_gpu
 @cuda_only
-@settings(max_examples=n_examples(30), **GPU_SETTINGS)
+@settings(max_examples=n_examples(24), **GPU_SETTINGS)
 @given(T=st.sampled_from([8, 9, 40, 64, 101, 300]), E=st.sampled_from([1, 8, 33, 256]), k=st.integers(1, 8),
        H=st.sampled_from([256, 512]), Im=st.sampled_from([256, 512]), bits=st.sampled_from([4, 8]),
        gs=st.sampled_from([32, 64, 128]), mb=st.sampled_from([None, 16, 32, 64]), shared=st.booleans(),
        spread=st.sampled_from(["random", "one"]), seed=st.integers(0, 2**31 - 1))
 def test_grouped_experts_match_reference(poisoned, T, E, k, H, Im, bits, gs, mb, shared, spread, seed):
     k = min(k, E)
+    H, Im = (256, 256) if E == 256 else (H, Im)  # 256 experts at the smallest widths: the CPU quantizes them
     case = moe_case(seed, T, E, k, H, Im, bits, gs, mx.bfloat16, shared, spread)
     assert poisoned.supported(*case[:4], case[4])
     got = poisoned.grouped_experts(*case, mb=mb)
