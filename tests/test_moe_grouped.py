@@ -134,10 +134,10 @@ cuda_only = pytest.mark.skipif(not grouped.available(), reason="the grouped GEMM
 @given(T=st.sampled_from([1, 3, 17, 64, 130]), E=st.sampled_from([1, 5, 64, 256]), k=st.integers(1, 8),
        N=st.sampled_from([256, 320, 512]), K=st.sampled_from([256, 768]), bits=st.sampled_from([4, 8]),
        gs=st.sampled_from([32, 64, 128]), mb=st.sampled_from([16, 32, 64]), dtype=st.sampled_from(["bfloat16", "float16"]),
-       spread=st.sampled_from(["random", "one"]), seed=st.integers(0, 2**31 - 1))
-def test_grouped_qgemm_matches_reference(poisoned, T, E, k, N, K, bits, gs, mb, dtype, spread, seed):
+       spread=st.sampled_from(["random", "one"]), gather=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_grouped_qgemm_matches_reference(poisoned, T, E, k, N, K, bits, gs, mb, dtype, spread, gather, seed):
     """Both launches (SwiGLU gate+up, plain) at the pairs' rows against fp32 on the CPU (N not a multiple
-    of the block's rows: a row tail)."""
+    of the block's rows: a row tail), activations from the buffer or gathered in the kernel (`src`)."""
     k, K = min(k, E), 256 if E == 256 else K  # 256 experts at the smallest K: the CPU quantizes them
     dt = getattr(mx, dtype)
     rng = np.random.default_rng(seed)
@@ -146,9 +146,14 @@ def test_grouped_qgemm_matches_reference(poisoned, T, E, k, N, K, bits, gs, mb, 
     lay = grouped.group_layout(inds, E, mb)
     x = mx.array(rng.standard_normal((T, K)).astype(np.float32)).astype(dt)
     xp = x[mx.maximum(lay.src, 0)]
-    h = poisoned.grouped_qgemm(xp, w, lay.tile_expert, mb, epi=1)[0]
-    y = poisoned.grouped_qgemm(xp, w[:1], lay.tile_expert, mb)[0]
+    xin, src = (x, lay.src) if gather else (xp, None)
+    h = poisoned.grouped_qgemm(xin, w, lay.tile_expert, mb, epi=1, src=src)[0]
+    y = poisoned.grouped_qgemm(xin, w[:1], lay.tile_expert, mb, src=src)[0]
     assert h.shape == y.shape == (xp.shape[0], N) and h.dtype == dt
+    if gather:  # padding rows of used tiles read zeros: exactly zero out
+        used = np.repeat(np.array(lay.tile_expert) >= 0, mb)
+        pad = mx.array(np.nonzero(used & (np.array(lay.src) < 0))[0].astype(np.int32))
+        assert (np.array(h[pad].astype(mx.float32)) == 0).all() and (np.array(y[pad].astype(mx.float32)) == 0).all()
     # the reference at the pairs' rows only, in buffer order (experts ascending: one-row tiles)
     rows = mx.array(np.sort(np.array(lay.dest)))
     ids = lay.tile_expert[rows // mb]

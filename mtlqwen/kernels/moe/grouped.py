@@ -4,13 +4,14 @@ expert: no per-expert launch, no host read.
 Layout (`group_layout`, plain MLX ops of static shapes): the T*k (token, expert) pairs sorted by expert
 (ties in pair order), each expert's segment padded to a multiple of MB rows and laid end to end in a
 buffer of R rows (`padded_rows`, the static upper bound), and per MB-row tile the expert it belongs to
-(-1 past the last segment). Path (`grouped_experts`): x's rows gathered into the buffer, one grouped
-SwiGLU launch (gate + up -> [R, Im]), one grouped down launch (-> [R, H]), each pair's row gathered back,
+(-1 past the last segment). Path (`grouped_experts`): one grouped SwiGLU launch over x's rows in the
+buffer's order (gate + up -> [R, Im]), one grouped down launch (-> [R, H]), each pair's row gathered back,
 weighted and summed over its k experts (routed_sum); the shared expert on the dense ops.
 
-Rows the kernel never writes: unused tiles exit (qgemm._group_select), so their output rows keep whatever
-the buffer held (NaN under POISON); padding rows inside an expert's tile are computed from a copy of
-token 0 and never read back. Only the pairs' rows (`dest`) are read, so both are harmless.
+The gather of x is the gate+up kernel's own activation load (row r reads x[src[r]], zeros for padding), so
+the [R, H] buffer is never written. Rows the kernel never writes: unused tiles exit (qgemm._group_select),
+so their output rows keep whatever the buffer held (NaN under POISON); padding rows inside an expert's
+tile come out zero and are never read back. Only the pairs' rows (`dest`) are read.
 
 CUDA only (qgemm's mma.sync); elsewhere, and for shapes it does not cover, the sorted gather_qmm path.
 """
@@ -94,36 +95,41 @@ def config(mb: int, epi: int) -> tuple[int, int, int, int, int]:
     return RT, TT, WN, WM, ST
 
 
-def _launch_args(x_dtype, p0: LinearParams, P: int, epi: int, mb: int):
+def _launch_args(x_dtype, p0: LinearParams, P: int, epi: int, mb: int, gather: bool = False):
     RT, TT, WN, WM, ST = config(mb, epi)
     smem = ST * qgemm.stage_bytes(p0.bits, RT, TT, WN, WM)
     template = [("T", x_dtype), ("XK", qgemm._XKIND[x_dtype]), ("BITS", p0.bits), ("GS", p0.group_size),
                 ("RT", RT), ("TT", TT), ("WN", WN), ("WM", WM), ("STAGES", ST), ("P", P), ("EPI", epi),
                 ("PART", 0), ("YT", x_dtype)]
     nout = 16 * WN if epi == 1 else 16 * RT * WN
-    return qgemm._kernel(P, epi, smem, grouped=True), template, nout, 32 * WN * WM
+    return qgemm._kernel(P, epi, smem, grouped=2 if gather else 1), template, nout, 32 * WN * WM
 
 
-def grouped_qgemm(x: mx.array, ps: list[LinearParams], tile_expert: mx.array, mb: int, epi: int = 0) -> list[mx.array]:
+def grouped_qgemm(x: mx.array, ps: list[LinearParams], tile_expert: mx.array, mb: int, epi: int = 0,
+                  src: mx.array | None = None) -> list[mx.array]:
     """x [R, K] (R = MB * tiles) over stacked experts' weights ([E, N, K*bits/32], scales / biases
     [E, N, K/gs]) -> [y_p [R, N_p]] (epi 0) or [silu(x W_0^T) * (x W_1^T)] (epi 1), tile i of MB rows
-    against expert tile_expert[i]; rows of tiles with expert -1 are not written."""
-    R, _ = x.shape
+    against expert tile_expert[i]; rows of tiles with expert -1 are not written. With `src` [R] int32,
+    x is [T, K] and row r of the activations is x[src[r]] (zeros where src[r] = -1), read in the kernel."""
+    R = x.shape[0] if src is None else src.shape[0]
     if R % mb or tile_expert.shape != (R // mb,):
         raise ValueError(f"grouped qgemm: {R} rows are not {tile_expert.shape[0]} tiles of {mb}")
-    kern, template, nout, nt = _launch_args(x.dtype, ps[0], len(ps), epi, mb)
+    kern, template, nout, nt = _launch_args(x.dtype, ps[0], len(ps), epi, mb, gather=src is not None)
     nbn = sum(-(-p.weight.shape[1] // nout) for p in (ps[:1] if epi == 1 else ps))
     shapes = [(R, ps[0].weight.shape[1])] if epi == 1 else [(R, p.weight.shape[1]) for p in ps]
     return list(kern(
-        "cuda", inputs=[x] + [a for p in ps for a in (p.weight, p.scales, p.biases)] + [tile_expert],
+        "cuda", inputs=[x] + [a for p in ps for a in (p.weight, p.scales, p.biases)] + [tile_expert]
+        + ([] if src is None else [src]),
         output_shapes=shapes, output_dtypes=[x.dtype] * len(shapes), grid=(nbn * nt, R // mb, 1),
         threadgroup=(nt, 1, 1), template=template, init_value=POISON))
 
 
-def grouped_qgemm_ref(x: mx.array, ps: list[LinearParams], tile_expert: mx.array, mb: int,
-                      epi: int = 0) -> list[mx.array]:
+def grouped_qgemm_ref(x: mx.array, ps: list[LinearParams], tile_expert: mx.array, mb: int, epi: int = 0,
+                      src: mx.array | None = None) -> list[mx.array]:
     """grouped_qgemm's reference twin (MLX's gather_qmm, each row against its tile's expert; unused tiles
     against expert 0): what the CPU tests of the path run."""
+    if src is not None:  # the gathered rows, padding rows zero
+        x = x[mx.maximum(src, 0)] * (src >= 0)[:, None].astype(x.dtype)
     ids = mx.repeat(mx.maximum(tile_expert, 0), mb)                                # [R]
 
     def proj(p):
@@ -161,9 +167,8 @@ def grouped_experts(x: mx.array, gate: LinearParams, up: LinearParams, down: Lin
     E = gate.weight.shape[0]
     mb = mb or tile_rows(T * k, E)
     lay = group_layout(inds, E, mb)
-    xp = x[mx.maximum(lay.src, 0)]                                                 # [R, H]
-    h = gemm(xp, [gate, up], lay.tile_expert, mb, epi=1)[0]               # [R, Im]
-    y = gemm(h, [down], lay.tile_expert, mb)[0]                           # [R, H]
+    h = gemm(x, [gate, up], lay.tile_expert, mb, epi=1, src=lay.src)[0]           # [R, Im], x's rows by src
+    y = gemm(h, [down], lay.tile_expert, mb)[0]                                    # [R, H]
     out = routed_sum(y[lay.dest].reshape(T, k, -1), weights, k, x.dtype)
     if shared is not None:
         out = out + shared_mlp(x, shared) * weights[:, k:].astype(x.dtype)
@@ -171,16 +176,19 @@ def grouped_experts(x: mx.array, gate: LinearParams, up: LinearParams, down: Lin
 
 
 def examples() -> list[tuple]:
-    """Instantiations for check_cuda: SwiGLU gate+up and down at each tile-row class, 4/8-bit, bf16, fp16
-    at 32 rows; the 35B-A3B geometry (E 256, H 2048, Im 512)."""
+    """Instantiations for check_cuda, as the path launches them: SwiGLU gate+up (gathering x's rows) and
+    down at each tile-row class, 4/8-bit, bf16, fp16 at 32 rows; the 35B-A3B geometry (E 256, H 2048,
+    Im 512)."""
     E, H, Im = 256, 2048, 512
     combos = [(mx.bfloat16, bits, mb) for bits in (4, 8) for mb in (16, 32, 64)] + [(mx.float16, 4, 32)]
     out = []
     for dt, bits, mb in combos:
         for epi, (N, K), P in ((1, (Im, H), 2), (0, (H, Im), 1)):
-            kern, template, _, _ = _launch_args(dt, LinearParams(None, None, None, bits, 64), P, epi, mb)
+            gather = epi == 1  # the path's gate+up reads x's rows by src_row, its down the buffer
+            kern, template, _, _ = _launch_args(dt, LinearParams(None, None, None, bits, 64), P, epi, mb, gather)
             wq = [(mx.uint32, (E, N, K * bits // 32)), (dt, (E, N, K // 64)), (dt, (E, N, K // 64))]
-            ex = KernelExample(inputs=[(dt, (mb * 40, K))] + wq * P + [(mx.int32, (40,))],
+            rows = [(mx.int32, (mb * 40,))] if gather else []
+            ex = KernelExample(inputs=[(dt, (100 if gather else mb * 40, K))] + wq * P + [(mx.int32, (40,))] + rows,
                                outputs=[dt], template=template)
             out.append((kern, ex))
     return out
