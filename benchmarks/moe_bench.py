@@ -6,6 +6,8 @@ H 2048, Im = Is 512, MLX affine 4-bit g64, routers 8-bit, bf16 x), per token cou
     gather_qmm  the previous block: softmax / argpartition / take / renormalise as separate ops, MLX's
                 unsorted gather_qmm per projection, the shared expert and its gate (moe_*_ref)
     sorted      moe_route, then the pairs grouped by expert (moe_experts_sorted), at every T
+    grouped     moe_route, then the grouped tensor-core GEMM over the experts' padded segments
+                (moe/grouped.py; CUDA, T >= 64), at the table's tile rows and at each --tile-rows
     fused       the fused expert kernels alone on given routing (T <= --fused-max, past the table's row too;
                 GPU back-ends)
 
@@ -16,7 +18,7 @@ graph is built before the clock starts; wall time of its evaluation, median of R
 time plus MLX's per-launch host cost, which the engine pays too. `active MB` = the packed bytes of the
 experts the T tokens select (distinct ones), the shared expert and the router; GB/s = that / time.
 
-    python benchmarks/moe_bench.py [--tokens 1 2 4 8 ...] [--rows G D ...] [--json OUT]
+    python benchmarks/moe_bench.py [--tokens 1 2 4 8 ...] [--rows G D ...] [--tile-rows 16 32 64] [--json OUT]
     python benchmarks/moe_bench.py --experts 16 --hidden 256 --im 128 --tokens 1 8 --links 4   # CPU smoke run
 """
 
@@ -31,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from mtlqwen.kernels import backend, selection
-from mtlqwen.kernels.moe import kernels, moe_experts_ref, moe_experts_sorted, moe_route, moe_route_ref
+from mtlqwen.kernels.moe import grouped, kernels, moe_experts_ref, moe_experts_sorted, moe_route, moe_route_ref
 from mtlqwen.kernels.moe.ops import shared_mlp
 from mtlqwen.kernels.qmatmul import linear, linear_ref
 from mtlqwen.model import QuantSpec
@@ -75,6 +77,12 @@ def path_sorted(b: MoEBlock, x):
     logits, sgl = linear(x, b.router), linear(x, b.shared_gate)
     inds, w = moe_route(logits, b.k, True, sgl)
     return moe_experts_sorted(x, b.gate_proj, b.up_proj, b.down_proj, inds, w, _shared(b), shared_mlp)
+
+
+def path_grouped(b: MoEBlock, x, mb=None):
+    logits, sgl = linear(x, b.router), linear(x, b.shared_gate)
+    inds, w = moe_route(logits, b.k, True, sgl)
+    return grouped.grouped_experts(x, b.gate_proj, b.up_proj, b.down_proj, inds, w, _shared(b), shared_mlp, mb=mb)
 
 
 def _shared(b: MoEBlock):
@@ -130,6 +138,8 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, nargs="*", default=[],
                     help="pairs G D: also time the fused kernels at G gate rows / D down rows per SIMD group")
     ap.add_argument("--fused-max", type=int, default=64, help="time the fused kernels alone up to this T")
+    ap.add_argument("--tile-rows", type=int, nargs="*", default=[],
+                    help="also time the grouped path at these tile rows MB (16 / 32 / 64)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     gpu = backend.use_kernels()
@@ -148,6 +158,9 @@ def main(argv=None):
         mb = active_bytes(bs[0], [r[0] for r in routes])
         paths = {"ours": lambda b, x, i: path_ours(b, x), "gather_qmm": lambda b, x, i: path_gather_qmm(b, x),
                  "sorted": lambda b, x, i: path_sorted(b, x)}
+        if T >= 64 and grouped.supported(xs[0], bs[0].gate_proj, bs[0].up_proj, bs[0].down_proj, routes[0][0]):
+            for mbr in [None] + args.tile_rows:
+                paths["grouped" + (f" mb{mbr}" if mbr else "")] = lambda b, x, i, mbr=mbr: path_grouped(b, x, mbr)
         # the fused kernels also past the table's moe_fused_max_tokens, up to --fused-max (where to move the row)
         fused_rows = {"moe_fused_max_tokens": max(T, selection.SELECT["moe_fused_max_tokens"])}
         with selection.selected(fused_rows):

@@ -91,11 +91,13 @@ def _usage(msg: str) -> str:
 
 def cuda_only_jobs() -> list[tuple[str, PortableKernel, KernelExample]]:
     """The CUDA-only kernels outside the portable registry (no Metal rendering: Metal runs MLX's op), each
-    instantiation as the kernel module declares it: the tensor-core quantized GEMM and prefill attention."""
+    instantiation as the kernel module declares it: the tensor-core quantized GEMM (dense and grouped by
+    expert) and prefill attention."""
     from .attention import prefill  # noqa: PLC0415
+    from .moe import grouped  # noqa: PLC0415
     from .qmatmul import qgemm  # noqa: PLC0415
 
-    return [(f"{kern.name}[{i}]", kern, ex) for mod in (qgemm, prefill)
+    return [(f"{kern.name}[{i}]", kern, ex) for mod in (qgemm, grouped, prefill)
             for i, (kern, ex) in enumerate(mod.examples())]
 
 

@@ -164,6 +164,17 @@ SELECT: dict[str, int] = {
     # with sorted_indices, unsorted after): mlx-lm's SwitchGLU threshold (64 indices). Between the two rows
     # MLX's unsorted gather_qmm (the reference) serves. Not yet measured on the H200.
     "moe_sort_min_pairs": 64,
+    # CUDA: (token, expert) pairs from which the expert MLPs run on the grouped tensor-core GEMM
+    # (moe/grouped.py: qgemm over each expert's padded segment, two launches) instead of sorted gather_qmm,
+    # where it covers the shapes (4/8-bit, bf16/fp16, H and Im multiples of 256); 0 = never. 64 = where
+    # the sorted path starts. Not yet run on a GPU: its tests are tests/test_kernels_moe.py's grouped ones.
+    "moe_grouped_min_pairs": 64,
+    # Activation rows MB of one grouped tile (16, 32 or 64; 0 = by the mean pairs per expert T*k/E: the
+    # smallest of them that holds it). Each tile reads its expert's whole [N, K] slab and each expert's
+    # segment pads up to a multiple of MB, so MB near the mean reads an expert about once or twice and pads
+    # at most MB-1 rows of it: 32 at a 1024-token step of the 35B-A3B (8192 pairs over 256 experts), 64
+    # at 4096. Not yet measured (moe_bench.py's grouped row at MTLQWEN_SELECT=moe_grouped_tile_rows=N).
+    "moe_grouped_tile_rows": 0,
     # Fused expert kernels' rows per SIMD group: gate rows (as many up rows) of gate+up, rows of down. The
     # qmv's M=1 SwiGLU row count (qmv_m1_swiglu_rows); down at 2 so H = 2048 gives 256 threadgroups at
     # batch 1 (4 rows: 128, under one per SM of the H200). Not yet swept (moe_bench.py --rows).

@@ -8,7 +8,7 @@ import mlx.core as mx
 from ..dispatch import kernel_op
 from ..qmatmul.ops import linear, swiglu_linear
 from ..selection import SELECT
-from . import kernels
+from . import grouped, kernels
 from .reference import moe_experts_ref, moe_experts_sorted, moe_route_ref
 
 
@@ -29,14 +29,17 @@ def shared_mlp(x: mx.array, shared) -> mx.array:
 
 
 def _experts_gpu(x, gate, up, down, inds, weights, shared=None):
-    """Decode sizes: the fused expert kernels; prefill sizes: pairs grouped by expert (sorted gather_qmm);
-    between them (None): the reference's unsorted gather_qmm."""
+    """Decode sizes: the fused expert kernels; prefill sizes: pairs grouped by expert, on the grouped
+    tensor-core GEMM (CUDA, shapes it covers) or else sorted gather_qmm; between them (None): the
+    reference's unsorted gather_qmm."""
     T, k = inds.shape
     if kernels.fused_supported(x, gate, up, down, inds):
         if shared is None or kernels.shared_fusable(shared, gate, x):
             return kernels.fused_experts(x, gate, up, down, inds, weights, shared)
         return kernels.fused_experts(x, gate, up, down, inds, weights) + \
             shared_mlp(x, shared) * weights[:, k:].astype(x.dtype)
+    if 0 < SELECT["moe_grouped_min_pairs"] <= T * k and grouped.supported(x, gate, up, down, inds):
+        return grouped.grouped_experts(x, gate, up, down, inds, weights, shared, shared_mlp)
     if T * k >= SELECT["moe_sort_min_pairs"] and gate.quantized == up.quantized == down.quantized:
         return moe_experts_sorted(x, gate, up, down, inds, weights, shared, shared_mlp)
     return None

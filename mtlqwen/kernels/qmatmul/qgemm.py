@@ -14,7 +14,8 @@ dequantize rounds s*q + b once.
 Split-K (grid z) fills the SMs when N/TR * M/MB blocks are too few: each split writes fp32 partials
 [S, M, N'] that one MLX sum reduces (deterministic, no atomics). Fused forms: P projections of one x in one
 launch (blocks walk the concatenated rows), and SwiGLU (EPI 1, RT 2: tile 0 reads gate rows, tile 1 the same
-up rows, silu(gate) * up in the epilogue).
+up rows, silu(gate) * up in the epilogue). Grouped form (moe/grouped.py, the MoE prefill): the same body over
+stacked experts' weights [E, N, .], each MB-row activation tile reading its expert from `tile_expert`.
 
 CUDA only: on Metal the quantized matmul of these sizes is MLX's own `quantized_matmul` (selection.py).
 The reference twin is `linear_ref` (MLX's quantized_matmul), which the CPU runs.
@@ -102,7 +103,7 @@ _BODY = r"""
   constexpr int NOUT = EPI == 1 ? 16 * WN : TR; // output rows of the block
   extern __shared__ __align__(16) unsigned char qg_smem[];
 
-  const int M = x_shape[0];
+  const int M = M_ROWS;
   const int K = x_shape[1];
   const int NG = K / GS;
   const int KW = K * BITS / 32;                 // uint32 words per weight row
@@ -117,6 +118,7 @@ _BODY = r"""
   PROJ_SELECT
   const int n0 = blk * NOUT;
   const int m0 = blockIdx.y * MB;
+  GROUP_SELECT
   const int KT = K / 128;
   const int SPLIT = gridDim.z;
   const int kt0 = (int)(((long)KT * blockIdx.z) / SPLIT), kt1 = (int)(((long)KT * (blockIdx.z + 1)) / SPLIT);
@@ -155,7 +157,7 @@ _BODY = r"""
       const int m = m0 + r;
       // chunk ch = 4*tt + jj lands in slot (4*jj + tt) ^ 4*(r & 1): conflict-free 16-byte reads below
       const int slot = ((ch & 3) * 4 + (ch >> 2)) ^ ((r & 1) * 4);
-      qg_cp16(Xs + r * 256 + slot * 16, x + (size_t)min(m, M - 1) * K + k0 + ch * 8, m < M ? 16 : 0);
+      X_LOAD
     }
   };
 
@@ -306,10 +308,34 @@ def _row_of(P: int, epi: int) -> str:
     return f"W = {ptr_select('w', P)}; S = {ptr_select('s', P)}; B = {ptr_select('b', P)}; n = n0 + r;"
 
 
-def _body(P: int, epi: int) -> str:
+def _group_select(P: int, epi: int) -> str:
+    """Grouped (expert-segmented) launches: tile blockIdx.y's expert moves the weight, scale and bias
+    pointers to that expert's [N, .] slab of the stacked [E, N, .] arrays; unused tiles (-1) exit, their
+    output rows left unwritten (callers read only the rows of real pairs)."""
+    ns = ["N"] * P if epi == 1 else [f"N{i}" for i in range(P)]
+    moves = " ".join(f"w{i} += (size_t)ge * {n} * KW; s{i} += (size_t)ge * {n} * NG; b{i} += (size_t)ge * {n} * NG;"
+                     for i, n in enumerate(ns))
+    return f"const int ge = tile_expert[blockIdx.y];\n  if (ge < 0) return;\n  {moves}"
+
+
+_X_LOAD = "qg_cp16(Xs + r * 256 + slot * 16, x + (size_t)min(m, M - 1) * K + k0 + ch * 8, m < M ? 16 : 0);"
+# grouped 2: activation row m is x's row src_row[m] (-1: zeros), so the gathered buffer is never written
+_X_LOAD_GATHER = ("const int xr = m < M ? src_row[m] : -1;\n"
+                  "      qg_cp16(Xs + r * 256 + slot * 16, x + (size_t)max(xr, 0) * K + k0 + ch * 8, xr >= 0 ? 16 : 0);")
+
+
+def _body(P: int, epi: int, grouped: int = 0) -> str:
+    """The kernel body for P projections (epi 1: SwiGLU of two); `grouped` 1: weights stacked [E, N, .] and
+    each activation tile's expert read from `tile_expert` (moe/grouped.py); 2: besides, the M = len(src_row)
+    activation rows read from x's rows src_row."""
     yptr = f"YT* Y = {ptr_select('y', 1 if epi else P)};"
-    return (_BODY.replace("PROJ_SELECT", proj_select(P, epi, tile="NOUT")).replace("YPTR_SELECT", yptr)
-            .replace("ROW_OF", _row_of(P, epi)))
+    sel = proj_select(P, epi, tile="NOUT")
+    if grouped:  # N is dimension 1 of the stacked weights
+        sel = sel.replace("_shape[0];", "_shape[1];")
+    return (_BODY.replace("PROJ_SELECT", sel).replace("YPTR_SELECT", yptr)
+            .replace("ROW_OF", _row_of(P, epi)).replace("GROUP_SELECT", _group_select(P, epi) if grouped else "")
+            .replace("M_ROWS", "src_row_shape[0]" if grouped == 2 else "x_shape[0]")
+            .replace("X_LOAD", _X_LOAD_GATHER if grouped == 2 else _X_LOAD))
 
 
 def stage_bytes(bits: int, RT: int, TT: int, WN: int, WM: int) -> int:
@@ -322,14 +348,16 @@ def stage_bytes(bits: int, RT: int, TT: int, WN: int, WM: int) -> int:
 _KERNELS: dict = {}
 
 
-def _kernel(P: int, epi: int, smem: int) -> PortableKernel:
-    key = (P, epi, smem)
+def _kernel(P: int, epi: int, smem: int, grouped: int = 0) -> PortableKernel:
+    key = (P, epi, smem, grouped)
     if key not in _KERNELS:
-        ins = ["x"] + [f"{a}{i}" for i in range(P) for a in ("w", "s", "b")]
+        ins = (["x"] + [f"{a}{i}" for i in range(P) for a in ("w", "s", "b")]
+               + ["tile_expert", "src_row"][:grouped])
         outs = ["y0"] if epi == 1 else [f"y{i}" for i in range(P)]
-        body = _body(P, epi)
+        body = _body(P, epi, grouped)
         _KERNELS[key] = PortableKernel(
-            name=f"mtl_qgemm_p{P}_e{epi}_s{smem}", input_names=ins, output_names=outs, body=body,
+            name=f"mtl_qgemm{f'_grouped{grouped}' if grouped else ''}_p{P}_e{epi}_s{smem}", input_names=ins,
+            output_names=outs, body=body,
             cuda_body=body, header=_HEADER + MMA_HEADER, shared_memory=smem)
     return _KERNELS[key]
 
