@@ -1,0 +1,176 @@
+"""The pipelined speculative step (Engine(spec_pipeline=True), runtime/spec_pipeline.py) on the tiny random
+target and drafter (CPU, compiled traces): greedy outputs equal the synchronous engine's and plain
+decoding's under random acceptance, max_tokens / a stop token / a cancel mid-run, at 1, 3 and 4 sequences;
+pipelined steps are counted; nothing leaks."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dflash_checkpoints import write_tiny_drafter
+from engine_checks import assert_idle, greedy
+from hf_checkpoints import random_token_ids
+from mtlqwen.model.dflash import load_drafter
+from mtlqwen.runtime import Engine, EngineConfig
+
+
+@pytest.fixture(scope="module")
+def drafter(ckpt, tmp_path_factory, model):
+    return load_drafter(write_tiny_drafter(tmp_path_factory.mktemp("drafter"), ckpt, num_layers=2, block_size=16),
+                        model)
+
+
+class PositionOracle:
+    """Proposes each request's plain greedy continuation, the token at position p replaced by a wrong one
+    where a fixed random mask (by prompt and position, never by step) says so. Drafts are gathered on the
+    device by the anchor positions, so the synchronous hook (host kv_valid) and the pipelined one (device
+    kv_valid) propose the same drafts for the same anchor, and every acceptance pattern is reproducible."""
+
+    def __init__(self, ref: dict, noise: float, seed: int = 0, vocab: int = 500, length: int = 160):
+        rng = np.random.default_rng(seed)
+        self.rows: dict[tuple, mx.array] = {}
+        for prompt, full in ref.items():
+            toks = np.array(list(full) + [0] * (length - len(full)), dtype=np.int64)
+            bad = rng.random(len(toks)) < noise
+            toks[bad] = (toks[bad] + 1 + rng.integers(0, vocab - 1, int(bad.sum()))) % vocab
+            self.rows[tuple(prompt)] = mx.array(toks, dtype=mx.int32)
+        self.calls = {"host": 0, "device": 0}
+
+    def _drafts(self, seqs, starts: mx.array, n: int) -> mx.array:
+        table = mx.stack([self.rows[tuple(s.seq.tokens[: s.seq.prompt_len])] for s in seqs])  # [S, L]
+        at = mx.minimum(starts[:, None] + 1 + mx.arange(n, dtype=mx.int32)[None, :], table.shape[1] - 1)
+        return mx.take_along_axis(table, at, axis=1)
+
+    def host(self, seqs, layout, n):
+        self.calls["host"] += 1
+        return self._drafts(seqs, mx.array(layout.kv_valid, dtype=mx.int32), n), None
+
+    def device(self, seqs, anchors, layout, n):
+        self.calls["device"] += 1
+        return self._drafts(seqs, layout.array("kv_valid"), n)
+
+
+KW = dict(step_tokens=64, block_tokens=8, prefix_interval=0, n_draft=3)
+
+
+def engine(model, drafter, ref, noise, pipeline, slots, seed=0, **kw):
+    cfg = {**KW, "verify_commit": "candidates", **kw}
+    eng = Engine(model, slots=slots, num_blocks=cfg.pop("num_blocks", 48), draft=drafter, compile_decode=True,
+                 spec_pipeline=pipeline, **cfg)
+    oracle = PositionOracle(ref, noise, seed)
+    eng.spec.propose, eng.spec.propose_on_device = oracle.host, oracle.device
+    return eng, oracle
+
+
+def run(eng, prompts, sps, cancel_at=None):
+    """Step to the end; cancel_at = (step, request index) cancels that request mid-run."""
+    ids = [eng.submit(p, sp) for p, sp in zip(prompts, sps)]
+    outs, step = {}, 0
+    while eng.has_work():
+        if cancel_at is not None and step == cancel_at[0]:
+            assert eng.cancel(ids[cancel_at[1]])
+        for d in eng.step():
+            if d.finished:
+                outs[d.request_id] = d.output
+        step += 1
+        assert step < 2000
+    return [outs[i] for i in ids]
+
+
+def plain(model, prompts, sps, slots):
+    return Engine(model, slots=slots, num_blocks=48, **{k: v for k, v in KW.items() if k != "n_draft"}).generate(prompts, sps)
+
+
+@pytest.mark.parametrize("slots", [1, 3, 4])
+@pytest.mark.parametrize("noise", [0.0, 0.35])
+def test_pipelined_equals_synchronous_and_plain(model, drafter, slots, noise):
+    """max_tokens differ per request (each hits its limit mid-run of the others); one request stops on a
+    stop token inside a verification's run. Same tokens as plain decoding and as the synchronous engine,
+    the same drafts and acceptances (the pipelined step repeats the draft counts the synchronous rule would
+    choose), fewer synchronous read-backs; the pool, slots and scheduler are empty afterwards."""
+    prompts = [random_token_ids(n, 500, seed=300 + n + slots) for n in (11, 26, 5, 17)][:slots]
+    sps = [greedy(mt, ignore_eos=True) for mt in (37, 23, 30, 41)][:slots]
+    base = plain(model, prompts, sps, slots)
+    if slots > 1:  # a stop token that plain decoding emits mid-run of request 1
+        stop = base[1].token_ids[12]
+        sps[1] = greedy(23, ignore_eos=True, stop_token_ids=[stop])
+        base = plain(model, prompts, sps, slots)
+        assert base[1].finish_reason == "stop" and len(base[1].token_ids) < 23
+    ref = {tuple(p): p + o.token_ids for p, o in zip(prompts, plain(model, prompts,
+                                                                    [greedy(60, ignore_eos=True)] * slots, slots))}
+    got = {}
+    for pipeline in (False, True):
+        eng, oracle = engine(model, drafter, ref, noise, pipeline, slots)
+        outs = run(eng, prompts, sps)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in base], pipeline
+        assert [o.finish_reason for o in outs] == [o.finish_reason for o in base]
+        got[pipeline] = (eng.stats(), oracle.calls)
+        assert_idle(eng)
+    (sync, sync_calls), (pipe, pipe_calls) = got[False], got[True]
+    assert sync["spec_pipelined_steps"] == 0 and sync_calls["device"] == 0
+    assert pipe["spec_pipelined_steps"] == pipe_calls["device"] > 0
+    assert pipe["generated_tokens"] == sync["generated_tokens"]
+    if slots == 1:  # no stop: not one verification is dropped, so the counts are the synchronous ones
+        for key in ("draft_tokens", "accepted_tokens", "spec_verifications", "spec_steps", "steps"):
+            assert pipe[key] == sync[key], key
+    # every pipelined step replaces a verification the synchronous engine launched after a read-back
+    assert pipe_calls["host"] + pipe_calls["device"] >= sync_calls["host"]
+    assert pipe_calls["host"] < sync_calls["host"]
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_cancel_and_eos_mid_pipeline(model, drafter, slots):
+    """A request cancelled while a pipelined step is in flight ends with a prefix of its plain output and
+    frees everything; the others are unchanged. Requests ending on EOS (not ignored) stop as plain decoding
+    does, their last pipelined step dropped."""
+    prompts = [random_token_ids(n, 500, seed=400 + n) for n in (9, 14, 21)][:slots]
+    sps = [greedy(40) for _ in prompts]
+    base = plain(model, prompts, sps, slots)
+    ref = {tuple(p): p + o.token_ids for p, o in zip(prompts, plain(model, prompts,
+                                                                    [greedy(60, ignore_eos=True)] * slots, slots))}
+    eng, _ = engine(model, drafter, ref, 0.2, True, slots, seed=5)
+    seen = []
+    orig = eng.pipeline.step
+
+    def spy(deltas):
+        done = orig(deltas)
+        seen.append(done)
+        return done
+
+    eng.pipeline.step = spy
+    outs = run(eng, prompts, sps, cancel_at=(6, 0))
+    assert outs[0].finish_reason == "cancelled" and base[0].token_ids[: len(outs[0].token_ids)] == outs[0].token_ids
+    assert [o.token_ids for o in outs[1:]] == [o.token_ids for o in base[1:]]
+    assert eng.stats()["spec_pipelined_steps"] == sum(seen) > 0
+    assert_idle(eng)
+    # the engine serves a new request after all that
+    (again,) = eng.generate(prompts[:1], sps[:1])
+    assert again.token_ids == base[0].token_ids
+    assert_idle(eng)
+
+
+def test_fallbacks_and_option(model, drafter):
+    """Temperature > 0, an uncompiled engine or a replay commit keep the synchronous rule (no pipelined
+    step); the option needs a drafter and is a bool."""
+    prompt = random_token_ids(12, 500, seed=9)
+    ref = {tuple(prompt): prompt + plain(model, [prompt], [greedy(60, ignore_eos=True)], 1)[0].token_ids}
+    for kw, sp in ((dict(), greedy(20, temperature=0.8, seed=3)),
+                   (dict(verify_commit="replay"), greedy(20, ignore_eos=True))):
+        eng, _ = engine(model, drafter, ref, 0.0, True, 1, **kw)
+        if sp.temperature > 0:  # the real drafter: sampled drafts need its logits
+            eng.spec.propose = type(eng.spec).propose.__get__(eng.spec)
+        eng.generate([prompt], sp)
+        s = eng.stats()
+        assert s["spec_steps"] > 0 and s["spec_pipelined_steps"] == 0, kw
+        assert_idle(eng)
+    eng = Engine(model, slots=1, num_blocks=48, draft=drafter, spec_pipeline=True, compile_decode=False, **KW)
+    eng.spec.propose = PositionOracle(ref, 0.0).host
+    (out,) = eng.generate([prompt], greedy(20, ignore_eos=True))
+    assert out.token_ids == ref[tuple(prompt)][12:32] and eng.stats()["spec_pipelined_steps"] == 0
+    with pytest.raises(ValueError, match="spec_pipeline needs a drafter"):
+        EngineConfig(spec_pipeline=True)
+    with pytest.raises(ValueError, match="spec_pipeline must be true or false"):
+        EngineConfig(draft="x", spec_pipeline=1)
+    assert EngineConfig().spec_pipeline is False
