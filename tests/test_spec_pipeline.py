@@ -8,12 +8,15 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from dflash_checkpoints import write_tiny_drafter
-from engine_checks import assert_idle, greedy
+from engine_checks import assert_idle, assert_reference, greedy, run_arrivals
 from hf_checkpoints import random_token_ids
 from mtlqwen.model.dflash import load_drafter
 from mtlqwen.runtime import Engine, EngineConfig
+from mtlqwen.runtime.block_pool import BlockPool
+from test_speculative import spec_workloads
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +177,53 @@ def test_fallbacks_and_option(model, drafter):
     with pytest.raises(ValueError, match="spec_pipeline must be true or false"):
         EngineConfig(draft="x", spec_pipeline=1)
     assert EngineConfig().spec_pipeline is False
+
+
+def test_turn_entry_after_a_stop_inside_the_pipeline(model, drafter):
+    """With the prefix cache on, a request stops (stop token) at a read-back while its next verification is
+    in flight: its slot's state lies past its tokens, so no turn entry may be kept of it; a second turn
+    extending the first must still give plain decoding's tokens (a wrong entry would change them)."""
+    prompt = random_token_ids(13, 500, seed=77)
+    long = plain(model, [prompt], [greedy(60, ignore_eos=True)], 1)[0].token_ids
+    ref = {tuple(prompt): prompt + long}
+    sp = greedy(40, ignore_eos=True, stop_token_ids=[long[17]])
+    (first,) = plain(model, [prompt], [sp], 1)
+    assert first.finish_reason == "stop"
+    turn2 = prompt + first.token_ids + random_token_ids(6, 500, seed=78)
+    (second,) = plain(model, [turn2], [greedy(12, ignore_eos=True)], 1)
+    ref[tuple(turn2)] = turn2 + second.token_ids + [0] * 8
+    eng, oracle = engine(model, drafter, ref, 0.0, True, 1, prefix_interval=64)
+    row, at = oracle.rows[tuple(prompt)], len(prompt) + 17
+    row[at] = (row[at] + 1) % 500  # the stop token comes as a correction: the run ends on it, kv_valid too
+    (got,) = eng.generate([prompt], sp)
+    assert got.token_ids == first.token_ids and eng.stats()["spec_pipelined_steps"] > 0
+    (got2,) = eng.generate([turn2], greedy(12, ignore_eos=True))
+    assert got2.token_ids == second.token_ids
+    assert eng.stats()["prefix_hits"] == 0  # no turn entry of a state past the request's tokens
+    assert_idle(eng)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(w=spec_workloads())
+def test_random_workloads_pipelined_match_plain_decoding(model, drafter, w):
+    """test_speculative's workloads (staggered arrivals, prefill next to verifications, opted-out requests,
+    snapshot intervals, tight pools and preemptions) with spec_pipeline on and position-keyed acceptance:
+    plain decoding's tokens (near-ties excepted), nothing leaked."""
+    bt = w["block_tokens"]
+    requests = [(arr, p, greedy(mt, speculative=spec)) for arr, p, mt, spec in w["reqs"]]
+    need = max(BlockPool.blocks_for(len(p) + sp.max_tokens - 1, bt) for _, p, sp in requests)
+    kw = dict(slots=w["slots"], step_tokens=w["step_tokens"], block_tokens=bt, num_blocks=need + w["extra_blocks"])
+    prompts = [p for _, p, _ in requests]
+    base = Engine(model, prefix_interval=0, **kw).generate(prompts, [sp for _, _, sp in requests])
+    long = Engine(model, prefix_interval=0, **kw).generate(prompts, [greedy(40, ignore_eos=True)] * len(prompts))
+    ref = {tuple(p): p + o.token_ids for p, o in zip(prompts, long)}
+    eng = Engine(model, draft=drafter, n_draft=w["n_draft"], prefix_interval=w["prefix_interval"], compile_decode=True,
+                 spec_pipeline=True, **kw)
+    oracle = PositionOracle(ref, w["noise"], length=128)
+    eng.spec.propose, eng.spec.propose_on_device = oracle.host, oracle.device
+    outs = run_arrivals(eng, requests, max_steps=5000)
+    for (_, prompt, sp), o, b in zip(requests, outs, base):
+        if o.token_ids != b.token_ids:
+            assert_reference(model, prompt, o, sp.max_tokens)
+    assert eng.stats()["spec_pipelined_steps"] == oracle.calls["device"]
+    assert_idle(eng)
