@@ -67,13 +67,11 @@ def engine(model, drafter, ref, noise, pipeline, slots, seed=0, **kw):
     return eng, oracle
 
 
-def run(eng, prompts, sps, cancel_at=None):
-    """Step to the end; cancel_at = (step, request index) cancels that request mid-run."""
+def run(eng, prompts, sps):
+    """Step to the end; the outputs in request order."""
     ids = [eng.submit(p, sp) for p, sp in zip(prompts, sps)]
     outs, step = {}, 0
     while eng.has_work():
-        if cancel_at is not None and step == cancel_at[0]:
-            assert eng.cancel(ids[cancel_at[1]])
         for d in eng.step():
             if d.finished:
                 outs[d.request_id] = d.output
@@ -123,34 +121,49 @@ def test_pipelined_equals_synchronous_and_plain(model, drafter, slots, noise):
     assert pipe_calls["host"] < sync_calls["host"]
 
 
-@pytest.mark.parametrize("slots", [1, 3])
+@pytest.mark.parametrize("slots", [1, 3, 4])
 def test_cancel_and_eos_mid_pipeline(model, drafter, slots):
-    """A request cancelled while a pipelined step is in flight ends with a prefix of its plain output and
-    frees everything; the others are unchanged. Requests ending on EOS (not ignored) stop as plain decoding
-    does, their last pipelined step dropped."""
-    prompts = [random_token_ids(n, 500, seed=400 + n) for n in (9, 14, 21)][:slots]
-    sps = [greedy(40) for _ in prompts]
+    """Two requests end on EOS mid-run (not ignored) as plain decoding does, their last pipelined step
+    dropped; a third is cancelled while a pipelined step computing it is in flight and ends with a prefix of
+    its plain output; the others go on pipelined without it. With one slot the requests queue (the queue
+    does not stop the pipeline: nobody could be admitted). Nothing leaks."""
+    prompts = [random_token_ids(n, 500, seed=421 + n) for n in (9, 14, 21)]
+    sps = [greedy(40)] * 3
     base = plain(model, prompts, sps, slots)
+    assert [o.finish_reason for o in base] == ["stop", "stop", "length"]  # EOS after 13 and 35 tokens
     ref = {tuple(p): p + o.token_ids for p, o in zip(prompts, plain(model, prompts,
-                                                                    [greedy(60, ignore_eos=True)] * slots, slots))}
+                                                                    [greedy(60, ignore_eos=True)] * 3, slots))}
     eng, _ = engine(model, drafter, ref, 0.2, True, slots, seed=5)
     seen = []
     orig = eng.pipeline.step
 
     def spy(deltas):
-        done = orig(deltas)
-        seen.append(done)
-        return done
+        seen.append(orig(deltas))
+        return seen[-1]
 
     eng.pipeline.step = spy
-    outs = run(eng, prompts, sps, cancel_at=(6, 0))
-    assert outs[0].finish_reason == "cancelled" and base[0].token_ids[: len(outs[0].token_ids)] == outs[0].token_ids
-    assert [o.token_ids for o in outs[1:]] == [o.token_ids for o in base[1:]]
+    ids = [eng.submit(p, sp) for p, sp in zip(prompts, sps)]
+    outs, cancelled, steps = {}, None, 0
+    while eng.has_work():
+        for d in eng.step():
+            if d.finished:
+                outs[d.request_id] = d.output
+        fl, steps = eng._inflight, steps + 1
+        if cancelled is None and seen[-1] and any(q.request_id == ids[2] for q in fl.seqs) and steps > 4:
+            cancelled = eng.stats()["spec_pipelined_steps"]
+            assert eng.cancel(ids[2])
+        assert steps < 2000
+    outs = [outs[i] for i in ids]
+    assert cancelled is not None and outs[2].finish_reason == "cancelled"
+    assert base[2].token_ids[: len(outs[2].token_ids)] == outs[2].token_ids
+    assert [o.token_ids for o in outs[:2]] == [o.token_ids for o in base[:2]]
+    assert [o.finish_reason for o in outs[:2]] == ["stop", "stop"]
     assert eng.stats()["spec_pipelined_steps"] == sum(seen) > 0
+    if slots > 1:  # request 1 went on pipelined after the cancel (the in-flight step's other rows carried)
+        assert eng.stats()["spec_pipelined_steps"] > cancelled
     assert_idle(eng)
-    # the engine serves a new request after all that
-    (again,) = eng.generate(prompts[:1], sps[:1])
-    assert again.token_ids == base[0].token_ids
+    (again,) = eng.generate(prompts[2:], sps[2:])  # the engine serves a new request after all that
+    assert again.token_ids == base[2].token_ids
     assert_idle(eng)
 
 

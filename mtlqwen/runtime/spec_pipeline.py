@@ -21,7 +21,7 @@ before any reuse by MLX's data dependencies through the pool arrays. Its slot's 
 tokens, so no turn entry is kept of it (Sequence.state_ahead).
 
 Anything else falls back to the synchronous rule (Speculator.must_sync): steps with prefill chunks, plain
-decoders or waiting / held requests, sampling at temperature > 0 (its noise is keyed by the generated
+decoders, requests waiting with a slot free or held for a leader, sampling at temperature > 0 (its noise is keyed by the generated
 index, known at read-back), a sequence near max_tokens or a snapshot boundary, a pool that cannot hold
 the worst case without preempting, a replay-committed step, an uncompiled engine (the uncompiled drafter
 and attention plans read host kv_valid), a draft policy that would change the draft counts.
@@ -59,7 +59,8 @@ class SpecPipeline:
             return None
         sched = self.scheduler
         rows = [j for j, s in enumerate(v.seqs) if s.seq.active]
-        if not rows or sched.waiting or sched.held or len(sched.running) != len(rows):
+        # a waiting request with a free slot would be admitted by the next schedule(): its step is synchronous
+        if not rows or (sched.waiting and sched.free_slots) or sched.held or len(sched.running) != len(rows):
             return None
         if {v.seqs[j].seq for j in rows} != set(sched.running):
             return None
