@@ -240,3 +240,29 @@ def test_random_workloads_pipelined_match_plain_decoding(model, drafter, w):
             assert_reference(model, prompt, o, sp.max_tokens)
     assert eng.stats()["spec_pipelined_steps"] == oracle.calls["device"]
     assert_idle(eng)
+
+
+def test_a_pipelined_step_that_fails_while_built(model, drafter):
+    """The drafter raises while a pipelined step is built: the step in flight is still read back (its
+    tokens delivered), then the pipelined step's requests fail with the error and free everything; the
+    engine serves the next request."""
+    prompts = [random_token_ids(n, 500, seed=500 + n) for n in (10, 19)]
+    sps = [greedy(30, ignore_eos=True)] * 2
+    base = plain(model, prompts, sps, 2)
+    ref = {tuple(p): p + o.token_ids for p, o in zip(prompts, base)}
+    eng, oracle = engine(model, drafter, ref, 0.0, True, 2)
+
+    def broken(*a):
+        raise RuntimeError("drafter broke")
+
+    eng.spec.propose_on_device = broken
+    outs = run(eng, prompts, sps)
+    for o, b in zip(outs, base):
+        assert o.finish_reason == "error" and "drafter broke" in o.error
+        assert 0 < len(o.token_ids) < 30 and b.token_ids[: len(o.token_ids)] == o.token_ids
+    assert eng.stats()["spec_pipelined_steps"] == 0
+    assert_idle(eng)
+    eng.spec.propose_on_device = oracle.device
+    assert [o.token_ids for o in eng.generate(prompts, sps)] == [o.token_ids for o in base]
+    assert eng.stats()["spec_pipelined_steps"] > 0
+    assert_idle(eng)
