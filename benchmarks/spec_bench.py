@@ -140,13 +140,14 @@ def forced_acceptance(accept: int | None):
         speculative.verify = real
 
 
-def engine_step_ms(model, drafter, S: int, n: int, args, commit: str | None = None, compiled: bool | None = None) -> float:
+def engine_step_ms(model, drafter, S: int, n: int, args, commit: str | None = None, compiled: bool | None = None,
+                   pipeline: bool = False) -> float:
     """Steady-state ms per Engine.step() with S decoding requests (no drafter: the plain engine; n = 0 with
-    a drafter: loaded, nobody drafting)."""
+    a drafter: loaded, nobody drafting); pipeline: Engine(spec_pipeline=True)."""
     gen = (args.warmup + args.steps) * (n + 1) + 8  # long enough that no step's drafts are capped
     bt = 128
-    spec = dict(draft=drafter, n_draft=n or None, verify_commit=commit if n else None, draft_policy="fixed") \
-        if drafter is not None else {}
+    spec = dict(draft=drafter, n_draft=n or None, verify_commit=commit if n else None, draft_policy="fixed",
+                spec_pipeline=pipeline) if drafter is not None else {}
     eng = Engine(model, slots=S, step_tokens=max(128, S * (n + 1)), block_tokens=bt,
                  num_blocks=S * BlockPool.blocks_for(args.prompt_len + gen, bt) + 1,
                  prefix_interval=0, compile_decode=compiled, **spec)
@@ -290,6 +291,8 @@ def main(argv=None) -> int:
                     help="speculative steps uncompiled (compile_decode=False) and/or through mx.compile "
                          "(compile_decode=True: target steps and the drafter pass); each is measured. Default "
                          "on: the engine's own default where the GPU kernels run")
+    ap.add_argument("--pipeline", nargs="+", choices=["off", "on"], default=["off"],
+                    help="Engine(spec_pipeline=...): all-verify steps launched while the previous one is in flight")
     ap.add_argument("--accept", type=int, default=None,
                     help="force min(K, n_draft) accepted drafts per verification (default: the random drafter's ~0)")
     ap.add_argument("--prompt-len", type=int, default=512, help="context of every sequence when measured")
@@ -319,27 +322,29 @@ def main(argv=None) -> int:
     for S in args.seqs:
         plain = engine_step_ms(model, None, S, 0, args)
         for n in args.n_draft:
-            modes = [(m, c) for c in args.compile for m in (args.commit if n else ["auto"])]
-            for mode, comp in modes:
+            modes = [(m, c, pl) for c in args.compile for m in (args.commit if n else ["auto"])
+                     for pl in (args.pipeline if n else ["off"])]
+            for mode, comp, pl in modes:
                 with forced_acceptance(args.accept):
                     spec = engine_step_ms(model, drafter, S, n, args, None if mode == "auto" else mode,
-                                          comp == "on")
-                row = {"seqs": S, "n_draft": n, "commit": mode, "compiled": comp, "plain_step_ms": plain, "spec_step_ms": spec,
+                                          comp == "on", pl == "on")
+                row = {"seqs": S, "n_draft": n, "commit": mode, "compiled": comp, "pipeline": pl,
+                       "plain_step_ms": plain, "spec_step_ms": spec,
                        "ratio": spec / plain, "speedup": {t: (t * plain / spec if n and t <= n + 1 else None) for t in TAUS}}
-                if n and not args.no_parts and comp == args.compile[0]:  # model-only parts: the same either way
+                if n and not args.no_parts and comp == args.compile[0] and pl == args.pipeline[0]:  # model-only parts: the same either way
                     row["parts_ms"] = part_ms(model, drafter, S, n, args,
                                               speculative.commit_mode_for(n) if mode == "auto" else mode)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 write_json(args, rows)  # after every row: a part cut short by its time limit keeps what it measured
-    print("\n| seqs | n_draft | commit | compiled | plain step ms | spec step ms | spec / plain | "
+    print("\n| seqs | n_draft | commit | compiled | pipeline | plain step ms | spec step ms | spec / plain | "
           + " | ".join(f"speed-up at tau={t}" for t in TAUS) + " | parts: decode / draft / draft compiled / verify ms |")
-    print("|---|---|---|---|---|---|---|" + "---|" * len(TAUS) + "---|")
+    print("|---|---|---|---|---|---|---|---|" + "---|" * len(TAUS) + "---|")
     for r in rows:
         sp = " | ".join(f"{r['speedup'][t]:.2f}x" if r["speedup"][t] else "-" for t in TAUS)
         parts = " / ".join(f"{r['parts_ms'][k]:.2f}" for k in ("decode", "draft", "draft_compiled", "verify")) \
             if "parts_ms" in r else "-"
-        print(f"| {r['seqs']} | {r['n_draft']} | {r['commit']} | {r['compiled']} | {r['plain_step_ms']:.2f} | {r['spec_step_ms']:.2f} "
+        print(f"| {r['seqs']} | {r['n_draft']} | {r['commit']} | {r['compiled']} | {r['pipeline']} | {r['plain_step_ms']:.2f} | {r['spec_step_ms']:.2f} "
               f"| {r['ratio']:.2f} | {sp} | {parts} |")
     return 0
 

@@ -52,20 +52,22 @@ class CompiledDraft:
 
     def _run_propose(self, anchors, layout: SeqLayout, cache: DrafterCache, n_draft: int, logits: bool):
         d = self.drafter
-        anchors = [int(a) for a in anchors]
-        if len(anchors) != layout.num_seqs:
-            raise ValueError(f"{len(anchors)} anchors for {layout.num_seqs} sequences")
+        # anchors and kv_valid may be device arrays (a pipelined step's, derived from the previous step's
+        # accepted counts): the layout's host kv_valid then holds upper bounds, read only for the RoPE size
+        if not isinstance(anchors, mx.array):
+            anchors = mx.array([int(a) for a in anchors], dtype=mx.int32)
+        if anchors.shape != (layout.num_seqs,):
+            raise ValueError(f"{anchors.size} anchors for {layout.num_seqs} sequences")
         if n_draft < 1:
             raise ValueError("n_draft must be >= 1")
-        S, B = len(anchors), n_draft + 1
+        S, B = layout.num_seqs, n_draft + 1
         width = _pow2_at_least(max(len(t) for t in layout.block_tables), 1)
         d.rope.ensure(max(layout.kv_valid) + B)  # the trace holds the table: its size is in the key
         key = (S, B, width, d.rope.size, layout.block_tokens, logits)
         fn, new = lookup_trace(self._propose, key, lambda: mx.compile(self._propose_fn(S, B, width, layout.block_tokens,
                                                                                      logits)), self.max_traces)
         self.traces += new
-        inputs = [mx.array(anchors, dtype=mx.int32), mx.array(layout.kv_valid, dtype=mx.int32),
-                  padded_tables(layout.block_tables, width)]
+        inputs = [anchors.astype(mx.int32), layout.array("kv_valid"), padded_tables(layout.block_tables, width)]
         head, pools = fn(inputs, cache.arrays())
         self._rebind(cache, pools)
         return head[0], (head[1] if logits else None)
@@ -102,10 +104,10 @@ class CompiledDraft:
         if rows is not None or pad:
             idx = (list(range(T)) if rows is None else list(rows)) + [0] * pad
             tap_feat = tap_feat[mx.array(idx, dtype=mx.int32)]
-        blocks, offsets = layout.slot_mapping()
-        inputs = [tap_feat, mx.array(layout.positions() + [0] * pad, dtype=mx.int32),
-                  mx.array(blocks + [self.scratch_block] * pad, dtype=mx.int32),
-                  mx.array(offsets + [0] * pad, dtype=mx.int32)]
+        # the layout's arrays (a pipelined step provides device-derived ones), padding rows into the scratch
+        fill = [(0, "positions"), (self.scratch_block, "write_blocks"), (0, "write_offsets")]
+        inputs = [tap_feat] + [mx.concatenate([layout.array(name), mx.full((pad,), v, dtype=mx.int32)]) if pad
+                               else layout.array(name) for v, name in fill]
         key = (T + pad, d.rope.size, layout.block_tokens)
         fn, new = lookup_trace(self._context, key, lambda: mx.compile(self._context_fn(T + pad, layout.block_tokens)),
                                self.max_traces)

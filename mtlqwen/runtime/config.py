@@ -53,6 +53,8 @@ class EngineConfig:
     # with draft_costs, else fixed
     draft_costs: Any = None  # the adaptive policy's step-cost table (StepCosts or JSON path); None: H200's
     draft_bits: int | None = None  # 8 or 4: quantize the drafter's projections at load; None: as stored
+    # launch an all-verify step while the previous one is in flight (spec_pipeline.py); off until measured on a GPU
+    spec_pipeline: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -76,7 +78,7 @@ class EngineConfig:
         _int("prefix_cache_bytes", self.prefix_cache_bytes, 0, optional=True)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        for name in ("pad_buckets", "compile_decode"):
+        for name in ("pad_buckets", "compile_decode", "spec_pipeline"):
             v = getattr(self, name)
             if not (isinstance(v, bool) or (v is None and name == "compile_decode")):
                 raise ValueError(f"{name} must be true or false, got {v!r}")
@@ -95,8 +97,8 @@ class EngineConfig:
             raise ValueError("draft_costs is the adaptive policy's table (draft_policy='adaptive')")
         if self.draft_bits is not None and (isinstance(self.draft_bits, bool) or self.draft_bits not in (4, 8)):
             raise ValueError(f"draft_bits must be 4, 8 or None, got {self.draft_bits!r}")
-        for name in ("draft_policy", "draft_costs", "draft_bits"):
-            if getattr(self, name) is not None and self.draft is None:
+        for name in ("draft_policy", "draft_costs", "draft_bits", "spec_pipeline"):
+            if getattr(self, name) not in (None, False) and self.draft is None:
                 raise ValueError(f"{name} needs a drafter (draft=...)")
 
     @property

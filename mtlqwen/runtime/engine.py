@@ -32,6 +32,7 @@ from .kv_manager import KVManager, StepSnapshots
 from .prefix_cache import model_identity
 from .sampling import SamplingParams, sample_isolating
 from .scheduler import ScheduledSeq, Scheduler, StepPlan
+from .spec_pipeline import SpecPipeline
 from .speculative import Speculator, load_draft
 from .sequence import Sequence, SeqStatus
 
@@ -109,7 +110,9 @@ class Engine(Generation):
     (model/compiled.py); default on when the GPU kernels run, off on the CPU references (the uncompiled
     graphs are the references). With a drafter it also compiles decode steps with taps, steps in which
     every sequence verifies, and the drafter's proposals and context writes (model/compiled_draft.py);
-    mixed steps (prefill chunks next to verifications) stay uncompiled.
+    mixed steps (prefill chunks next to verifications) stay uncompiled. spec_pipeline=True (compiled engines,
+    greedy requests) launches an all-verify step while the previous one is in flight (runtime/spec_pipeline.py
+    says when it falls back to the synchronous rule); off until measured on a GPU.
 
     Not thread-safe: one thread calls submit/step/cancel (a server feeds it through a queue)."""
 
@@ -137,6 +140,7 @@ class Engine(Generation):
         draft_policy=_UNSET,
         draft_costs=_UNSET,
         draft_bits: int | None = _UNSET,
+        spec_pipeline: bool = _UNSET,
     ):
         if config is not None and not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__} (options go by keyword)")
@@ -172,6 +176,7 @@ class Engine(Generation):
         self.scratch = (slots, self.num_blocks)
         if self.spec is not None:
             self.spec.use_compiled(self.compiled, self.num_blocks)  # block num_blocks: the padding bundle
+        self.pipeline = SpecPipeline(self) if cfg.spec_pipeline else None  # all-verify steps (spec_pipeline.py)
         self.pad_buckets = cfg.pad_buckets
         self.buckets = token_buckets(cfg.prefill_budget) if self.pad_buckets else None
         self.eos = set(self.config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", None) or ())
@@ -241,6 +246,8 @@ class Engine(Generation):
         return out
 
     def _step(self, deltas: list[Delta]) -> None:
+        if self.pipeline is not None and self.pipeline.step(deltas):  # launched after a verification in flight
+            return
         if self.spec is not None:
             if self._inflight is not None and self.spec.must_sync(self._inflight, self._seqs.values()):
                 flight, self._inflight = self._inflight, None  # drafting needs its tokens and kv_valid on the host

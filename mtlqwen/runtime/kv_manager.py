@@ -72,7 +72,11 @@ class KVManager:
     def max_drafts(self, seq, n: int) -> int:
         """Drafts (at most n) a decoding sequence may verify: anchor + drafts stay short of the next
         boundary, which a plain step then reaches (its state is captured at launch)."""
-        b = self.to_boundary(seq.kv_valid)
+        return self.max_drafts_at(seq.kv_valid, n)
+
+    def max_drafts_at(self, pos: int, n: int) -> int:
+        """max_drafts of a sequence whose anchor is at position pos (a pipelined step's worst case)."""
+        b = self.to_boundary(pos)
         return n if b is None else max(0, min(n, b - 2))
 
     # ---- sequences
@@ -112,8 +116,10 @@ class KVManager:
         """seq finished (call before it is released): keep a turn entry for the tokens its slot's state
         is exactly after, kv_valid of them (the last sampled token never ran through the model; one
         sampled on EOS may have, in the step launched before its read-back). Skipped when a verification
-        ran past a stop (its state covers tokens the request dropped)."""
-        if self.prefix is None or reason not in TURN_REASONS or not seq.active or seq.restore is not None:
+        ran past a stop (its state covers tokens the request dropped), or while a pipelined verification
+        computes its state past kv_valid (Sequence.state_ahead)."""
+        if self.prefix is None or reason not in TURN_REASONS or not seq.active or seq.restore is not None \
+                or seq.state_ahead:
             return
         if 0 < seq.kv_valid <= len(seq.tokens):
             self.prefix.keep_turn(seq, seq.kv_valid, cache)

@@ -36,6 +36,9 @@ class Sequence:
     pending: int = 0
     fresh: bool = False  # admitted since the last step: its slot's GDN state must be zeroed first
     spec_drafts: int = 0  # drafts this decoding sequence sends next step (set by the engine's Speculator)
+    # a pipelined verification launched after the last step read back computes this slot's GDN state past
+    # kv_valid (spec_pipeline.py): a finish then keeps no turn entry of it
+    state_ahead: bool = False
     draft_estimate: Any = None  # draft_policy.AcceptanceEstimate: its running acceptance (the adaptive policy's)
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)

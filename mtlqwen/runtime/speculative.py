@@ -126,8 +126,12 @@ class Speculator:
         self.taps = tuple(drafter.tap_layers)
         # spec_steps / plain_steps: engine steps with / without a verification; spec_verifications: one per
         # verifying sequence and step; plain_decodes: sequences that decoded one token without drafts
+        # spec_pipelined_steps: all-verify steps launched while the previous verification was in flight
         self.counters = {"draft_tokens": 0, "accepted_tokens": 0, "spec_verifications": 0, "spec_steps": 0,
-                         "plain_steps": 0, "plain_decodes": 0}
+                         "plain_steps": 0, "plain_decodes": 0, "spec_pipelined_steps": 0}
+        # set by a spec_pipeline engine: compiled all-verify steps commit candidates (a successor may be
+        # launched before their read-back, which a replay commit needs), unless verify_commit says otherwise
+        self.pipelined = False
 
     def use_compiled(self, compiled, scratch_block: int | None) -> None:
         """Run the target's decode-with-taps and all-verify steps and the candidate commits through `compiled`
@@ -196,6 +200,11 @@ class Speculator:
             return d.propose(anchors, layout, self.dcache, n), None
         return d.propose_with_logits(anchors, layout, self.dcache, n)
 
+    def propose_on_device(self, seqs: list[ScheduledSeq], anchors: mx.array, layout: SeqLayout, n: int) -> mx.array:
+        """Greedy drafts [S, n] int32 of a pipelined step: anchors [S] and layout.array("kv_valid") are device
+        arrays, layout.kv_valid their upper bounds (compiled drafter only). Tests replace this too."""
+        return self.compiled_draft.propose(anchors, layout, self.dcache, n)
+
     # ---- the step
     def launch(self, plan: StepPlan, batch, cache) -> tuple[mx.array | None, _Verification | None, list]:
         """Run draft + target for the packed batch; returns (tokens of the plain sampling rows, verification,
@@ -230,7 +239,7 @@ class Speculator:
         compiled = self.compiled is not None and rows and self.compiled.eligible_with_taps(lay)  # decode or all-verify
         stash = None
         if ver:  # the forward stashes in this mode and the commit follows the stash
-            mode = self.verify_commit or commit_mode_for(N)
+            mode = self.verify_commit or ("candidates" if self.pipelined and compiled else commit_mode_for(N))
             fwd = self.compiled.verifying if compiled else self.model.forward_verifying
             logits, taps, stash = fwd(ids, lay, cache, self.taps, fwd_rows, mode)
         else:
