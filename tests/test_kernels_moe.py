@@ -201,16 +201,21 @@ def test_expert_paths_by_token_count_emulated(T, path):
 
 
 # ---------------------------------------------------------------- GPU: kernels and dispatchers
+def poisoning(module):
+    """Yields `module` with its kernels' outputs starting as NaN (module.POISON); the selection rows an
+    example changes are restored after."""
+    saved = dict(selection.SELECT)
+    module.POISON = float("nan")
+    yield module
+    module.POISON = None
+    selection.SELECT.update(saved)
+
+
 @pytest.fixture
 def poisoned():
-    """The MoE kernels' outputs start as NaN; the selection rows an example changes are restored."""
     from mtlqwen.kernels.moe import kernels  # noqa: PLC0415
 
-    saved = dict(selection.SELECT)
-    kernels.POISON = float("nan")
-    yield kernels
-    kernels.POISON = None
-    selection.SELECT.update(saved)
+    yield from poisoning(kernels)
 
 
 @pytest.mark.gpu

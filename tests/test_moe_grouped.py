@@ -21,7 +21,7 @@ from mtlqwen.kernels import selection
 from mtlqwen.kernels.moe import grouped
 
 from gpu_checks import GPU_SETTINGS, n_examples, needs_gpu
-from test_kernels_moe import CPU_SETTINGS, TOL, moe_case, quantized, ref32, rel_err, routing, to32
+from test_kernels_moe import CPU_SETTINGS, TOL, moe_case, poisoning, quantized, ref32, rel_err, routing, to32
 
 
 def layout_np(lay: grouped.GroupLayout) -> dict:
@@ -117,11 +117,7 @@ def test_supported_is_cuda_only_and_shape_bound():
 # ---------------------------------------------------------------- GPU: kernels and dispatcher
 @pytest.fixture
 def poisoned():
-    saved = dict(selection.SELECT)
-    grouped.POISON = float("nan")
-    yield grouped
-    grouped.POISON = None
-    selection.SELECT.update(saved)
+    yield from poisoning(grouped)
 
 
 cuda_only = pytest.mark.skipif(not grouped.available(), reason="the grouped GEMM is CUDA-only (mma.sync)")
