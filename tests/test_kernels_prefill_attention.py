@@ -26,8 +26,9 @@ TOL = {mx.bfloat16: 1.5e-2, mx.float16: 5e-3}  # P is rounded to the 16-bit type
 
 
 def chunk_lengths():
-    """Query chunk lengths around the kernel's tiles (64 query rows = 64 / GQA tokens) and 64-key tiles."""
-    return st.one_of(st.sampled_from([17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 200]), st.integers(17, 300))
+    """Query chunk lengths around the kernel's tiles (64 query rows = 64 / GQA tokens) and 64-key tiles, and
+    the 4-16 queries (verification rows) the measured crossover would give it."""
+    return st.one_of(st.sampled_from([4, 7, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 200]), st.integers(4, 300))
 
 
 def gate_for(rng, q, gated: int, dt):

@@ -29,9 +29,10 @@ SELECT: dict[str, int] = {
     "small_n_dequant": 1,
     # CUDA, more rows than the qmv takes, K not a multiple of 256 (the tensor-core GEMM's k-step): 1 =
     # dequantize + GEMM rather than MLX's quantized GEMM. On the H200 the MoE dispatch test failed at 9 tokens
-    # exactly where MLX's quantized_matmul served a 9-row projection with K = 128 (8-bit g128) or 64 (4-bit
-    # g64: non-finite outputs), and passed wherever those shapes ran on other ops (its gather_qmm, our
-    # kernels). Real Qwen3.5 shapes have K % 256 == 0; small K comes from tests and tiny models.
+    # (wrong, or non-finite at 4-bit g64), and the only op its failing cases ran that the passing ones did not
+    # is MLX's quantized_matmul on 9+ rows with K one quantization group (128 at g128, 64 at g64;
+    # benchmarks/moe.md). Not yet rerun on the GPU with this row. Real Qwen3.5 shapes have K % 256 == 0;
+    # small K comes from tests and tiny models.
     "small_k_dequant": 1,
     # CUDA, 4-bit, bf16/fp16 x: rows from which the tensor-core qmv variant (mma.sync) replaces the FMA
     # kernel; 0 = never. Steady state (one launch): at M=8 mma 1.09 / 1.27 TB/s vs FMA 0.43 / 0.33 and MLX's
@@ -110,15 +111,17 @@ SELECT: dict[str, int] = {
     # (benchmarks/results/gpu-tests-prefill-attention-moe.log). Crossover timed on the H200
     # (prefill_attention_bench.py --crossover, 8 sequences, 9B attention shape): the prefill kernel wins from
     # the smallest count timed, 4 queries a sequence (90 vs 188 us at 4k cached keys, 610 vs 1,429 us at
-    # 32k; 613 vs 4,744 us at 16 queries and 32k), so 3; 2-3 were not timed. Traced (compiled) layouts keep
-    # the decode kernel: the prefill kernel's plan reads kv_valid on the host. On Metal
+    # 32k; 613 vs 4,744 us at 16 queries and 32k); 2-3 were not timed. It stays 16 until the kernel's
+    # equivalence test, which now draws chunks of 4-16 queries too, has passed on the H200 with them (it ran
+    # with chunks of 17+); then 3. Traced (compiled) layouts keep the decode kernel: the prefill kernel's plan
+    # reads kv_valid on the host. On Metal
     # there is no tensor-core rendering (Apple GPUs have no mma.sync; the emulator has no simdgroup_matrix):
     # the decode kernel's portable SIMT body serves prefill chunks too (a plain SIMT tiling could not share a
     # K/V tile among more rows: at head_dim 256 its 16 fp32 query rows already take half of Metal's 32 KiB of
     # threadgroup memory), and check_metal runs it on a prefill-sized batch (metal_cases.py). MLX's own
     # attention over gathered K/V is not used: it would copy each sequence's context out of the pool every
     # layer.
-    "prefill_attn_min_queries": 3,
+    "prefill_attn_min_queries": 16,
     # Warps a prefill-attention block (16 query rows each, attention/prefill.py): 8 = 128 query rows per 64-key
     # tile, FlashAttention-2's choice at head_dim 256 (128 KiB of shared memory and 248 registers a lane: one
     # block an SM); 4 = 64 rows, two blocks an SM, but each K/V tile copied from L2 serves half the rows.

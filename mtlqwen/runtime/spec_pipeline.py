@@ -156,7 +156,7 @@ class SpecPipeline:
         drafts = spec.propose_on_device(scheduled, anchors, lay, N)  # [S, N]
         block = mx.concatenate([anchors[:, None], drafts], axis=1).reshape(-1)  # [S * (N + 1)]
         ids = block[mx.array([j * (N + 1) + t for j, nj in enumerate(n) for t in range(nj + 1)], dtype=mx.int32)]
-        fwd_rows = mx.array([min(qsl[j] + t, qsl[j + 1] - 1) for j in range(S) for t in range(N + 1)], dtype=mx.int32)
+        fwd_rows = mx.array(speculative.verify_rows(qsl, range(S), N), dtype=mx.int32)
         logits, taps, stash = spec.compiled.verifying(ids, lay, eng.cache, spec.taps, fwd_rows, "candidates")
         # the Speculator's verifier (looked up there: spec_bench's forced acceptance replaces it)
         k, nxt = speculative.verify(logits.reshape(S, N + 1, -1), drafts, n, [s.seq.params for s in scheduled], None)

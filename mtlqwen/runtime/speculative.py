@@ -103,6 +103,12 @@ class _Verification:
 REPLAY_MIN_DRAFTS = 9
 
 
+def verify_rows(qsl: list[int], seqs, N: int) -> list[int]:
+    """Packed rows whose logits a verification reads: N + 1 per verifying sequence i of `seqs` (query_start_loc
+    qsl), a shorter run repeating its last row (verify() masks those)."""
+    return [min(qsl[i] + t, qsl[i + 1] - 1) for i in seqs for t in range(N + 1)]
+
+
 def commit_mode_for(drafts: int) -> str:
     return "replay" if drafts >= REPLAY_MIN_DRAFTS else "candidates"
 
@@ -233,8 +239,7 @@ class Speculator:
             at = [qsl[i] + 1 + t for i, nj in zip(ver, n) for t in range(nj)]
             src = [j * N + t for j, nj in enumerate(n) for t in range(nj)]
             ids[mx.array(at, dtype=mx.int32)] = drafts.reshape(-1)[mx.array(src, dtype=mx.int32)]
-            # N + 1 rows per sequence (shorter runs repeat their last row; verify() masks them)
-            rows += [min(qsl[i] + t, qsl[i + 1] - 1) for i in ver for t in range(N + 1)]
+            rows += verify_rows(qsl, ver, N)
         fwd_rows = mx.array(rows, dtype=mx.int32)
         compiled = self.compiled is not None and rows and self.compiled.eligible_with_taps(lay)  # decode or all-verify
         stash = None
