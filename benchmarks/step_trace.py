@@ -23,12 +23,13 @@ import os
 import re
 import statistics
 import tempfile
+import time
 
 import mlx.core as mx
 
-from decode_profile import set_pools, step_fn
+from decode_profile import count_primitives, set_pools, step_fn
 from mtlqwen.kernels.selection import parse_rows, selected
-from mtlqwen.model.builtin import demo_config, qwen35_9b_config, random_model
+from mtlqwen.model.builtin import SHAPES, random_model
 from mtlqwen.model.config import QuantSpec
 
 
@@ -107,23 +108,36 @@ def trace_variant(model, B: int, past: int, steps: int, rows: dict) -> dict:
     with selected(rows):
         nb = past // 128 + 1
         cache = model.make_cache(B * nb + 1, B, 128)
-        f = mx.compile(step_fn(model, cache, B, past))
         ids = mx.zeros((B,), dtype=mx.int32)
+        # the step's graph as the host walks it every step (primitives by name, uncompiled: the trace's tape)
+        nodes = count_primitives(mx.stack([step_fn(model, cache, B, past)(ids, *cache.arrays())[0]]))
+        f = mx.compile(step_fn(model, cache, B, past))
+
+        host = {"call": [], "encode": [], "wait": []}  # host µs per step: f(), async_eval, the readback
 
         def loop(n):
             nonlocal ids
             prev = None
             for _ in range(n):
+                t0 = time.perf_counter()
                 o = f(ids, *cache.arrays())
                 set_pools(cache, o[1:])
-                mx.async_eval(o[0], *cache.arrays())
+                t1 = time.perf_counter()
+                mx.async_eval(o[0], *cache.arrays())  # MLX encodes the step's kernels on this thread
+                t2 = time.perf_counter()
                 if prev is not None:
                     prev.tolist()
+                for k, v in zip(host, (t1 - t0, t2 - t1, time.perf_counter() - t2)):
+                    host[k].append(1e6 * v)
                 ids = prev = o[0]
             prev.tolist()
 
         loop(10)  # trace, compile the kernels, warm up
+        for v in host.values():
+            v.clear()
         out = summarize(kernel_events(lambda: loop(steps)))
+        out["host_us"] = {k: round(statistics.median(v), 1) for k, v in host.items()}
+        out["graph_nodes"] = {"total": sum(nodes.values()), **nodes}
         del cache, f
         mx.clear_cache()
         return out
@@ -136,20 +150,22 @@ def main():
     ap.add_argument("--past", type=int, default=512)
     ap.add_argument("--variants", nargs="*", default=[], metavar="ROW=V[,ROW=V]")
     ap.add_argument("--top", type=int, default=16, help="kernel rows printed per variant")
-    ap.add_argument("--shape", choices=["9b", "demo"], default="9b")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="9b", help="demo: a CPU smoke run")
     ap.add_argument("--json")
     a = ap.parse_args()
     variants = {"defaults": {}, **{spec: parse_rows(spec, source="--variants") for spec in a.variants}}  # typos fail now
-    model = random_model(qwen35_9b_config() if a.shape == "9b" else demo_config(), quantize=QuantSpec(4, 64),
-                         dtype=mx.bfloat16)
-    res = {"mlx": mx.__version__, "batch": a.batch, "past": a.past, "variants": {}}
+    model = random_model(SHAPES[a.shape](), quantize=QuantSpec(4, 64), dtype=mx.bfloat16)
+    res = {"mlx": mx.__version__, "shape": a.shape, "batch": a.batch, "past": a.past, "variants": {}}
     for spec, rows in variants.items():
         r = res["variants"][spec] = trace_variant(model, a.batch, a.past, a.steps, rows)
         if "error" in r:
             print(spec, r["error"])
             continue
         print(f"\n## {spec}: period {r['period_us']:.0f} µs, span {r['span_us']:.0f}, busy {r['busy_us']:.0f}, "
-              f"gaps {r['gaps_us']:.0f}, idle before {r['idle_before_us']:.0f}, {r['kernels_per_step']:.0f} kernels")
+              f"gaps {r['gaps_us']:.0f}, idle before {r['idle_before_us']:.0f}, {r['kernels_per_step']:.0f} kernels; "
+              f"host µs: {r['host_us']}")
+        g = r["graph_nodes"]
+        print(f"graph: {g['total']} nodes; " + ", ".join(f"{k} {v}" for k, v in list(g.items())[1:13]))
         print("| kernel | per step | µs each | µs per step | share of busy |\n|---|---|---|---|---|")
         for k in r["kernels"][: a.top]:
             print(f"| {k['name']} | {k['per_step']:g} | {k['us_each']:.1f} | {k['us_per_step']:.0f} | {100 * k['share']:.1f}% |")

@@ -125,7 +125,7 @@ def test_the_tensor_core_rows_have_a_metal_fallback_row(monkeypatch, backend_nam
 def test_small_k_rows_go_to_dequantize_not_mlx_qmm_on_cuda(monkeypatch):
     """CUDA, 9+ rows, K % 256 != 0: dequantize + GEMM for linear / linear_multi / swiglu (the kernels answer,
     MLX's quantized GEMM is never reached); K % 256 == 0 without the tensor-core GEMM: declined as before;
-    another back-end or the row off: declined."""
+    another back-end or the row off: declined. N % 128 != 0 (small_n_dequant): dequantize + GEMM, fp32 too."""
     from mtlqwen.kernels.qmatmul import gemv  # noqa: PLC0415
 
     monkeypatch.setattr(gemv, "gpu_backend", lambda: "cuda")
@@ -133,7 +133,7 @@ def test_small_k_rows_go_to_dequantize_not_mlx_qmm_on_cuda(monkeypatch):
     monkeypatch.setitem(selection.SELECT, "dequant_kernel", 0)  # MLX's dequantize: runs on the CPU
     rng = np.random.default_rng(3)
     for bits, gs in ((8, 128), (4, 64)):
-        p, up = (make_params(rng, 96, gs, bits, gs, mx.float32) for _ in range(2))
+        p, up = (make_params(rng, 128, gs, bits, gs, mx.float32) for _ in range(2))  # N % 128 == 0: small_n apart
         x = mx.array(rng.standard_normal((9, gs)).astype(np.float32))
         w, wu = (mx.dequantize(q.weight, q.scales, q.biases, group_size=gs, bits=bits) for q in (p, up))
         np.testing.assert_allclose(np.array(gemv.linear_kernel(x, p)), np.array(x @ w.T), rtol=1e-6, atol=1e-6)
@@ -148,6 +148,13 @@ def test_small_k_rows_go_to_dequantize_not_mlx_qmm_on_cuda(monkeypatch):
     monkeypatch.setitem(selection.SELECT, "small_k_dequant", 0)
     assert gemv.linear_kernel(x, p) is None
     monkeypatch.setitem(selection.SELECT, "small_k_dequant", 1)
+    # N % 128 != 0 past the qmv rows: dequantize + GEMM in fp32 too (MLX's GEMM failed to launch there)
+    p96 = make_params(rng, 96, 256, 4, 128, mx.float32)
+    w96 = mx.dequantize(p96.weight, p96.scales, p96.biases, group_size=128, bits=4)
+    x33 = mx.array(rng.standard_normal((33, 256)).astype(np.float32))
+    np.testing.assert_allclose(np.array(gemv.linear_kernel(x33, p96)), np.array(x33 @ w96.T), rtol=1e-5, atol=1e-5)
+    monkeypatch.setitem(selection.SELECT, "small_n_dequant", 0)
+    assert gemv.linear_kernel(x33, p96) is None
     monkeypatch.setattr(gemv, "gpu_backend", lambda: "metal")
     assert gemv.linear_kernel(x, p) is None
 

@@ -131,6 +131,49 @@ def test_capture_publish_hit_restore_through_the_snapshot_hook():
     assert kv.clear() == 1 and pool.num_free == 8 and all(r == 0 for r in pool.ref_counts)
 
 
+def scatters(a: mx.array, tmp_path) -> int:
+    """Scatter nodes in the lazy graph of a."""
+    path = tmp_path / "g.dot"
+    mx.export_to_dot(str(path), a)
+    return path.read_text().count('label ="Scatter')
+
+
+def test_restores_of_one_step_are_one_scatter_per_pool(tmp_path):
+    """Two hits restored in one step beside a slot to zero: each state pool and each K/V pool gets one
+    scatter (the host pays per op), with the values the sequential copies gave."""
+    kv = KVManager(12, 4, prefix_interval=6, identity="x")
+    cache = fake_cache(slots=4, blocks=12)
+    owner = seq("owner", range(10), slot=0)
+    kv.admit(owner)
+    kv.allocate(owner, 6)
+    kv.advance(owner, 6)
+
+    def forward():
+        cache.conv_states[0][0], cache.rec_states[0][0] = 6.0, 5.0
+        cache.k_pools[0][1], cache.v_pools[0][1] = 9.0, 8.0
+
+    snapshot_step(kv, [ScheduledSeq(owner, 0, 6, False, 0, True)], cache, reset=[0], forward=forward).publish()
+    a, b = seq("a", list(range(6)) + [50], slot=1), seq("b", list(range(6)) + [60, 61], slot=2)
+    kv.admit(a)
+    kv.admit(b)
+    assert (a.block_table, b.block_table) == ([0, 2], [0, 3])  # block 0 shared, an own block for each copy
+    cache.rec_states[0][3] = 77.0
+    mx.eval(cache.conv_states, cache.rec_states, cache.k_pools, cache.v_pools)
+    kv.step_snapshots([ScheduledSeq(a, 6, 1, True, 0, True), ScheduledSeq(b, 6, 2, True, 0, True)], [1, 2, 3], cache)
+    assert [scatters(p, tmp_path) for p in (*cache.conv_states, *cache.rec_states, *cache.k_pools, *cache.v_pools)] \
+        == [1, 1, 1, 1]
+    np.testing.assert_array_equal(np.array(cache.rec_states[0]), [[5.0] * 3, [5.0] * 3, [5.0] * 3, [0.0] * 3])
+    np.testing.assert_array_equal(np.array(cache.conv_states[0]), [[6.0] * 2, [6.0] * 2, [6.0] * 2, [0.0] * 2])
+    for blk in (2, 3):
+        np.testing.assert_array_equal(np.array(cache.k_pools[0][blk]), np.full((4, 1, 1), 9.0))
+        np.testing.assert_array_equal(np.array(cache.v_pools[0][blk]), np.full((4, 1, 1), 8.0))
+    (e,) = kv.prefix.entries.values()
+    assert (a.restore, b.restore, e.pins, a.kv_valid, b.kv_valid) == (None, None, 0, 6, 6)
+    for s_ in (owner, a, b):
+        kv.free(s_)
+    assert kv.clear() == 1 and all(r == 0 for r in kv.pool.ref_counts)
+
+
 def test_a_hit_without_room_for_its_copy_is_a_miss():
     kv = KVManager(3, 4, prefix_interval=6, identity="x")
     pool, cache = kv.pool, fake_cache(blocks=4)

@@ -102,21 +102,37 @@ def test_compiled_decode_of_an_moe_model(tmp_path):
     assert eng.compiled is not None and 1 <= eng.compiled.traces <= 2
 
 
+# MoE routing in bf16 flips near-tied experts against fp32 (a whole expert's share of the output): on the H200
+# MLX's own ops in bf16 on this model and prompt are 7.7e-2 off the fp32 reference, the kernels 7.67e-2. So the
+# kernels' budget is the larger of TOLERANCE and BF16_MARGIN x what MLX's bf16 ops reach on the same tokens.
+BF16_MARGIN = 1.25
+BF16_CEILING = 0.15  # the premise: bf16 itself stays this close, or the comparison says nothing
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(backend.gpu_backend() is None, reason=NEEDS_GPU)
-def test_kernels_match_fp32(model):
-    """Prefill of 150 tokens (grouped-by-expert path) then 6 decode steps (fused kernels) on the GPU."""
+def test_kernels_match_fp32(model, monkeypatch):
+    """Prefill of 150 tokens (grouped-by-expert path) then 6 decode steps (fused kernels) on the GPU, against
+    fp32 on the CPU, within the bf16 error of MLX's own ops (MTLQWEN_FORCE_REFERENCE) on the same tokens."""
     from mtlqwen.kernels import dispatch  # noqa: PLC0415
     from test_gpu_model import greedy as greedy_steps  # noqa: PLC0415
 
     ref_model = dense_twin(model)
     prompt = np.random.default_rng(1).integers(0, 4096, 150).tolist()
-    rel = compare(np.asarray(model.logits(prompt).astype(mx.float32)), cpu_logits(ref_model, prompt))
-    print(f"kernels vs fp32 reference (prefill): {rel:.2e}")
-    assert rel <= TOLERANCE
+    ref = cpu_logits(ref_model, prompt)
+    rel = compare(np.asarray(model.logits(prompt).astype(mx.float32)), ref)
     toks, rows = greedy_steps(model, prompt[:40], 6)  # decode rows after the first: T = 1, the fused kernels
-    for i in range(1, 6):  # each decode row against fp32 on the tokens the kernels chose
-        ref = cpu_logits(ref_model, prompt[:40] + toks[:i])[-1]
-        assert compare(rows[i], ref) <= TOLERANCE
+    row_refs = [cpu_logits(ref_model, prompt[:40] + toks[:i])[-1] for i in range(1, 6)]  # on the kernels' tokens
+    monkeypatch.setenv("MTLQWEN_FORCE_REFERENCE", "1")
+    base = compare(np.asarray(model.logits(prompt).astype(mx.float32)), ref)
+    base = max([base] + [compare(np.asarray(model.logits(prompt[:40] + toks[:i])[-1].astype(mx.float32)), r)
+                         for i, r in zip(range(1, 6), row_refs)])
+    monkeypatch.delenv("MTLQWEN_FORCE_REFERENCE")
+    budget = max(TOLERANCE, BF16_MARGIN * base)
+    print(f"kernels vs fp32 reference (prefill): {rel:.2e}; MLX's bf16 ops: {base:.2e}; budget {budget:.2e}")
+    assert base <= BF16_CEILING
+    assert rel <= budget
+    for i, r in zip(range(1, 6), row_refs):
+        assert compare(rows[i], r) <= budget
     for name in ("moe_route", "moe_experts"):
         assert dispatch.OPS[name].failed is None, dispatch.OPS[name].failed

@@ -25,7 +25,9 @@ SELECT: dict[str, int] = {
     "mlx_qmm_min_n_at_8_rows": 65536,
     # More rows than that, N not a multiple of 128 (the GDN b / a projections, N = 32): MLX has no
     # tensor-core GEMM for it (qmm_naive: 77 us per 32x4096 matrix, benchmarks/decode_profile.md);
-    # dequantize the small matrix and use the bf16 GEMM instead.
+    # dequantize the small matrix and use the bf16 GEMM instead. fp32 activations too: on the H200 MLX's
+    # quantized GEMM failed to launch at 33 fp32 rows, N = 96 ("cuGraphAddKernelNode: invalid argument",
+    # test_kernels_qmatmul.py::test_linear_large_m_paths).
     "small_n_dequant": 1,
     # CUDA, more rows than the qmv takes, K not a multiple of 256 (the tensor-core GEMM's k-step): 1 =
     # dequantize + GEMM rather than MLX's quantized GEMM. On the H200 the MoE dispatch test failed at 9 tokens
@@ -111,17 +113,17 @@ SELECT: dict[str, int] = {
     # (benchmarks/results/gpu-tests-prefill-attention-moe.log). Crossover timed on the H200
     # (prefill_attention_bench.py --crossover, 8 sequences, 9B attention shape): the prefill kernel wins from
     # the smallest count timed, 4 queries a sequence (90 vs 188 us at 4k cached keys, 610 vs 1,429 us at
-    # 32k; 613 vs 4,744 us at 16 queries and 32k); 2-3 were not timed. It stays 16 until the kernel's
-    # equivalence test, which now draws chunks of 4-16 queries too, has passed on the H200 with them (it ran
-    # with chunks of 17+); then 3. Traced (compiled) layouts keep the decode kernel: the prefill kernel's plan
-    # reads kv_valid on the host. On Metal
+    # 32k; 613 vs 4,744 us at 16 queries and 32k); 2-3 were not timed, so 3. The equivalence test draws
+    # chunks of 4-16 queries too and passed on the H200 with them (benchmarks/prefill_attention.md).
+    # Uncompiled verification batches (n_draft + 1 rows a sequence) take it as well; traced (compiled)
+    # layouts keep the decode kernel: the prefill kernel's plan reads kv_valid on the host. On Metal
     # there is no tensor-core rendering (Apple GPUs have no mma.sync; the emulator has no simdgroup_matrix):
     # the decode kernel's portable SIMT body serves prefill chunks too (a plain SIMT tiling could not share a
     # K/V tile among more rows: at head_dim 256 its 16 fp32 query rows already take half of Metal's 32 KiB of
     # threadgroup memory), and check_metal runs it on a prefill-sized batch (metal_cases.py). MLX's own
     # attention over gathered K/V is not used: it would copy each sequence's context out of the pool every
     # layer.
-    "prefill_attn_min_queries": 16,
+    "prefill_attn_min_queries": 3,
     # Warps a prefill-attention block (16 query rows each, attention/prefill.py): 8 = 128 query rows per 64-key
     # tile, FlashAttention-2's choice at head_dim 256 (128 KiB of shared memory and 248 registers a lane: one
     # block an SM); 4 = 64 rows, two blocks an SM, but each K/V tile copied from L2 serves half the rows.

@@ -178,15 +178,16 @@ class KVManager:
         """Call before the step's forward is built: zeroes the GDN state of reset_slots (fresh sequences,
         the padding slot) and copies each hit's snapshot over it, lazily in the step's graph. The returned
         object captures after the forward and publishes at read-back."""
-        if reset_slots:
+        restoring = [s.seq for s in scheduled if s.fresh and s.seq.restore is not None] \
+            if self.prefix is not None else []
+        if restoring:  # the zeroing rides in the restores' scatters
+            self.prefix.restore(restoring, cache, reset_slots)
+            for seq in restoring:
+                self._unpin(seq)
+        elif reset_slots:
             rows = mx.array(reset_slots, dtype=mx.int32)
             for p in (*cache.conv_states, *cache.rec_states):
                 p[rows] = 0
-        if self.prefix is not None:
-            restoring = [s.seq for s in scheduled if s.fresh and s.seq.restore is not None]
-            for seq in restoring:
-                self.prefix.restore(seq, cache)
-                self._unpin(seq)
         return StepSnapshots(self, scheduled, cache)
 
     # ---- reporting

@@ -191,17 +191,25 @@ class PrefixCache:
         """Its restore is launched, or the sequence left before it was."""
         e.pins -= 1
 
-    def restore(self, seq, cache) -> None:
-        """Copy seq's hit (seq.restore) into its slot, and its partial block into seq's own block, lazily
-        in the step's graph; the entry's arrays are only read."""
-        e = seq.restore
-        rows = mx.array([seq.slot], dtype=mx.int32)
-        for pool, s in zip(_state_pools(cache), e.state):
-            pool[rows] = s
-        if e.tail is not None:
-            dst = mx.array([seq.block_table[e.length // self.block_tokens]], dtype=mx.int32)
-            for pool, t in zip(_kv_pools(cache), e.tail):
-                pool[dst] = t
+    def restore(self, seqs: list, cache, zero_slots: list[int] = ()) -> None:
+        """Zero the GDN state of zero_slots and copy each seq's hit (seq.restore) into its slot, and its
+        partial block into seq's own block, lazily in the step's graph: one scatter per pool for the whole
+        step (each op costs the host ~20 us on CUDA: 8 restores of the 9B were 432 scatters, now 48 + the
+        tails'). The entries' arrays are only read."""
+        mine = {seq.slot for seq in seqs}
+        zero = [r for r in zero_slots if r not in mine]  # a restored slot is overwritten: no zeroing first
+        rows = mx.array(zero + [seq.slot for seq in seqs], dtype=mx.int32)
+        for i, pool in enumerate(_state_pools(cache)):  # pool [slots, ...]; entry state [1, ...]
+            parts = ([mx.zeros((len(zero), *pool.shape[1:]), pool.dtype)] if zero else []) \
+                + [seq.restore.state[i] for seq in seqs]
+            pool[rows] = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+        tailed = [seq for seq in seqs if seq.restore.tail is not None]
+        if tailed:
+            bt = self.block_tokens
+            dst = mx.array([seq.block_table[seq.restore.length // bt] for seq in tailed], dtype=mx.int32)
+            for i, pool in enumerate(_kv_pools(cache)):  # pool [blocks, ...]; entry tail [1, ...]
+                parts = [seq.restore.tail[i] for seq in tailed]
+                pool[dst] = parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
     # ---- capture (at launch) and publish (at read-back)
     def capture(self, seq, end: int, cache) -> Capture | None:

@@ -24,7 +24,7 @@ def _after(k_pool, v_pool, after):
 
 def uses_prefill_kernel(q_shape, q_dtype, k_pool, v_pool, layout: SeqLayout) -> bool:
     """Whether a batch takes the tensor-core prefill kernel: on CUDA, when some sequence has more than
-    SELECT["prefill_attn_min_queries"] queries (decode and verification rows alone stay on the decode
+    SELECT["prefill_attn_min_queries"] queries (decode rows alone, and traced layouts, stay on the decode
     kernel; 0: never). The prefill kernel then serves the whole packed batch, its 1-query rows included: a decode row's
     block walks its context once, as long as a prefill block of the same context (no split, no merge)."""
     if gpu_backend() != "cuda" or layout.traced or layout.num_seqs == 0:

@@ -188,8 +188,8 @@ def _big_m(x2: mx.array, p: LinearParams) -> mx.array:
         return qgemm.qgemm(x2, [p])[0]
     if small_k_rows(x2, [p]):
         return dequant_linear(x2, p)
-    small_n = SELECT["small_n_dequant"] and p.out_features % 128 != 0
-    if (SELECT["dequant_gemm_min_rows"] <= M or small_n) and x2.dtype in (mx.bfloat16, mx.float16):
+    small_n = SELECT["small_n_dequant"] and p.out_features % 128 != 0  # any dtype: see the row
+    if small_n or (SELECT["dequant_gemm_min_rows"] <= M and x2.dtype in (mx.bfloat16, mx.float16)):
         return dequant_linear(x2, p)
     if M <= SELECT["qmv_loop_max_rows"]:  # a few qmv launches beat MLX's GEMM for small M
         return mx.concatenate([qmv(x2[i:i + 8], [p])[0] for i in range(0, M, 8)], axis=0)

@@ -24,11 +24,11 @@ class LinearParams:
 
     @property
     def out_features(self) -> int:
-        return self.weight.shape[0]
+        return self.weight.shape[-2]  # [out, in] or stacked experts' [E, out, in]
 
     @property
     def in_features(self) -> int:
-        return self.weight.shape[1] * 32 // self.bits if self.quantized else self.weight.shape[1]
+        return self.weight.shape[-1] * 32 // self.bits if self.quantized else self.weight.shape[-1]
 
     def dequantized(self) -> mx.array:
         if not self.quantized:
