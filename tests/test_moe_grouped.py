@@ -192,7 +192,7 @@ def test_moe_experts_dispatch_serves_grouped(poisoned, monkeypatch, T, path):
     calls = []
     real = grouped.grouped_experts
     monkeypatch.setattr(grouped, "grouped_experts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setitem(selection.SELECT, "moe_grouped_min_pairs", 64)  # off by default until this passes
+    monkeypatch.setitem(selection.SELECT, "moe_grouped_min_pairs", 64)  # the table's value, pinned here
     case = moe_case(T, T, 64, 4, 512, 256, 4, 64, mx.bfloat16, True, "random")
     got = moe_experts(*case)
     assert dispatch.OPS["moe_experts"].failed is None

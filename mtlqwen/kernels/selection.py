@@ -158,7 +158,7 @@ SELECT: dict[str, int] = {
     "qgemm_split_waves": 2,
     # MoE (moe/): the same portable kernels on Metal and CUDA (Metal: run on the emulator only, check_metal).
     # Routing's softmax + top-k + renormalisation in one launch (moe/kernels.py route) instead of
-    # softmax, argpartition, take, sum, divide. Not yet run on a GPU: its test is tests/test_kernels_moe.py.
+    # softmax, argpartition, take, sum, divide. Its test (tests/test_kernels_moe.py) passed on the H200.
     "moe_route_kernel": 1,
     # Tokens up to which the fused expert kernels serve (gate+up+SwiGLU per (token, slot), then down with
     # the routing weights and the shared expert summed in its K loop): each (token, expert) pair reads its
@@ -167,17 +167,16 @@ SELECT: dict[str, int] = {
     "moe_fused_max_tokens": 8,
     # (token, expert) pairs from which the pairs are grouped by expert on the device (sorted ids, gather_qmm
     # with sorted_indices, unsorted after): mlx-lm's SwitchGLU threshold (64 indices). Between the two rows
-    # MLX's unsorted gather_qmm (the reference) serves. Not yet measured on the H200.
+    # MLX's unsorted gather_qmm (the reference) serves. On the H200 sorting gained nothing (one 35B-A3B block:
+    # 11,524 us sorted vs 11,325 unsorted at 1024 tokens; moe_bench.py); CUDA takes the grouped GEMM below.
     "moe_sort_min_pairs": 64,
     # CUDA: (token, expert) pairs from which the expert MLPs run on the grouped tensor-core GEMM
     # (moe/grouped.py: qgemm over each expert's padded segment, two launches) instead of sorted gather_qmm,
-    # where it covers the shapes (4/8-bit, bf16/fp16, H and Im multiples of 256); 0 = never. Off: on the
-    # H200 the single grouped launch matched its reference (tests/test_moe_grouped.py::
-    # test_grouped_qgemm_matches_reference, both SwiGLU and plain, gathered or buffered rows) but the composed
-    # path did not (test_grouped_experts_match_reference, and the dispatch at 16 and 101 tokens); the
-    # failure's details were cut by the call's time limit (benchmarks/moe.md). 64 (where the sorted path
-    # starts) once that passes.
-    "moe_grouped_min_pairs": 0,
+    # where it covers the shapes (4/8-bit, bf16/fp16, H and Im multiples of 256); 0 = never. Its tests
+    # passed on the H200 (tests/test_moe_grouped.py: each launch, the composed path, the dispatch at 16 and
+    # 101 tokens). One 35B-A3B MoE block (moe_bench.py): 1,263 us against sorted gather_qmm's 11,524 at 1024
+    # tokens, 2,696 against 43,648 at 4096 (benchmarks/moe.md). 64 pairs: where the sorted path started.
+    "moe_grouped_min_pairs": 64,
     # Activation rows MB of one grouped tile (16, 32 or 64; 0 = by the mean pairs per expert T*k/E: the
     # smallest of them that holds it). Each tile reads its expert's whole [N, K] slab and each expert's
     # segment pads up to a multiple of MB, so MB near the mean reads an expert about once or twice and pads
