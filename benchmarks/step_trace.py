@@ -1,7 +1,7 @@
 """Where a compiled decode step's time goes on the device, kernel by kernel, as it really runs.
 
 Nsight Compute (step_kernels.py) replays kernels one at a time with idle gaps between them, which lets
-the clocks fall and inflates every latency-bound kernel. Here the compiled 9B step runs as in
+the clocks fall and inflates every latency-bound kernel. Here the compiled step (9B shape by default) runs as in
 decode_profile.py (pipelined, MLX's CUDA graphs on) while PyTorch's profiler (CUPTI) records each
 kernel's start and end. Per step it reports:
 
@@ -9,7 +9,11 @@ kernel's start and end. Per step it reports:
   `gaps` = span - busy (the device waiting between kernels of one step: launch latency, host);
 - `idle_before`: the device idle between the previous step's last kernel and this step's first one
   (the host had not launched it yet: host-bound when it is large);
-- per kernel name: launches per step and in-situ µs per launch, and the share of `busy`.
+- per kernel name: launches per step and in-situ µs per launch, and the share of `busy`;
+- `host_us`: the host's median µs a step calling the compiled step, in `mx.async_eval` (MLX encoding its
+  kernels) and waiting for the previous step's token, timed in a loop without the profiler
+  (`host_us_profiled`: the same under CUPTI, which adds to every launch); `graph_nodes`: the step's
+  primitives by name.
 
     python benchmarks/step_trace.py --batch 1 --variants qmv_residual_norm=0 --json $OUT/trace.json
 """
@@ -132,11 +136,18 @@ def trace_variant(model, B: int, past: int, steps: int, rows: dict) -> dict:
                 ids = prev = o[0]
             prev.tolist()
 
+        def host_medians() -> dict:
+            m = {k: round(statistics.median(v), 1) for k, v in host.items()}
+            for v in host.values():
+                v.clear()
+            return m
+
         loop(10)  # trace, compile the kernels, warm up
-        for v in host.values():
-            v.clear()
+        host_medians()
+        loop(steps)  # the host's times without the profiler (CUPTI adds to every launch)
+        plain = host_medians()
         out = summarize(kernel_events(lambda: loop(steps)))
-        out["host_us"] = {k: round(statistics.median(v), 1) for k, v in host.items()}
+        out["host_us_profiled"], out["host_us"] = host_medians(), plain
         out["graph_nodes"] = {"total": sum(nodes.values()), **nodes}
         del cache, f
         mx.clear_cache()
@@ -163,7 +174,7 @@ def main():
             continue
         print(f"\n## {spec}: period {r['period_us']:.0f} µs, span {r['span_us']:.0f}, busy {r['busy_us']:.0f}, "
               f"gaps {r['gaps_us']:.0f}, idle before {r['idle_before_us']:.0f}, {r['kernels_per_step']:.0f} kernels; "
-              f"host µs: {r['host_us']}")
+              f"host µs: {r['host_us']} (under the profiler: {r['host_us_profiled']})")
         g = r["graph_nodes"]
         print(f"graph: {g['total']} nodes; " + ", ".join(f"{k} {v}" for k, v in list(g.items())[1:13]))
         print("| kernel | per step | µs each | µs per step | share of busy |\n|---|---|---|---|---|")
