@@ -67,6 +67,13 @@ def start_tensor_parallel(args) -> None:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (for the life of the process)
 
 
+def add_warmup_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--warmup", choices=["auto", "on", "off"], default="auto",
+                   help="before serving, run a small throwaway workload so that the GPU kernels the first "
+                        "requests need are compiled (MLX compiles each at first use, seconds on CUDA); "
+                        "auto (default): when the GPU kernels run; skipped under --tensor-parallel")
+
+
 def add_quiet_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true",
                    help="no progress bars (they are also off when standard error is not a terminal)")

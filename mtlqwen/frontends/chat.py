@@ -19,8 +19,8 @@ import sys
 import time
 
 from .args import (
-    add_draft_bits_arg, add_model_args, add_quiet_arg, add_sampling_args, check_max_tokens, check_model_args, fit_reply,
-    load_with_bar, parse_template_args, sampling_from_args,
+    add_draft_bits_arg, add_model_args, add_quiet_arg, add_sampling_args, add_warmup_arg, check_max_tokens,
+    check_model_args, fit_reply, load_with_bar, parse_template_args, sampling_from_args,
 )
 from .prompting import continuation, has_chat_template, render
 from .reasoning import CLOSE, OPEN, ReasoningSplitter, prompt_opens_thinking
@@ -49,6 +49,7 @@ def register(subparsers) -> None:
     add_sampling_args(c, max_tokens=512)
     c.add_argument("--prefix-interval", type=int, default=None,
                    help="prefix-cache snapshot interval in tokens (default: the engine's, 512; 0 turns the cache off)")
+    add_warmup_arg(c)
     c.add_argument("--verbose", "-v", action="store_true", help="print token counts and speed after each reply")
     c.add_argument("--debug-token-log", default=None, metavar="PATH",
                    help="debugging aid: append each turn's prompt and completion token ids (JSON lines) to PATH")
@@ -183,6 +184,7 @@ def _command(text: str, convo: Conversation, thinking_switch: bool) -> bool | No
 def cmd_chat(args) -> int:
     from ..runtime import Engine  # noqa: PLC0415
     from ..runtime.replicated import replicate  # noqa: PLC0415
+    from ..runtime.warmup import should_warm_up, warm_up  # noqa: PLC0415
 
     check_model_args(args)
     kwargs = parse_template_args(args.chat_template_args)
@@ -192,6 +194,8 @@ def cmd_chat(args) -> int:
     model, tok, note, drafter = load_with_bar(args, bars)
     if drafter is not None and not engine_kw.get("draft"):  # the demo pair speculates with its drafter
         engine_kw["draft"] = drafter
+    if should_warm_up(args.warmup, getattr(args, "group", None)):  # before the engine: one pool at a time
+        warm_up(model, engine_kw, tok, log=None if args.quiet else (lambda m: print(f"({m})", file=sys.stderr)))
     # --tensor-parallel: ranks other than 0 follow rank 0's engine and exit here
     engine = replicate(Engine(model, tokenizer=tok, **engine_kw), getattr(args, "group", None))
     context = engine.max_model_len

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 from .args import (
-    add_draft_bits_arg, add_model_args, add_sampling_args, check_draft_bits, load_model_and_tokenizer,
-    parse_template_args, sampling_defaults,
+    add_draft_bits_arg, add_model_args, add_sampling_args, add_warmup_arg, check_draft_bits,
+    load_model_and_tokenizer, parse_template_args, sampling_defaults,
 )
 from .request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 
@@ -54,6 +54,7 @@ def register(subparsers) -> None:
                    help="context limit per request, prompt and reply together (default and maximum: the model's)")
     s.add_argument("--prefix-interval", type=int, default=None,
                    help="prefix-cache snapshot interval in tokens (default: the engine's, 512; 0 turns the cache off)")
+    add_warmup_arg(s)
     s.add_argument("--chat-template-args", default=None, metavar="JSON",
                    help='default chat template arguments, e.g. \'{"enable_thinking": false}\' '
                         "(a request's chat_template_kwargs override them)")
@@ -199,6 +200,7 @@ def cmd_serve(args) -> int:
     def build():
         from ..runtime import Engine  # noqa: PLC0415
         from ..runtime.replicated import replicate  # noqa: PLC0415
+        from ..runtime.warmup import should_warm_up, warm_up  # noqa: PLC0415
 
         model, tok, note, drafter = load_model_and_tokenizer(args)
         if drafter is not None and not engine_kw.get("draft"):
@@ -206,6 +208,8 @@ def cmd_serve(args) -> int:
         if note:
             log.warning(note)
         _check_context(model, args.max_model_len)
+        if should_warm_up(args.warmup, group):  # before the serving engine: its pool and the warm-up's never coexist
+            warm_up(model, engine_kw, tok, log=log.info)
         return replicate(Engine(model, tokenizer=tok, **engine_kw), group), tok
 
     metrics = Metrics(names[0])
