@@ -272,11 +272,13 @@ def fused_experts(x, gate, up, down, inds, weights, with_shared: tuple | None = 
     ins = [x, inds, _cast(weights, mx.float32)] + wsb(gate) + wsb(up)
     if sh:
         ins += wsb(with_shared[0]) + wsb(with_shared[1])
+    # h: pair (t, s)'s Im units at row t, columns s*Im.. — [T * S, Im] in memory, declared [T, S * Im] (the
+    # kernel reads no output shape) so that down reads it without a reshape node (host time per node)
     h = _gate_up_kernel(sh)(
-        gpu_backend(), inputs=ins, output_shapes=[(T * S, Im)], output_dtypes=[dt],
+        gpu_backend(), inputs=ins, output_shapes=[(T, S * Im)], output_dtypes=[dt],
         grid=(-(-Im // (4 * gr)) * 128, T * S, 1), threadgroup=(128, 1, 1),
         template=tmpl(2 * gr, 2, 1), init_value=POISON)[0]
-    ins = [h.reshape(T, S * Im), inds] + wsb(down) + (wsb(with_shared[2]) if sh else [])
+    ins = [h, inds] + wsb(down) + (wsb(with_shared[2]) if sh else [])
     return _down_kernel(sh)(
         gpu_backend(), inputs=ins, output_shapes=[(T, H)], output_dtypes=[dt],
         grid=(-(-H // (4 * dr)) * 128, T, 1), threadgroup=(128, 1, 1),
