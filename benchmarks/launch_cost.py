@@ -6,6 +6,7 @@ the 35B-A3B step, 2.9 ms of device time in an 11 ms step). Each variant is a cha
 probe, y_{i+1} = probe(y_i, extras), on 256 floats (the device time is ~2 us a launch):
 
     builtin     MLX's own add (y + 1)
+    reshape     two reshapes (views: graph nodes with no kernel), per launch counted as one link
     short       a custom kernel, 3 lines of body
     long        the same body with a comment block making its source ~16 KB (MLX hashes the source at
                 every launch), and ~64 KB
@@ -90,7 +91,9 @@ def main() -> int:
     a = ap.parse_args()
     backend = gpu_backend()
     x = mx.zeros((N,), dtype=mx.float32)
-    variants = {"builtin": (lambda y, extras: y + 1.0, [])}
+    # reshape: a node with no kernel (a view), two per link, to price the graph node alone
+    variants = {"builtin": (lambda y, extras: y + 1.0, []),
+                "reshape": (lambda y, extras: y.reshape(16, 16).reshape(N), [])}
     if backend is not None:
         small = [mx.zeros((N,), dtype=mx.float32) for _ in range(15)]
         big = [mx.zeros((64 * 2**20,), dtype=mx.float32)]  # 256 MB
@@ -102,7 +105,7 @@ def main() -> int:
             "big_input": (kernel_step(probe(1, 0), backend), big),
         })
         mx.eval(small, big)
-    print(f"device {mx.default_device()}, backend {backend or 'cpu (builtin only)'}, {a.links} launches a chain")
+    print(f"device {mx.default_device()}, backend {backend or 'cpu (builtin and reshape only)'}, {a.links} launches a chain")
     print("| variant | eager encode us | eager total us | compiled call us | compiled encode us | compiled total us |")
     print("|---|---|---|---|---|---|")
     rows = {}
