@@ -40,8 +40,9 @@ def test_when_it_runs(monkeypatch):
 
 
 def test_the_workload_and_its_pool(ckpt, monkeypatch):
-    """5 prefill requests (4 row classes, one prefill-only step + 3) of 1 token, then one request per slot
-    stopping after 2, 3, 4 tokens, on a throwaway engine with no prefix cache and a pool for the workload."""
+    """5 prefill requests of 1 token, one at a time (4 row classes, one prefill-only step + 3), then one
+    request per slot together, stopping after 2, 3, 4 tokens, on a throwaway engine with no prefix cache
+    and a pool for the workload."""
     import mtlqwen  # noqa: PLC0415
 
     model = mtlqwen.load(ckpt)
@@ -56,11 +57,10 @@ def test_the_workload_and_its_pool(ckpt, monkeypatch):
 
     monkeypatch.setattr(Engine, "generate", spy)
     out = warmup.warm_up(model, ENGINE_KW)
-    assert seen == [[(5, 1, 1, "length"), (20, 1, 1, "length"), (40, 1, 1, "length"), (100, 1, 1, "length"),
-                     (35, 1, 1, "length")],
-                    [(6, 2, 2, "length"), (7, 3, 3, "length"), (8, 4, 4, "length")]]
+    assert seen == [[(5, 1, 1, "length")], [(20, 1, 1, "length")], [(40, 1, 1, "length")], [(100, 1, 1, "length")],
+                    [(35, 1, 1, "length")], [(6, 2, 2, "length"), (7, 3, 3, "length"), (8, 4, 4, "length")]]
     eng = engines[0]
-    assert engines == [eng, eng] and eng.prefix is None and eng.slots == 3 and eng.step_tokens == 16
+    assert engines == [eng] * 6 and eng.prefix is None and eng.slots == 3 and eng.step_tokens == 16
     per_seq = -(-(32 + 3 + 3 + 2) // 16) + 1  # the longest prompt plus its tokens, in blocks, plus one
     assert eng.num_blocks == 3 * per_seq + 1 == 13
     assert eng.pool.num_free == eng.num_blocks  # everything returned

@@ -21,7 +21,9 @@ from ..kernels.backend import use_kernels
 from .config import EngineConfig
 
 WARMUP_MODES = ("auto", "on", "off")
-CHUNK_ROWS = (5, 20, 40, 100)  # the GEMV, then the tensor-core GEMM's row classes (16 / 32 / 64 / 128)
+# prompts run alone, so that their prefill steps have these many rows: the GEMV's, then the tensor-core
+# GEMM's row classes (up to 32 / 64 / 128); the prefill-only budget's step covers dequantize + GEMM
+CHUNK_ROWS = (5, 20, 40, 100)
 
 
 def should_warm_up(mode: str, group=None) -> bool:
@@ -58,13 +60,14 @@ def warm_up(model, engine_kw: dict | None = None, tokenizer=None, log=None) -> d
     def prompt(n: int, salt: int) -> list[int]:  # distinct ids, no special meaning
         return [(7 + 31 * i + 1009 * salt) % vocab for i in range(max(1, min(n, ctx - slots - 4)))]
 
-    # prefill: one prompt per row class, then one of a whole prefill-only step and a remainder
-    work = [(prompt(n, i), 1) for i, n in enumerate(CHUNK_ROWS)] + [(prompt(budget + 3, 9), 1)]
+    # prefill, one request at a time (a step's rows are all its sequences' tokens): one prompt per row
+    # class, then one of a whole prefill-only step and a remainder
+    groups = [[(prompt(n, i), 1)] for i, n in enumerate(CHUNK_ROWS)] + [[(prompt(budget + 3, 9), 1)]]
     # decode: `slots` requests together, request i stopping after i + 2 tokens, so every batch size from
     # `slots` down to 1 runs (with a drafter: their verifications too)
-    work += [(prompt(6 + i, 20 + i), i + 2) for i in range(slots)]
+    groups.append([(prompt(6 + i, 20 + i), i + 2) for i in range(slots)])
     n = 0
-    for group in (work[: len(CHUNK_ROWS) + 1], work[len(CHUNK_ROWS) + 1:]):
+    for group in groups:
         outs = eng.generate([p for p, _ in group], [SamplingParams(max_tokens=m, ignore_eos=True) for _, m in group])
         failed = [o.error for o in outs if o.finish_reason == "error"]
         if failed:
