@@ -20,7 +20,7 @@ from engine_checks import greedy
 from frontend_fixtures import REPO, subprocess_env
 from hf_checkpoints import random_token_ids, write_tiny_checkpoint
 
-ENGINE_KW = {"slots": 3, "step_tokens": 16, "prefill_step_tokens": 32, "block_tokens": 16}
+ENGINE_KW = {"slots": 3, "step_tokens": 16, "prefill_step_tokens": 32, "block_tokens": 16, "prefix_interval": 16}
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +40,9 @@ def test_when_it_runs(monkeypatch):
 
 
 def test_the_workload_and_its_pool(ckpt, monkeypatch):
-    """5 prefill requests of 1 token, one at a time (4 row classes, one prefill-only step + 3), then one
-    request per slot together, stopping after 2, 3, 4 tokens, on a throwaway engine with no prefix cache
-    and a pool for the workload."""
+    """6 prefill requests of 1 token, one at a time (4 row classes, one prefill-only step + 3, that prompt
+    extended by 5: a prefix-cache hit), then one request per slot together, stopping after 2, 3, 4 tokens,
+    on a throwaway engine with the same prefix cache and a pool for the workload."""
     import mtlqwen  # noqa: PLC0415
 
     model = mtlqwen.load(ckpt)
@@ -52,19 +52,23 @@ def test_the_workload_and_its_pool(ckpt, monkeypatch):
     def spy(self, prompts, sampling=None, progress=False):
         engines.append(self)
         outs = real_generate(self, prompts, sampling, progress)
-        seen.append([(len(p), s.max_tokens, len(o.token_ids), o.finish_reason) for p, s, o in zip(prompts, sampling, outs)])
+        seen.append([(len(p), s.max_tokens, len(o.token_ids), o.finish_reason, o.cached_tokens)
+                     for p, s, o in zip(prompts, sampling, outs)])
         return outs
 
     monkeypatch.setattr(Engine, "generate", spy)
     out = warmup.warm_up(model, ENGINE_KW)
-    assert seen == [[(5, 1, 1, "length")], [(20, 1, 1, "length")], [(40, 1, 1, "length")], [(100, 1, 1, "length")],
-                    [(35, 1, 1, "length")], [(6, 2, 2, "length"), (7, 3, 3, "length"), (8, 4, 4, "length")]]
+    assert seen == [[(5, 1, 1, "length", 0)], [(20, 1, 1, "length", 0)], [(40, 1, 1, "length", 0)],
+                    [(100, 1, 1, "length", 0)], [(35, 1, 1, "length", 0)],
+                    [(40, 1, 1, "length", 35)],  # restored from the 35-token request's turn entry
+                    [(6, 2, 2, "length", 0), (7, 3, 3, "length", 0), (8, 4, 4, "length", 0)]]
     eng = engines[0]
-    assert engines == [eng] * 6 and eng.prefix is None and eng.slots == 3 and eng.step_tokens == 16
-    per_seq = -(-(32 + 3 + 3 + 2) // 16) + 1  # the longest prompt plus its tokens, in blocks, plus one
-    assert eng.num_blocks == 3 * per_seq + 1 == 13
+    assert engines == [eng] * 7 and eng.prefix is not None and eng.slots == 3 and eng.step_tokens == 16
+    per_seq = -(-(32 + 8 + 3 + 2) // 16) + 1  # the longest prompt plus its tokens, in blocks, plus one
+    assert eng.num_blocks == 4 * per_seq + 1 == 17  # the slots' and the prefix entries' share
+    eng.clear_prefix_cache()
     assert eng.pool.num_free == eng.num_blocks  # everything returned
-    assert out["requests"] == 8 and out["instantiations"] == 0 and out["seconds"] >= 0  # the CPU builds none
+    assert out["requests"] == 9 and out["instantiations"] == 0 and out["seconds"] >= 0  # the CPU builds none
 
 
 def test_first_use_checks_are_left_for_the_serving_engine(ckpt):
@@ -82,7 +86,7 @@ def test_first_use_checks_are_left_for_the_serving_engine(ckpt):
     with dispatch.inject("rms_norm", kern):
         out = warmup.warm_up(model, ENGINE_KW, log=lambda m: calls.append(m))
         assert out["instantiations"] == 1 and kern in op.checked
-        assert calls[-1].startswith("warm-up: 8 requests, 1 kernel instantiations built in ")
+        assert calls[-1].startswith("warm-up: 9 requests, 1 kernel instantiations built in ")
 
 
 def test_the_serving_engine_sees_the_same_model(ckpt, tmp_path):
@@ -95,7 +99,7 @@ def test_the_serving_engine_sees_the_same_model(ckpt, tmp_path):
     before = Engine(model, **ENGINE_KW).generate(prompts, greedy(10, ignore_eos=True))
     weights = {k: np.array(v) for k, v in model.weights.items() if isinstance(v, mx.array)}
     out = warmup.warm_up(model, {**ENGINE_KW, "draft": drafter})
-    assert out["requests"] == 8
+    assert out["requests"] == 9
     assert all(np.array_equal(np.array(model.weights[k]), w) for k, w in weights.items())
     after = Engine(model, **ENGINE_KW).generate(prompts, greedy(10, ignore_eos=True))
     assert [o.token_ids for o in after] == [o.token_ids for o in before]

@@ -33,7 +33,7 @@ SELECT: dict[str, int] = {
     # dequantize + GEMM rather than MLX's quantized GEMM. On the H200 the MoE dispatch test failed at 9 tokens
     # (wrong, or non-finite at 4-bit g64), and the only op its failing cases ran that the passing ones did not
     # is MLX's quantized_matmul on 9+ rows with K one quantization group (128 at g128, 64 at g64;
-    # benchmarks/moe.md). Not yet rerun on the GPU with this row. Real Qwen3.5 shapes have K % 256 == 0;
+    # benchmarks/moe.md). With this row the dispatch test passed on the H200. Real Qwen3.5 shapes have K % 256 == 0;
     # small K comes from tests and tiny models.
     "small_k_dequant": 1,
     # CUDA, 4-bit, bf16/fp16 x: rows from which the tensor-core qmv variant (mma.sync) replaces the FMA

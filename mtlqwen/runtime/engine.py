@@ -112,7 +112,8 @@ class Engine(Generation):
     every sequence verifies, and the drafter's proposals and context writes (model/compiled_draft.py);
     mixed steps (prefill chunks next to verifications) stay uncompiled. spec_pipeline=True (compiled engines,
     greedy requests) launches an all-verify step while the previous one is in flight (runtime/spec_pipeline.py
-    says when it falls back to the synchronous rule); off until measured on a GPU.
+    says when it falls back to the synchronous rule); off by default (benchmarks/spec.md: faster at n_draft 15,
+    slower at 7).
 
     Not thread-safe: one thread calls submit/step/cancel (a server feeds it through a queue)."""
 

@@ -3,9 +3,10 @@
 MLX compiles each custom-kernel instantiation (NVRTC on CUDA, the Metal compiler on Apple GPUs) at its
 first launch in a process, and keeps no disk cache of them: on the H200 a fresh process paid 3-9 s of
 compiles inside the first chat turns (benchmarks/demo_pair.md). `warm_up` runs a small throwaway
-workload first — prompts whose chunks hit the projections' row classes, decode batches from every
-slot count down to one, speculation when a drafter is given — on a throwaway engine of the same
-configuration with a small KV pool and no prefix cache. It runs before the serving engine is built,
+workload first — prompts whose chunks hit the projections' row classes, a prompt that extends a cached
+one (the prefix cache's capture, restore and prefill over a cached prefix: the compiles the chat turns
+above met), decode batches from every slot count down to one, speculation when a drafter is given — on a
+throwaway engine of the same configuration with a small KV pool. It runs before the serving engine is built,
 so the two pools never coexist. What it leaves behind is process-wide: the compiled kernels and the
 dispatcher's first-use checks (kernels/dispatch.py). The serving engine's `mx.compile` traces are its
 own and are still built at their first step (tens of milliseconds, not seconds).
@@ -42,16 +43,16 @@ def instantiations() -> int:
 
 def warm_up(model, engine_kw: dict | None = None, tokenizer=None, log=None) -> dict:
     """Run the warm-up workload on a throwaway Engine(model, **engine_kw) (its KV pool cut to what the
-    workload needs, prefix cache off); returns {"requests", "seconds", "instantiations"} (new ones)."""
+    workload needs); returns {"requests", "seconds", "instantiations"} (new ones)."""
     from .engine import Engine  # noqa: PLC0415  (engine imports the runtime; this module is imported by frontends)
     from .sampling import SamplingParams  # noqa: PLC0415
 
     cfg = EngineConfig.build(None, **(engine_kw or {}))
     budget, slots, bt = cfg.prefill_budget, cfg.slots, cfg.block_tokens
-    longest = budget + 3 + slots + 2  # one prompt of a full prefill step plus a remainder, and its tokens
+    longest = budget + 8 + slots + 2  # a prompt of a full prefill step plus a remainder, extended, and its tokens
     per_seq = -(-longest // bt) + 1
-    throwaway = dataclasses.replace(cfg, num_blocks=slots * per_seq + 1, kv_bytes=None, prefix_interval=0,
-                                    prefix_cache_bytes=None, spec_pipeline=False)
+    # one sequence's worth more than the slots use: the blocks the prefix entries share
+    throwaway = dataclasses.replace(cfg, num_blocks=(slots + 1) * per_seq + 1, kv_bytes=None, spec_pipeline=False)
     t0, before = time.perf_counter(), instantiations()
     eng = Engine(model, throwaway, tokenizer=tokenizer)
     vocab = model.config.vocab_size
@@ -61,8 +62,10 @@ def warm_up(model, engine_kw: dict | None = None, tokenizer=None, log=None) -> d
         return [(7 + 31 * i + 1009 * salt) % vocab for i in range(max(1, min(n, ctx - slots - 4)))]
 
     # prefill, one request at a time (a step's rows are all its sequences' tokens): one prompt per row
-    # class, then one of a whole prefill-only step and a remainder
-    groups = [[(prompt(n, i), 1)] for i, n in enumerate(CHUNK_ROWS)] + [[(prompt(budget + 3, 9), 1)]]
+    # class, one of a whole prefill-only step and a remainder, then that prompt extended (with the prefix
+    # cache on: restored from its entry, the rest prefilled over the cached prefix)
+    long = prompt(budget + 3, 9)
+    groups = [[(prompt(n, i), 1)] for i, n in enumerate(CHUNK_ROWS)] + [[(long, 1)], [(long + prompt(5, 10), 1)]]
     # decode: `slots` requests together, request i stopping after i + 2 tokens, so every batch size from
     # `slots` down to 1 runs (with a drafter: their verifications too)
     groups.append([(prompt(6 + i, 20 + i), i + 2) for i in range(slots)])

@@ -85,7 +85,9 @@ def tile_rows(pairs: int, experts: int) -> int:
 
 
 def config(mb: int, epi: int) -> tuple[int, int, int, int, int]:
-    """(RT, TT, WN, WM, STAGES) at MB = mb activation rows: qgemm.config's blocking for that row class.
+    """(RT, TT, WN, WM, STAGES) at MB = mb activation rows: qgemm.config's blocking for that row class, as
+    it picks it for a 4-bit 4096 x 4096 matrix (not tuned per expert shape; the stages' shared memory is
+    sized for the real bits by _launch_args).
     No split-K: the tile count is a static upper bound, so the blocks that work are unknown on the host,
     and T*k >= 64 pairs already give N / TR blocks per used tile."""
     if mb not in (16, 32, 64):
