@@ -34,7 +34,7 @@ from mtlqwen.kernels.backend import gpu_backend
 from mtlqwen.kernels.portable import PortableKernel
 
 BODY = """
-  const uint i = GID_X;
+  const unsigned int i = GID_X;
   if (i < inp_shape[0]) out[i] = inp[i] + 1.0f;
 """
 N = 256

@@ -16,6 +16,9 @@ kernel's start and end. Per step it reports:
   primitives by name.
 
     python benchmarks/step_trace.py --batch 1 --variants qmv_residual_norm=0 --json $OUT/trace.json
+
+With `--prefill T` it then traces prefill chunks of T tokens at the defaults (one sequence, empty cache, eager
+as the engine runs its prefill steps): kernels per chunk and the chunk's wall time.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import mlx.core as mx
 
 from decode_profile import count_primitives, set_pools, step_fn
 from mtlqwen.kernels.selection import parse_rows, selected
+from mtlqwen.kernels.seqs import SeqLayout
 from mtlqwen.model.builtin import SHAPES, random_model
 from mtlqwen.model.config import QuantSpec
 
@@ -42,6 +46,9 @@ def kernel_events(run) -> list[tuple[float, float, str]]:
     import torch  # noqa: PLC0415
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
+    if not torch.cuda.is_available():  # a CPU smoke run: no kernels to record
+        run()
+        return []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
@@ -154,6 +161,35 @@ def trace_variant(model, B: int, past: int, steps: int, rows: dict) -> dict:
         return out
 
 
+def trace_prefill(model, T: int, steps: int, rows: dict) -> dict:
+    """One prefill chunk of T tokens (one sequence, empty cache, as the engine's first prefill step runs it:
+    eager, logits of the last row): kernels per chunk, and the chunk's wall time without the profiler."""
+    with selected(rows):
+        nb = -(-T // 128)
+        cache = model.make_cache(nb + 1, 1, 128)
+        lay = SeqLayout([0, T], [0], [list(range(nb))], [0], 128)
+        ids = mx.random.randint(0, model.config.vocab_size, (T,)).astype(mx.int32)
+        last = mx.array([T - 1])
+
+        def run(n):
+            for _ in range(n):
+                out = mx.argmax(model.forward(ids, lay, cache, logits_rows=last), axis=-1)
+                out.tolist()
+
+        run(2)  # first-use compiles
+        walls = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            run(1)
+            walls.append(1e6 * (time.perf_counter() - t0))
+        out = summarize(kernel_events(lambda: run(steps + 1)))
+        out["wall_us"] = round(statistics.median(walls), 1)
+        out["tokens_per_s"] = round(T / (statistics.median(walls) * 1e-6), 1)
+        del cache
+        mx.clear_cache()
+        return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=1)
@@ -162,6 +198,8 @@ def main():
     ap.add_argument("--variants", nargs="*", default=[], metavar="ROW=V[,ROW=V]")
     ap.add_argument("--top", type=int, default=16, help="kernel rows printed per variant")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="9b", help="demo: a CPU smoke run")
+    ap.add_argument("--prefill", type=int, default=0, metavar="T",
+                    help="after the decode variants, trace prefill chunks of T tokens (one sequence, empty cache)")
     ap.add_argument("--json")
     a = ap.parse_args()
     variants = {"defaults": {}, **{spec: parse_rows(spec, source="--variants") for spec in a.variants}}  # typos fail now
@@ -179,6 +217,14 @@ def main():
         print(f"graph: {g['total']} nodes; " + ", ".join(f"{k} {v}" for k, v in list(g.items())[1:13]))
         print("| kernel | per step | µs each | µs per step | share of busy |\n|---|---|---|---|---|")
         for k in r["kernels"][: a.top]:
+            print(f"| {k['name']} | {k['per_step']:g} | {k['us_each']:.1f} | {k['us_per_step']:.0f} | {100 * k['share']:.1f}% |")
+    if a.prefill:
+        r = res["prefill_trace"] = trace_prefill(model, a.prefill, 3, {})
+        print(f"\n## prefill of {a.prefill} tokens: wall {r['wall_us']:.0f} µs ({r['tokens_per_s']:.0f} tok/s)"
+              + (f", kernels busy {r['busy_us']:.0f} µs, span {r['span_us']:.0f}, {r['kernels_per_step']:.0f} kernels"
+                 if "error" not in r else f"; {r['error']}"))
+        print("| kernel | per chunk | µs each | µs per chunk | share of busy |\n|---|---|---|---|---|")
+        for k in r.get("kernels", [])[: a.top]:
             print(f"| {k['name']} | {k['per_step']:g} | {k['us_each']:.1f} | {k['us_per_step']:.0f} | {100 * k['share']:.1f}% |")
     if a.json:
         with open(a.json, "w") as f:

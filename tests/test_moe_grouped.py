@@ -185,14 +185,15 @@ def test_grouped_experts_match_reference(poisoned, T, E, k, H, Im, bits, gs, mb,
 @cuda_only
 @pytest.mark.parametrize("T, path", [(8, "fused"), (16, "grouped"), (101, "grouped")])
 def test_moe_experts_dispatch_serves_grouped(poisoned, monkeypatch, T, path):
-    """From moe_grouped_min_pairs pairs (k = 4: 16 tokens = 64) the dispatcher runs the grouped path."""
+    """From moe_grouped_min_pairs pairs the dispatcher runs the grouped path (pinned at 64 here, where k = 4
+    makes 16 tokens 64 pairs, so the test's small cases cross it)."""
     from mtlqwen.kernels import dispatch  # noqa: PLC0415
     from mtlqwen.kernels.moe import moe_experts  # noqa: PLC0415
 
     calls = []
     real = grouped.grouped_experts
     monkeypatch.setattr(grouped, "grouped_experts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setitem(selection.SELECT, "moe_grouped_min_pairs", 64)  # the table's value, pinned here
+    monkeypatch.setitem(selection.SELECT, "moe_grouped_min_pairs", 64)
     case = moe_case(T, T, 64, 4, 512, 256, 4, 64, mx.bfloat16, True, "random")
     got = moe_experts(*case)
     assert dispatch.OPS["moe_experts"].failed is None

@@ -175,8 +175,12 @@ SELECT: dict[str, int] = {
     # where it covers the shapes (4/8-bit, bf16/fp16, H and Im multiples of 256); 0 = never. Its tests
     # passed on the H200 (tests/test_moe_grouped.py: each launch, the composed path, the dispatch at 16 and
     # 101 tokens). One 35B-A3B MoE block (moe_bench.py): 1,263 us against sorted gather_qmm's 11,524 at 1024
-    # tokens, 2,696 against 43,648 at 4096 (benchmarks/moe.md). 64 pairs: where the sorted path started.
-    "moe_grouped_min_pairs": 64,
+    # tokens (8,192 pairs), 2,696 against 43,648 at 4096; end to end the 4096-token prefill at 1024-token
+    # steps went from 1,904 to 5,043 tok/s (benchmarks/moe.md). Below 8,192 pairs it is not measured, and
+    # the one run with it serving from 64 pairs had 8 concurrent 512-token prompts (128-token mixed steps,
+    # ~1,000 pairs) reach their first token in 5.0 s against 1.96 s on the sorted path (another host): so it
+    # serves from the measured size until a sweep (moe_bench.py --tokens 128 256 512) places the crossover.
+    "moe_grouped_min_pairs": 8192,
     # Activation rows MB of one grouped tile (16, 32 or 64; 0 = by the mean pairs per expert T*k/E: the
     # smallest of them that holds it). Each tile reads its expert's whole [N, K] slab and each expert's
     # segment pads up to a multiple of MB, so MB near the mean reads an expert about once or twice and pads
