@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 
 import mlx.core as mx
 from mtlqwen.kernels import backend, selection
-from mtlqwen.kernels.moe import moe_experts, moe_experts_ref, moe_experts_sorted, moe_route, moe_route_ref
+from mtlqwen.kernels.moe import (moe_experts, moe_experts_add_rms_norm, moe_experts_ref, moe_experts_sorted, moe_route,
+                                 moe_route_ref)
+from mtlqwen.kernels.norms.reference import add_rms_norm_ref
 from mtlqwen.kernels.qmatmul import LinearParams
 
 from gpu_checks import GPU_SETTINGS, n_examples, needs_gpu
@@ -73,6 +75,54 @@ def ref32(x, gate, up, down, inds, w, sh) -> np.ndarray:
     with mx.stream(mx.cpu):
         s32 = tuple(to32(p) for p in sh) if sh else None
         return np.array(moe_experts_ref(x.astype(mx.float32), to32(gate), to32(up), to32(down), inds, w, s32))
+
+
+def residual_case(seed, T, H, dtype):
+    """The residual stream h [T, H] and the next norm's weight w [H] for the add + norm epilogue."""
+    rng = np.random.default_rng(seed + 7)
+    h = mx.array(rng.standard_normal((T, H)).astype(np.float32)).astype(dtype)
+    w = mx.array((1 + 0.2 * rng.standard_normal(H)).astype(np.float32)).astype(dtype)
+    return h, w
+
+
+def add_norm_ref32(case, h, w, eps=1e-6):
+    """(h + moe, rms_norm(h + moe) * w) in fp32 from the fp32 reference's MoE output rounded to x's dtype,
+    as the kernel stores its delta before the add."""
+    moe = mx.array(ref32(*case)).astype(case[0].dtype)
+    with mx.stream(mx.cpu):
+        hs, y = add_rms_norm_ref(h.astype(mx.float32), moe.astype(mx.float32), w.astype(mx.float32), eps)
+    return np.array(hs), np.array(y)
+
+
+def router_case(seed, T, E, H, bits, dtype, shared):
+    """x [T, H], the router [E, H] and the shared gate [1, H] (or None), quantized g64."""
+    rng = np.random.default_rng(seed)
+    x = mx.array(rng.standard_normal((T, H)).astype(np.float32)).astype(dtype)
+    return x, quantized(rng, (E, H), bits, 64, dtype), quantized(rng, (1, H), bits, 64, dtype) if shared else None
+
+
+def check_router_launch(outs, x, router, sg, k, renorm):
+    """The launch's logits against fp32 (relative), and its routing exactly the reference's on those logits
+    (bf16 logits can tie: the picked logits are compared position by position, not the ids)."""
+    from mtlqwen.kernels.qmatmul.reference import linear_ref  # noqa: PLC0415
+
+    logits, sgl = outs[0], (outs[1] if sg is not None else None)
+    inds, w = outs[-2], outs[-1]
+    with mx.stream(mx.cpu):
+        want = np.array(linear_ref(x.astype(mx.float32), to32(router)))
+        ri, rw = moe_route_ref(logits, k, renorm, sgl)
+        if sg is not None:
+            assert rel_err(sgl, np.array(linear_ref(x.astype(mx.float32), to32(sg)))) < TOL[x.dtype]
+    assert rel_err(logits, want) < TOL[x.dtype]
+    lg32 = np.array(logits.astype(mx.float32))
+    np.testing.assert_array_equal(np.take_along_axis(lg32, np.array(inds), -1), np.take_along_axis(lg32, np.array(ri), -1))
+    assert all(len(set(r)) == k for r in np.array(inds).tolist())
+    np.testing.assert_allclose(np.array(w), np.array(rw), rtol=1e-5, atol=1e-6)
+
+
+router_shape = dict(T=st.sampled_from([1, 2, 3, 5, 8]), E=st.sampled_from([8, 60, 256]), k=st.integers(1, 10),
+                    hg=st.integers(1, 4), bits=st.sampled_from([4, 8]), shared=st.booleans(), renorm=st.booleans(),
+                    seed=st.integers(0, 2**31 - 1))
 
 
 moe_shape = dict(
@@ -133,6 +183,63 @@ def test_route_refuses_what_the_kernel_does_not_cover():
     assert kernels.route(lg, 2, shared_logit=mx.zeros((3, 1))) is None  # shared logit of other rows
 
 
+def test_router_route_runs_the_projection_then_the_routing_on_cpu():
+    from mtlqwen.kernels.moe import moe_router_route  # noqa: PLC0415
+    from mtlqwen.kernels.qmatmul.reference import linear_ref  # noqa: PLC0415
+
+    x, rt, sg = router_case(1, 3, 60, 128, 8, mx.float32, True)
+    inds, w = moe_router_route(x, rt, sg, 8, True)
+    ri, rw = moe_route_ref(linear_ref(x, rt), 8, True, linear_ref(x, sg))
+    np.testing.assert_array_equal(np.array(inds), np.array(ri))
+    np.testing.assert_array_equal(np.array(w), np.array(rw))
+
+
+def test_router_route_kernel_covers_decode_sizes_only(monkeypatch):
+    from mtlqwen.kernels.moe import router  # noqa: PLC0415
+
+    monkeypatch.setattr(router, "gpu_backend", lambda: "cuda")
+    x, rt, sg = router_case(0, 8, 256, 128, 8, mx.bfloat16, True)
+    assert router.supported(x, rt, sg, 8) and router.supported(x, rt, None, 8)
+    assert not router.supported(mx.concatenate([x, x]), rt, sg, 8)  # 16 rows: past the qmv
+    assert not router.supported(x, rt, sg, 17)  # top-k past the routing kernel's
+    _, _, sg4 = router_case(0, 8, 256, 128, 4, mx.bfloat16, True)
+    assert not router.supported(x, rt, sg4, 8)  # router and shared gate quantized apart: not one qmv
+    with selection.selected({"moe_route_in_router": 0}):
+        assert not router.supported(x, rt, sg, 8)
+    monkeypatch.setattr(router, "gpu_backend", lambda: None)
+    assert not router.supported(x, rt, sg, 8)
+
+
+def test_moe_add_norm_runs_the_experts_then_the_norm_on_cpu():
+    """On the CPU the op is the composition it replaces in the model: moe_experts, then add_rms_norm."""
+    case = moe_case(3, 5, 8, 2, 128, 64, 4, 64, mx.float32, True, "random")
+    h, w = residual_case(3, 5, 128, mx.float32)
+    hs, y = moe_experts_add_rms_norm(*case, h, w, 1e-6)
+    rh, ry = add_rms_norm_ref(h, moe_experts_ref(*case), w, 1e-6)
+    np.testing.assert_array_equal(np.array(hs), np.array(rh))
+    np.testing.assert_array_equal(np.array(y), np.array(ry))
+
+
+def test_moe_add_norm_kernel_covers_decode_sizes_only():
+    """The fused epilogue serves where the fused expert kernels do, with a residual of x's shape and dtype,
+    the shared expert fusable, and the residual-norm row on."""
+    from mtlqwen.kernels.moe import kernels  # noqa: PLC0415
+
+    x, gate, up, down, inds, w, sh = moe_case(0, 4, 8, 2, 128, 64, 4, 64, mx.bfloat16, True, "random")
+    h, nw = residual_case(0, 4, 128, mx.bfloat16)
+    ok = kernels.fused_add_norm_supported
+    with selection.selected({"qmv_residual_norm": 1, "moe_fused_max_tokens": 8}):
+        assert ok(x, gate, up, down, inds, sh, h, nw) and ok(x, gate, up, down, inds, None, h, nw)
+        assert not ok(x, gate, up, down, inds, sh, h.astype(mx.float32), nw)  # residual of another dtype
+        assert not ok(x, gate, up, down, inds, sh, h[:3], nw)  # another shape
+        sh8 = (sh[0], sh[1], LinearParams(sh[2].weight, sh[2].scales, sh[2].biases, 8, 64))
+        assert not ok(x, gate, up, down, inds, sh8, h, nw)  # a shared expert that cannot ride as a slot
+    with selection.selected({"qmv_residual_norm": 1, "moe_fused_max_tokens": 3}):
+        assert not ok(x, gate, up, down, inds, sh, h, nw)  # 4 tokens: past the fused kernels
+    with selection.selected({"qmv_residual_norm": 0, "moe_fused_max_tokens": 8}):
+        assert not ok(x, gate, up, down, inds, sh, h, nw)
+
+
 # ---------------------------------------------------------------- CPU: the Metal renderings, emulated
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the Metal emulator")
 
@@ -151,6 +258,49 @@ def test_fused_experts_metal_emulated(T, E, k, hg, img, bits, gs, shared, spread
         got = kernels.fused_experts(*case)
     assert {ln.kernel for ln in launches} == {f"mtl_moe_gate_up_s{int(shared)}", f"mtl_moe_down_s{int(shared)}"}
     assert rel_err(got, ref32(*case)) < TOL[dt]
+
+
+@needs_gxx
+@settings(deadline=None, max_examples=4, database=None)
+@given(**moe_shape, dtype=st.sampled_from(["float32", "bfloat16"]))
+def test_fused_experts_add_rms_norm_metal_emulated(T, E, k, hg, img, bits, gs, shared, spread, seed, dtype):
+    """The down launch with the residual add + norm epilogue: both outputs, and its arrival counter back
+    at zero (the last threadgroup resets it for the next launch)."""
+    from mtlqwen.kernels import metal_emulator  # noqa: PLC0415
+    from mtlqwen.kernels.moe import kernels  # noqa: PLC0415
+    from mtlqwen.kernels.qmatmul.residual import arrival_counter  # noqa: PLC0415
+
+    k = min(k, E)
+    dt = getattr(mx, dtype)
+    case = moe_case(seed, T, E, k, hg * gs, img * gs, bits, gs, dt, shared, spread)
+    h, w = residual_case(seed, T, hg * gs, dt)
+    with metal_emulator.emulating() as launches:
+        hs, y = kernels.fused_experts_add_rms_norm(*case, h, w, 1e-6)
+        cnt = arrival_counter(case[3]) + 0
+    assert [ln.kernel for ln in launches] == [f"mtl_moe_gate_up_s{int(shared)}", f"mtl_moe_down_rms_s{int(shared)}"]
+    rh, ry = add_norm_ref32(case, h, w)
+    assert rel_err(hs, rh) < TOL[dt] and rel_err(y, ry) < TOL[dt]
+    assert np.array(cnt).tolist() == [0] * 8
+
+
+@needs_gxx
+@settings(deadline=None, max_examples=4, database=None)
+@given(**router_shape, dtype=st.sampled_from(["float32", "bfloat16"]))
+def test_router_route_metal_emulated(T, E, k, hg, bits, shared, renorm, seed, dtype):
+    """The router projection with the routing in its last threadgroup (moe/router.py), and its arrival
+    counter back at zero."""
+    from mtlqwen.kernels import metal_emulator  # noqa: PLC0415
+    from mtlqwen.kernels.moe import router  # noqa: PLC0415
+    from mtlqwen.kernels.qmatmul.residual import arrival_counter  # noqa: PLC0415
+
+    k = min(k, E)
+    x, rt, sg = router_case(seed, T, E, 64 * hg, bits, getattr(mx, dtype), shared)
+    with metal_emulator.emulating() as launches:
+        outs = router.launch(x, rt, sg, k, renorm)
+        cnt = arrival_counter(rt) + 0
+    assert [ln.kernel for ln in launches] == [f"mtl_moe_router_route_s{int(shared)}"]
+    check_router_launch(outs, x, rt, sg, k, renorm)
+    assert np.array(cnt).tolist() == [0] * 8
 
 
 @needs_gxx
@@ -218,6 +368,15 @@ def poisoned():
     yield from poisoning(kernels)
 
 
+@pytest.fixture
+def poisoned_router():
+    from mtlqwen.kernels.moe import router  # noqa: PLC0415
+    from mtlqwen.kernels.qmatmul import gemv  # noqa: PLC0415
+
+    for _ in poisoning(gemv):  # the router's launch starts its outputs from gemv.POISON
+        yield router
+
+
 @pytest.mark.gpu
 @needs_gpu
 @settings(max_examples=n_examples(40), **GPU_SETTINGS)
@@ -256,6 +415,30 @@ def test_fused_experts_match_reference(poisoned, T, E, k, hg, img, bits, gs, sha
 
 @pytest.mark.gpu
 @needs_gpu
+@settings(max_examples=n_examples(30), **GPU_SETTINGS)
+@given(**moe_shape, dtype=st.sampled_from(["float32", "bfloat16"]), rows=st.sampled_from([(2, 2), (1, 1), (2, 4)]),
+       launches=st.integers(1, 3))
+def test_fused_experts_add_rms_norm_match_reference(poisoned, T, E, k, hg, img, bits, gs, shared, spread, seed, dtype,
+                                                    rows, launches):
+    """`launches` dependent launches on one down weight (one arrival counter), each residual the previous
+    launch's output, as a decoder's layers would; the counter at zero after each."""
+    from mtlqwen.kernels.qmatmul.residual import arrival_counter  # noqa: PLC0415
+
+    k = min(k, E)
+    dt = getattr(mx, dtype)
+    case = moe_case(seed, T, E, k, hg * gs, img * gs, bits, gs, dt, shared, spread)
+    h, w = residual_case(seed, T, hg * gs, dt)
+    for _ in range(launches):
+        hs, y = poisoned.fused_experts_add_rms_norm(*case, h, w, 1e-6, rows=rows)
+        assert hs.shape == y.shape == (T, hg * gs) and hs.dtype == y.dtype == dt
+        rh, ry = add_norm_ref32(case, h, w)
+        assert rel_err(hs, rh) < TOL[dt] and rel_err(y, ry) < TOL[dt]
+        assert np.array(arrival_counter(case[3])).tolist() == [0] * 8
+        h = hs
+
+
+@pytest.mark.gpu
+@needs_gpu
 @settings(max_examples=n_examples(20), **GPU_SETTINGS)
 @given(T=st.sampled_from([1, 4, 8, 9, 13, 40, 101]), E=st.sampled_from([4, 16, 64]), k=st.integers(1, 8),
        bits=st.sampled_from([4, 8]), gs=st.sampled_from([32, 64, 128]), shared=st.booleans(),
@@ -271,6 +454,22 @@ def test_moe_experts_dispatch_matches_reference(poisoned, T, E, k, bits, gs, sha
     assert rel_err(got, ref32(*case)) < TOL[mx.bfloat16]
     with selection.selected({"moe_sort_min_pairs": 1, "moe_fused_max_tokens": 0}):  # the sorted path at any T
         assert rel_err(moe_experts(*case), ref32(*case)) < TOL[mx.bfloat16]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@settings(max_examples=n_examples(30), **GPU_SETTINGS)
+@given(**router_shape, dtype=st.sampled_from(["float32", "bfloat16"]), launches=st.integers(1, 3))
+def test_router_route_matches_reference(poisoned_router, T, E, k, hg, bits, shared, renorm, seed, dtype, launches):
+    """`launches` launches on one router (one arrival counter): each routes, and leaves the counter at zero."""
+    from mtlqwen.kernels.qmatmul.residual import arrival_counter  # noqa: PLC0415
+
+    k = min(k, E)
+    x, rt, sg = router_case(seed, T, E, 64 * hg, bits, getattr(mx, dtype), shared)
+    for i in range(launches):
+        xi = x if i == 0 else (x * (1.0 + 0.5 * i)).astype(x.dtype)
+        check_router_launch(poisoned_router.launch(xi, rt, sg, k, renorm), xi, rt, sg, k, renorm)
+        assert np.array(arrival_counter(rt)).tolist() == [0] * 8
 
 
 @pytest.mark.gpu

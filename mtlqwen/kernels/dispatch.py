@@ -55,12 +55,13 @@ UNVERIFIED = ("metal",)
 CHECK_TOL = {mx.float32: 1e-3, mx.float16: 3e-2, mx.bfloat16: 5e-2}
 
 
-def self_check() -> bool:
-    """MTLQWEN_SELF_CHECK=0 / 1 forces it off / on; unset: on for the UNVERIFIED back-ends."""
+def self_check(unverified: tuple[str, ...] = ()) -> bool:
+    """MTLQWEN_SELF_CHECK=0 / 1 forces it off / on; unset: on for the UNVERIFIED back-ends, and for an op's
+    own `unverified` ones (a kernel newer than the back-end's last GPU verification)."""
     env = os.environ.get("MTLQWEN_SELF_CHECK", "")
     if env != "":
         return env not in ("0", "false", "False")
-    return gpu_backend() in UNVERIFIED
+    return gpu_backend() in UNVERIFIED + tuple(unverified)
 
 
 @dataclass
@@ -74,6 +75,7 @@ class Op:
     reference: Callable | None  # what the self-check compares with; None: only built and launched
     row: str | None = None  # SELECT row that switches the kernel on (any nonzero value)
     pools: tuple[str, ...] = ()  # arguments indexed by the layout's rows (probe copies only those rows)
+    unverified: tuple[str, ...] = ()  # back-ends where this op's kernel has not passed its GPU tests yet
     failed: str | None = None
     checked: set = field(default_factory=set)
     signature: inspect.Signature | None = None
@@ -134,7 +136,7 @@ class Op:
 
     def _reference(self, args, kw):
         """The reference's result, evaluated (before the kernel's: in-place kernels change their inputs)."""
-        if self.reference is None or not self_check():
+        if self.reference is None or not self_check(self.unverified):
             return None
         ref = self.reference(*args, **kw)
         mx.eval(_arrays(ref))
@@ -175,12 +177,13 @@ _INJECTED: dict[str, Callable] = {}
 
 
 def kernel_op(name: str, kernel: Callable | None, *, reference: Callable | None = None, row: str | None = None,
-              pools: tuple[str, ...] = ()):
+              pools: tuple[str, ...] = (), unverified: tuple[str, ...] = ()):
     """Decorator: the decorated function is the op's fallback (and its reference unless `reference` is
-    given); the returned function dispatches. The op is registered in OPS under `name`."""
+    given); the returned function dispatches. The op is registered in OPS under `name`. `unverified`: the
+    back-ends on which its kernel self-checks at first use although the back-end is verified."""
 
     def wrap(fallback):
-        op = OPS[name] = Op(name, kernel, fallback, reference or fallback, row, pools,
+        op = OPS[name] = Op(name, kernel, fallback, reference or fallback, row, pools, unverified=tuple(unverified),
                             signature=inspect.signature(fallback))
 
         @functools.wraps(fallback)

@@ -346,7 +346,7 @@ def _qmv_trials() -> list[Trial]:
 
                 def run(x=x2, p=p, h=h, nw=nw):  # + the arrival counter: the last threadgroup resets it
                     hs, y = _fn("qmv_add_rms")(x, p, h, nw, 1e-6, pf=1)
-                    return [hs, y, _fn("_counter")(p) + 0]
+                    return [hs, y, _fn("arrival_counter")(p) + 0]
 
                 def ref(x=x2, p=p, h=h, nw=nw):
                     d = _linear32(x, p).astype(x.dtype)

@@ -116,6 +116,25 @@ _FROM_FLOAT = re.compile(r"FROM_FLOAT\(\s*(\w+)\s*,")
 _TOKEN_RE = re.compile(r"\b(" + "|".join(sorted(TOKENS, key=len, reverse=True)) + r")\b")
 
 
+# a string or char literal (kept as is), or a comment (dropped)
+_LEXEME = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|//[^\n]*|/\*.*?\*/', re.S)
+
+
+def compact(src: str) -> str:
+    """A rendered source without comments, indentation, runs of blanks or empty lines (lines, and so the
+    preprocessor's view, unchanged). Why: MLX hashes a custom kernel's whole source at every launch, about
+    0.35 us of host time per KB on the H200's host (benchmarks/decode_profile.md)."""
+    out, pos = [], 0
+    for m in _LEXEME.finditer(src):
+        out.append(re.sub(r"[ \t]+", " ", src[pos:m.start()]))
+        tok = m.group(0)
+        out.append(tok if tok[0] in "\"'" else ("\n" if "\n" in tok else " "))
+        pos = m.end()
+    out.append(re.sub(r"[ \t]+", " ", src[pos:]))
+    lines = (line.strip() for line in "".join(out).split("\n"))
+    return "".join(line + "\n" for line in lines if line)
+
+
 def render(body: str, backend: str) -> str:
     """Portable body -> Metal or CUDA body."""
     col = {"metal": 0, "cuda": 1}[backend]
@@ -128,7 +147,7 @@ def render(body: str, backend: str) -> str:
 
 def render_header(header: str, backend: str) -> str:
     base = METAL_HEADER if backend == "metal" else CUDA_HEADER
-    return base + render(header, backend)
+    return compact(base + render(header, backend))
 
 
 # One list per op call in progress (dispatch.py pushes and pops them): the instantiations it launched.
@@ -171,7 +190,7 @@ class PortableKernel:
 
     def source(self, backend: str) -> str:
         body = self.cuda_body if backend == "cuda" and self.cuda_body is not None else self.body
-        return render(body, backend)
+        return compact(render(body, backend))
 
     def build(self, backend: str):
         if backend not in self._built:

@@ -73,11 +73,14 @@ SELECT: dict[str, int] = {
     # (benchmarks/kernels_gdn.md), and the whole-model and engine GPU tests passed with it on.
     "head_norm_rope": 1,
     # out_proj / o_proj / down_proj at decode sizes carry the residual add + next RMSNorm in their epilogue
-    # (qmatmul/residual.py): 64 add_rms_norm launches fewer per 9B step. Its GPU test passed on the H200,
-    # but timed in a running B=1 step (benchmarks/step_trace.py) it took 26.0 us a launch against 14.5 + 4.0
-    # for the plain qmv and add_rms_norm: the step was 0.40 ms shorter without it (4.39 -> 3.98 ms of
-    # kernels), and the host kept up either way (benchmarks/decode_profile.md). Off.
-    "qmv_residual_norm": 0,
+    # (qmatmul/residual.py): 64 add_rms_norm launches fewer per 9B step (40 per 35B-A3B step). Its GPU test
+    # passed on the H200. Timed in a running B=1 step (benchmarks/step_trace.py) on a host that kept up with
+    # the device, it made the step's kernels 0.21 ms longer (3.55 -> 3.76 ms; 26.0 us a launch against
+    # 14.5 + 4.0 for the plain qmv and add_rms_norm). On the hosts of the later leases the step is host-bound
+    # (5.65 ms of host time for 283 primitives, ~20 us each; an add_rms_norm launch alone 13.5 us to encode:
+    # benchmarks/decode_profile.md), where 64 launches fewer are worth ~1 ms. On: the direct A/B on such a
+    # host (step_trace.py --variants qmv_residual_norm=0) is still to run.
+    "qmv_residual_norm": 1,
     # The FMA qmv loads the next chunks' weights before the current chunks' math (template PF). Written to
     # keep loads in flight at M=1, where the kernel stalled at ~1.9-2.0 TB/s steady state (lm_head 291 us
     # for 572 MB, benchmarks/decode_profile.md). Its test passed on the H200, but summed over a 9B step's
@@ -160,6 +163,11 @@ SELECT: dict[str, int] = {
     # Routing's softmax + top-k + renormalisation in one launch (moe/kernels.py route) instead of
     # softmax, argpartition, take, sum, divide. Its test (tests/test_kernels_moe.py) passed on the H200.
     "moe_route_kernel": 1,
+    # At decode sizes (1-8 tokens) that routing runs in the router projection's launch (moe/router.py: the
+    # qmv's last threadgroup routes every token), one launch a layer fewer: 40 per 35B-A3B step, at
+    # ~13-20 us of host time each on the H200's hosts (benchmarks/decode_profile.md). Emulator-checked (Metal
+    # rendering); its GPU test has not run on the H200 yet. 0 = the projection and the routing kernel apart.
+    "moe_route_in_router": 1,
     # Tokens up to which the fused expert kernels serve (gate+up+SwiGLU per (token, slot), then down with
     # the routing weights and the shared expert summed in its K loop): each (token, expert) pair reads its
     # expert's rows once, so past a few tokens, where pairs start to share experts, grouped GEMMs read less.

@@ -27,7 +27,8 @@ from ..kernels import (
     linear_add_rms_norm,
     linear_multi,
     moe_experts,
-    moe_route,
+    moe_experts_add_rms_norm,
+    moe_router_route,
     paged_attention_gated,
     rms_norm,
     split_qkv,
@@ -231,18 +232,20 @@ class MoEBlock:
         self.shared = DenseMLP(w, f"{prefix}.shared_expert", c)
         self.shared_gate = _lin(w, f"{prefix}.shared_expert_gate", c)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        # the router and the shared expert's gate read x in one launch at decode sizes
-        logits, shared_logit = linear_multi(x, [self.router, self.shared_gate])  # [T, E], [T, 1]
-        # Qwen3.5 MoE configs have no norm_topk_prob: the top-k weights are always renormalised (§1.2)
-        inds, weights = moe_route(logits, self.k, True, shared_logit)  # [T, k], [T, k + 1] fp32
+    def _routed(self, x: mx.array):
+        # the router, the shared expert's gate and the routing: one launch at decode sizes. Qwen3.5 MoE
+        # configs have no norm_topk_prob: the top-k weights are always renormalised (§1.2)
+        inds, weights = moe_router_route(x, self.router, self.shared_gate, self.k, True)  # [T, k], [T, k + 1] fp32
         sh = self.shared
-        return moe_experts(x, self.gate_proj, self.up_proj, self.down_proj, inds, weights,
-                           (sh.gate_proj, sh.up_proj, sh.down_proj))
+        return (x, self.gate_proj, self.up_proj, self.down_proj, inds, weights,
+                (sh.gate_proj, sh.up_proj, sh.down_proj))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return moe_experts(*self._routed(x))
 
     def add_norm(self, x: mx.array, h: mx.array, w: mx.array, eps: float) -> tuple[mx.array, mx.array]:
-        """(h + moe(x), rms_norm(h + moe(x)) * w): two outputs are summed, so no projection can carry it."""
-        return add_rms_norm(h, self(x), w, eps)
+        """(h + moe(x), rms_norm(h + moe(x)) * w): at decode sizes the experts' down launch carries it."""
+        return moe_experts_add_rms_norm(*self._routed(x), h, w, eps)
 
 
 class DecoderLayer:

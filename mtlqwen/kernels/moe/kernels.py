@@ -23,8 +23,10 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..backend import gpu_backend
+from ..norms.kernels import FLOATS, eps_array
 from ..portable import KernelExample, portable_kernel
 from ..qmatmul.bodies import FMA_BODY, HEADER, XKIND, with_loads
+from ..qmatmul.residual import EPILOGUE, MAX_EPT, arrival_counter
 from ..selection import SELECT
 
 POISON: float | None = None  # tests set NaN: every output element must then be written by the kernel
@@ -108,6 +110,11 @@ DOWN_ROW = ("const int row = min(n0 + r, N - 1); const int slot = c / CPE; const
             " W = wd + eo * KWE; S = sd + eo * NGE; B = bd + eo * NGE; }")
 DOWN_SHARED = "if (slot == KT) { W = wsd; S = ssd; B = bsd; } else "
 DOWN_WRITE = "if (n < N) y[(size_t)tok * N + n] = FROM_FLOAT(T, acc[m][r]);"
+# down with the residual add + next RMSNorm (qmatmul/residual.py's epilogue): the block output goes to dlt,
+# and the last of the blocks (row blocks x tokens, counted at run time) adds and norms every token's row
+DOWN_RMS_WRITE = "if (n < N) dlt[(size_t)tok * N + n] = FROM_FLOAT(T, acc[m][r]);"
+DOWN_RMS_EPILOGUE = EPILOGUE.replace("(uint32_t)(NBLK - 1)", "(uint32_t)(((N + 4 * R - 1) / (4 * R)) * h_shape[0] - 1)")
+DOWN_RMS_EPILOGUE = DOWN_RMS_EPILOGUE.replace("for (int m = 0; m < M; ++m)", "for (int m = 0; m < h_shape[0]; ++m)")
 
 
 def _one_row(body: str) -> str:
@@ -183,10 +190,42 @@ def _down_kernel(sh: bool):
     return _KERNELS[key]
 
 
+def _down_rms_example(dt, bits: int, sh: bool, H: int, Im: int, T: int) -> KernelExample:
+    """The down + residual-norm launch at E 256, k 8, g64: H, Im, T as given (EPT = H / 128 is a template
+    value, so each hidden size the checks run needs its own example)."""
+    E, k = 256, 8
+    w = [(mx.uint32, (E, H, Im * bits // 32)), (dt, (E, H, Im // 64)), (dt, (E, H, Im // 64))]
+    ws = [(mx.uint32, (H, Im * bits // 32)), (dt, (H, Im // 64)), (dt, (H, Im // 64))]
+    ins = ([(dt, (T, (k + sh) * Im)), (mx.int32, (T, k))] + w + (ws if sh else [])
+           + [(dt, (T, H)), (dt, (H,)), (mx.float32, (1,)), (mx.uint32, (8,))])
+    tmpl = [("T", dt), ("XK", XKIND[dt]), ("BITS", bits), ("GS", 64), ("MT", 1), ("R", 2), ("U", 1), ("P", 1),
+            ("EPI", 0), ("PF", False), ("NP", bits == 4), ("KT", k), ("SH", sh), ("EPT", -(-H // 128))]
+    return KernelExample(inputs=ins, outputs=[dt] * 3, template=tmpl)
+
+
+def _down_rms_kernel(sh: bool):
+    key = ("down_rms", sh)
+    if key not in _KERNELS:
+        body = _one_row(with_loads(FMA_BODY, row_words="KWE", row_groups="NGE", chunk="cl")).replace(
+            "PROJ_SELECT", DOWN_SELECT).replace(
+            "ROW_SELECT", DOWN_ROW.replace("SHARED_ROWS", DOWN_SHARED if sh else "")).replace(
+            "WRITE_OUT", DOWN_RMS_WRITE) + DOWN_RMS_EPILOGUE
+        _KERNELS[key] = portable_kernel(
+            name=f"mtl_moe_down_rms_s{int(sh)}", header=HEADER, body=body,
+            input_names=["x", "inds", "wd", "sd", "bd"] + (["wsd", "ssd", "bsd"] if sh else [])
+            + ["h", "nw", "eps", "cnt"],
+            output_names=["dlt", "hsum", "y"],
+            # the 35B-A3B geometry at batch 1, and metal_cases' trial (H 256, Im 128, 2 tokens)
+            examples=[_down_rms_example(dt, b, sh, H, Im, T) for dt in (mx.bfloat16, mx.float32) for b in (4, 8)
+                      for H, Im, T in ((2048, 512, 1), (256, 128, 2))])
+    return _KERNELS[key]
+
+
 for _sh in (False, True):  # declared at import so check_metal / check_cuda see them
     _route_kernel(_sh)
     _gate_up_kernel(_sh)
     _down_kernel(_sh)
+    _down_rms_kernel(_sh)
 
 MAX_EXPERTS = 32 * 32  # EPL <= 32 logits per lane
 MAX_TOP_K = 16
@@ -248,10 +287,8 @@ def _cast(a: mx.array, dt) -> mx.array:
     return a if a.dtype == dt else a.astype(dt)
 
 
-def fused_experts(x, gate, up, down, inds, weights, with_shared: tuple | None = None,
-                  rows: tuple[int, int] | None = None) -> mx.array:
-    """x [T, H] -> sum over the k routed slots (and `with_shared`'s expert as slot k, weight weights[:, k])
-    [T, H]; `rows` = (gate rows, down rows) per SIMD group overrides the table's blocking."""
+def _fused_launches(x, gate, up, down, inds, weights, with_shared, rows, down_kernel, down_extra, n_out):
+    """The gate+up launch, then `down_kernel` over its output with `down_extra` inputs appended."""
     T, H = x.shape
     k = inds.shape[1]
     sh = with_shared is not None
@@ -278,8 +315,34 @@ def fused_experts(x, gate, up, down, inds, weights, with_shared: tuple | None = 
         gpu_backend(), inputs=ins, output_shapes=[(T, S * Im)], output_dtypes=[dt],
         grid=(-(-Im // (4 * gr)) * 128, T * S, 1), threadgroup=(128, 1, 1),
         template=tmpl(2 * gr, 2, 1), init_value=POISON)[0]
-    ins = [h, inds] + wsb(down) + (wsb(with_shared[2]) if sh else [])
-    return _down_kernel(sh)(
-        gpu_backend(), inputs=ins, output_shapes=[(T, H)], output_dtypes=[dt],
+    ins = [h, inds] + wsb(down) + (wsb(with_shared[2]) if sh else []) + down_extra
+    extra_tmpl = [("EPT", -(-H // 128))] if n_out == 3 else []
+    return down_kernel(sh)(
+        gpu_backend(), inputs=ins, output_shapes=[(T, H)] * n_out, output_dtypes=[dt] * n_out,
         grid=(-(-H // (4 * dr)) * 128, T, 1), threadgroup=(128, 1, 1),
-        template=tmpl(dr, 1, 0), init_value=POISON)[0]
+        template=tmpl(dr, 1, 0) + extra_tmpl, init_value=POISON)
+
+
+def fused_experts(x, gate, up, down, inds, weights, with_shared: tuple | None = None,
+                  rows: tuple[int, int] | None = None) -> mx.array:
+    """x [T, H] -> sum over the k routed slots (and `with_shared`'s expert as slot k, weight weights[:, k])
+    [T, H]; `rows` = (gate rows, down rows) per SIMD group overrides the table's blocking."""
+    return _fused_launches(x, gate, up, down, inds, weights, with_shared, rows, _down_kernel, [], 1)[0]
+
+
+def fused_add_norm_supported(x, gate, up, down, inds, with_shared, h, w) -> bool:
+    """fused_supported, the shared expert (if any) riding along, and a residual h [T, H] of x's dtype that
+    the epilogue's registers hold (SELECT["qmv_residual_norm"] switches both residual epilogues)."""
+    return (SELECT["qmv_residual_norm"] == 1 and fused_supported(x, gate, up, down, inds)
+            and (with_shared is None or shared_fusable(with_shared, gate, x))
+            and h.shape == x.shape and h.dtype == x.dtype and x.dtype in FLOATS and w.shape == (x.shape[1],)
+            and x.shape[1] <= 128 * MAX_EPT)
+
+
+def fused_experts_add_rms_norm(x, gate, up, down, inds, weights, with_shared, h, w, eps: float,
+                               rows: tuple[int, int] | None = None) -> tuple[mx.array, mx.array]:
+    """(h + fused_experts(...), rms_norm(h + fused_experts(...)) * w), both [T, H]: the down launch carries
+    the residual add and the norm (the last of its threadgroups does every token's row)."""
+    extra = [h, w, eps_array(eps), arrival_counter(down)]
+    _, hsum, y = _fused_launches(x, gate, up, down, inds, weights, with_shared, rows, _down_rms_kernel, extra, 3)
+    return hsum, y

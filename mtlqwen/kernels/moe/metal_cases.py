@@ -1,6 +1,7 @@
 """check_metal --run's trials of the MoE kernels (kernels/metal_cases.py collects them): the routing
-kernel and the fused expert kernels on the Metal emulator against their references on the CPU, at the
-registered examples' template values (k = 8, g64, 2 gate rows / 2 down rows per SIMD group)."""
+kernel and the fused expert kernels (with and without the residual add + norm epilogue) on the Metal
+emulator against their references on the CPU, at the registered examples' template values (k = 8, g64, 2
+gate rows / 2 down rows per SIMD group; the epilogue's EPT at H = 256)."""
 
 from __future__ import annotations
 
@@ -61,4 +62,17 @@ def moe_trials() -> list[Trial]:
 
                 out.append(Trial(f"mtl_moe_experts[{tag}]", run, ref, [TOL[dt]],
                                  kernels=(f"mtl_moe_gate_up_s{int(sh)}", f"mtl_moe_down_s{int(sh)}")))
+                h = _rand(rng, T, H, dtype=dt)
+                nw = 1 + _rand(rng, H, dtype=dt, scale=0.2)
+
+                def run_rms(x=x, w=w, sp=sp, g=gate, u=up, d=down, i=inds, h=h, nw=nw):  # + the counter, reset
+                    hs, y = _fn("fused_experts_add_rms_norm")(x, g, u, d, i, w, sp, h, nw, 1e-6, rows=(2, 2))
+                    return [hs, y, _fn("arrival_counter")(d) + 0]
+
+                def ref_rms(x=x, w=w, sp=sp, g=gate, u=up, d=down, inds=inds, h=h, nw=nw, ref=ref):
+                    moe = ref(x, w, sp, g, u, d, inds)[0]
+                    return list(_cpu(_fn("add_rms_norm_ref"), h, moe, nw, 1e-6)) + [mx.zeros((8,), dtype=mx.uint32)]
+
+                out.append(Trial(f"mtl_moe_experts_add_rms[{tag}]", run_rms, ref_rms, [TOL[dt], TOL[dt], 0.0],
+                                 kernels=(f"mtl_moe_gate_up_s{int(sh)}", f"mtl_moe_down_rms_s{int(sh)}")))
     return out

@@ -6,9 +6,12 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..dispatch import kernel_op
-from ..qmatmul.ops import linear, swiglu_linear
+from ..norms.ops import add_rms_norm
+from ..norms.reference import add_rms_norm_ref
+from ..qmatmul.ops import linear, linear_multi, swiglu_linear
 from ..selection import SELECT
 from . import grouped, kernels
+from . import router as router_launch
 from .reference import moe_experts_ref, moe_experts_sorted, moe_route_ref
 
 
@@ -20,6 +23,34 @@ def _route_gpu(logits, k, renorm=True, shared_logit=None):
 def moe_route(logits: mx.array, k: int, renorm: bool = True, shared_logit: mx.array | None = None):
     """Router logits [T, E] -> (expert ids [T, k] int32, weights [T, k (+1 shared gate)] fp32): one launch."""
     return moe_route_ref(logits, k, renorm, shared_logit)
+
+
+def _router_route_gpu(x, router, shared_gate, k, renorm=True):
+    if router_launch.supported(x, router, shared_gate, k):
+        return router_launch.router_route(x, router, shared_gate, k, renorm)
+    return None
+
+
+def _router_logits(x, router, shared_gate):
+    outs = linear_multi(x, [router] + ([shared_gate] if shared_gate is not None else []))
+    return outs[0], (outs[1] if shared_gate is not None else None)
+
+
+def moe_router_route_check(x, router, shared_gate, k, renorm=True):
+    """The self-check's reference: the routing reference on the projection ops' logits. Not linear_ref's:
+    the routing of bf16 logits flips at near-ties (several a prompt over 256 experts), so logits rounded
+    apart would fail a correct kernel."""
+    logits, sgl = _router_logits(x, router, shared_gate)
+    return moe_route_ref(logits, k, renorm, sgl)
+
+
+# unverified: emulator-checked and compiled with nvcc, not yet run on the H200 (benchmarks/moe.md)
+@kernel_op("moe_router_route", _router_route_gpu, reference=moe_router_route_check, unverified=("cuda",))
+def moe_router_route(x: mx.array, router, shared_gate, k: int, renorm: bool = True):
+    """x [T, H] -> moe_route(x @ router^T, k, renorm, x @ shared_gate^T): the router projection (and the
+    shared expert's gate, or None) and the routing; at decode sizes on GPUs one launch (moe/router.py)."""
+    logits, sgl = _router_logits(x, router, shared_gate)
+    return moe_route(logits, k, renorm, sgl)
 
 
 def shared_mlp(x: mx.array, shared) -> mx.array:
@@ -51,3 +82,24 @@ def moe_experts(x: mx.array, gate, up, down, inds: mx.array, weights: mx.array, 
     gate / up / down: the stacked experts' LinearParams ([E, Im, H], [E, Im, H], [E, H, Im]); shared:
     the shared expert's (gate, up, down) or None."""
     return moe_experts_ref(x, gate, up, down, inds, weights, shared, shared_mlp)
+
+
+def _experts_add_norm_gpu(x, gate, up, down, inds, weights, shared, h, w, eps):
+    """Decode sizes: the fused expert kernels with the residual add + norm in down's epilogue (one
+    add_rms_norm launch fewer a layer); None elsewhere (the experts and the norm apart)."""
+    if kernels.fused_add_norm_supported(x, gate, up, down, inds, shared, h, w):
+        return kernels.fused_experts_add_rms_norm(x, gate, up, down, inds, weights, shared, h, w, eps)
+    return None
+
+
+def moe_experts_add_rms_norm_ref(x, gate, up, down, inds, weights, shared, h, w, eps):
+    return add_rms_norm_ref(h, moe_experts_ref(x, gate, up, down, inds, weights, shared, shared_mlp), w, eps)
+
+
+@kernel_op("moe_experts_add_rms_norm", _experts_add_norm_gpu, reference=moe_experts_add_rms_norm_ref,
+           unverified=("cuda",))
+def moe_experts_add_rms_norm(x: mx.array, gate, up, down, inds: mx.array, weights: mx.array, shared: tuple | None,
+                             h: mx.array, w: mx.array, eps: float) -> tuple[mx.array, mx.array]:
+    """(h + moe_experts(...), rms_norm(h + moe_experts(...)) * w), both [T, H]: the MoE block's output, the
+    residual add and the next norm, as add_rms_norm returns them."""
+    return add_rms_norm(h, moe_experts(x, gate, up, down, inds, weights, shared), w, eps)

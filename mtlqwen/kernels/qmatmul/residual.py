@@ -99,7 +99,7 @@ MAX_EPT = 64  # residual elements per thread held in registers by the epilogue (
 _COUNTERS: dict[int, mx.array] = {}
 
 
-def _counter(p: LinearParams) -> mx.array:
+def arrival_counter(p: LinearParams) -> mx.array:
     """The call site's arrival counter, keyed by the weight's identity. A key reused after a model is freed
     finds a counter at zero (every finished launch resets it), so reuse is harmless."""
     key = id(p.weight)
@@ -137,7 +137,7 @@ def qmv_add_rms(x: mx.array, p: LinearParams, h: mx.array, w: mx.array, eps: flo
     nblk = -(-N // (4 * R))
     _, hsum, y = QMV_ADD_RMS(
         gpu_backend(),
-        inputs=gemv.fma_inputs(x, [p]) + [h, w, eps_array(eps), _counter(p)],
+        inputs=gemv.fma_inputs(x, [p]) + [h, w, eps_array(eps), arrival_counter(p)],
         output_shapes=[(M, N)] * 3,
         output_dtypes=[x.dtype] * 3,
         grid=(nblk * 128, 1, 1),
