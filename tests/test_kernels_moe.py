@@ -20,6 +20,7 @@ import mlx.core as mx
 from mtlqwen.kernels import backend, selection
 from mtlqwen.kernels.moe import (moe_experts, moe_experts_add_rms_norm, moe_experts_ref, moe_experts_sorted, moe_route,
                                  moe_route_ref)
+from mtlqwen.kernels.moe.reference import moe_route_exact_ref
 from mtlqwen.kernels.norms.reference import add_rms_norm_ref
 from mtlqwen.kernels.qmatmul import LinearParams
 
@@ -324,6 +325,25 @@ def test_route_metal_emulated(T, E, k, renorm, shared, seed):
     ri, rw = moe_route_ref(lg, k, renorm, sg)
     np.testing.assert_array_equal(np.array(inds), np.array(ri))
     np.testing.assert_allclose(np.array(w), np.array(rw), rtol=1e-5, atol=1e-7)
+    # bf16 logits tie: the kernel takes the lower id first, as the self-checks' exact reference does
+    lb = lg.astype(mx.bfloat16)
+    with metal_emulator.emulating():
+        inds, w = kernels.route(lb, k, renorm, sg)
+    ei, ew = moe_route_exact_ref(lb, k, renorm, sg)
+    np.testing.assert_array_equal(np.array(inds), np.array(ei))
+    np.testing.assert_allclose(np.array(w), np.array(ew), rtol=1e-5, atol=1e-7)
+
+
+def test_exact_route_reference_orders_equal_logits_by_lower_id():
+    lg = mx.array([[1.0, 3.0, 3.0, 2.0, 3.0, 2.0], [0.0, 0.0, 0.0, 0.0, 5.0, 0.0]])
+    inds, w = moe_route_exact_ref(lg, 4, True, None)
+    assert np.array(inds).tolist() == [[1, 2, 4, 3], [4, 0, 1, 2]]
+    np.testing.assert_allclose(np.array(w).sum(-1), [1.0, 1.0], rtol=1e-6)
+    rng = np.random.default_rng(4)  # no ties: the same routing as moe_route_ref
+    lg = mx.array(rng.standard_normal((5, 60)).astype(np.float32))
+    sg = mx.array(rng.standard_normal((5, 1)).astype(np.float32))
+    for a, b in zip(moe_route_exact_ref(lg, 8, False, sg), moe_route_ref(lg, 8, False, sg)):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-6)
 
 
 @needs_gxx

@@ -3,7 +3,7 @@ qmatmul), each with its plain-MLX reference twins (what the CPU back-end runs), 
 bodies and its dispatchers. Every dispatcher goes through `dispatch.kernel_op`: the custom kernel on GPU
 back-ends, the fallback when it does not cover a shape or fails (one warning, the request goes on)."""
 
-from .attention import drafter_attention, paged_attention, paged_attention_gated, write_kv, write_kv_inplace
+from .attention import attention_prep, drafter_attention, paged_attention, paged_attention_gated, write_kv, write_kv_inplace
 from .backend import force_reference, gpu_backend, use_kernels
 from .conv import causal_conv1d
 from .gdn import gated_delta, gated_delta_candidates, gated_delta_packed, gated_delta_packed_normed, split_qkv
@@ -14,7 +14,7 @@ from .rope import RopeTables, apply_rope, head_norm_rope
 from .seqs import SeqLayout
 
 __all__ = [
-    "LinearParams", "RopeTables", "SeqLayout", "add_rms_norm", "apply_rope", "causal_conv1d", "drafter_attention",
+    "attention_prep", "LinearParams", "RopeTables", "SeqLayout", "add_rms_norm", "apply_rope", "causal_conv1d", "drafter_attention",
     "force_reference", "gated_delta", "gated_delta_candidates", "gated_delta_packed", "gated_delta_packed_normed",
     "gated_rms_norm", "gather_linear", "gpu_backend", "head_norm_rope", "linear", "linear_add_rms_norm",
     "linear_multi", "moe_experts", "moe_experts_add_rms_norm", "moe_route", "moe_router_route", "paged_attention", "paged_attention_gated", "rms_norm", "split_qkv", "swiglu_linear",

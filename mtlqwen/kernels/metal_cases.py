@@ -293,6 +293,27 @@ def _attn_trials() -> list[Trial]:
             return [mx.array([1], dtype=mx.int32), rk.astype(F32), rv.astype(F32)]
 
         out.append(Trial(f"mtl_kv_write_inplace[{_n(pt)} pool, {_n(kt)} k/v]", run, ref, [0.0, 0.0, 0.0]))
+    # q / k norm + RoPE and the in-place write in one launch (attention/prep.py), at the examples' geometries
+    for dt, (hq, hk, hd, rd) in ((d, g) for d in (BF16, F32) for g in ((16, 4, 256, 64), (16, 2, 256, 64), (4, 2, 64, 32))):
+        rng = np.random.default_rng(6)
+        _, kp, vp, layout = _attn_batch(rng, dt, past=[126, 3], qlens=[4, 5], nkv=hk, rep=hq // hk, hd=hd)
+        qg, k, v = _rand(rng, 9, hq, 2 * hd, dtype=dt), _rand(rng, 9, hk, hd, dtype=dt), _rand(rng, 9, hk, hd, dtype=dt)
+        qn, kn = (1 + _rand(rng, hd, dtype=dt, scale=0.2) for _ in range(2))
+        tables = _fn("RopeTables")(rd, 1e7)
+        pos = layout.array("positions")
+
+        def run(kp=kp, vp=vp, qg=qg, k=k, v=v, qn=qn, kn=kn, t=tables, pos=pos, L=layout, hd=hd):
+            q, kk, done = _fn("prep_kv_write")(qg, k, v, qn, kn, 1e-6, pos, t, hd, kp, vp, L)
+            return [q, kk, done, kp.astype(F32) + 0, vp.astype(F32) + 0]
+
+        def ref(kp=kp, vp=vp, qg=qg, k=k, v=v, qn=qn, kn=kn, t=tables, pos=pos, L=layout, hd=hd):
+            hnr = _fn("head_norm_rope_ref")
+            rq, rk = _cpu(hnr, qg, qn, 1e-6, pos, t, hd), _cpu(hnr, k, kn, 1e-6, pos, t, hd)
+            wk, wv = _cpu(_fn("write_kv"), kp + 0, vp + 0, rk, v, L)
+            return [rq, rk, mx.array([1], dtype=mx.int32), wk.astype(F32), wv.astype(F32)]
+
+        out.append(Trial(f"mtl_attn_prep_kv_write[{_n(dt)} {hq}/{hk} heads of {hd}]", run, ref,
+                         [TOL[dt], TOL[dt], 0.0, TOL[dt], 0.0]))
     return out
 
 

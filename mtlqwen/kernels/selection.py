@@ -72,6 +72,12 @@ SELECT: dict[str, int] = {
     # primitives). tests/test_kernels_small.py::test_head_norm_rope_kernel passed on the H200
     # (benchmarks/kernels_gdn.md), and the whole-model and engine GPU tests passed with it on.
     "head_norm_rope": 1,
+    # The attention layer's q norm + RoPE, k norm + RoPE and the in-place KV write in one launch
+    # (attention/prep.py) where all three would run their kernels: 2 launches fewer per attention layer
+    # (16 per 9B step, 20 per 35B-A3B step) at ~13-20 us of host time each on the H200's hosts
+    # (benchmarks/decode_profile.md). Emulator-checked; its GPU test has not run on the H200 yet (it
+    # self-checks q and k at first use on CUDA meanwhile). 0 = the three launches.
+    "attn_prep_fused": 1,
     # out_proj / o_proj / down_proj at decode sizes carry the residual add + next RMSNorm in their epilogue
     # (qmatmul/residual.py): 64 add_rms_norm launches fewer per 9B step (40 per 35B-A3B step). Its GPU test
     # passed on the H200. Timed in a running B=1 step (benchmarks/step_trace.py) on a host that kept up with

@@ -17,12 +17,12 @@ from ..kernels import (
     RopeTables,
     SeqLayout,
     add_rms_norm,
+    attention_prep,
     causal_conv1d,
     gated_delta,
     gated_delta_candidates,
     gated_delta_packed_normed,
     gated_rms_norm,
-    head_norm_rope,
     linear,
     linear_add_rms_norm,
     linear_multi,
@@ -34,7 +34,6 @@ from ..kernels import (
     split_qkv,
     swiglu_linear,
     write_kv,
-    write_kv_inplace,
 )
 from .cache import GDNStash, ModelCache, VerifyStash
 from .config import Qwen35Config
@@ -192,10 +191,10 @@ class AttentionMixer:
         qg = qg.reshape(T, nH, 2 * hd)  # per head: query then gate (attention reads the gate half in place)
         k, v = k.reshape(T, nKV, hd), v.reshape(T, nKV, hd)
         pos = layout.array("positions")
-        q = head_norm_rope(qg, self.q_norm, c.rms_norm_eps, pos, self.rope, hd)  # reads q where it lies in qg
-        k = head_norm_rope(k, self.k_norm, c.rms_norm_eps, pos, self.rope, hd)
         kp, vp = cache.k_pools[self.idx], cache.v_pools[self.idx]
-        written = write_kv_inplace(kp, vp, k, v, layout, q.shape, q.dtype)  # GPU: no pool copy
+        # q / k norm + RoPE and, on GPUs, the in-place KV write (no pool copy): one launch where it runs
+        q, k, written = attention_prep(qg, k, v, self.q_norm, self.k_norm, c.rms_norm_eps, pos, self.rope, hd,
+                                       kp, vp, layout)
         if written is None:
             kp, vp = write_kv(kp, vp, k, v, layout)
             cache.k_pools[self.idx], cache.v_pools[self.idx] = kp, vp

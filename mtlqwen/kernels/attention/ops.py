@@ -7,9 +7,11 @@ import mlx.core as mx
 
 from ..backend import gpu_backend
 from ..dispatch import OPS, kernel_op
+from ..rope.ops import head_norm_rope
+from ..rope.reference import RopeTables, head_norm_rope_ref
 from ..selection import SELECT
 from ..seqs import SeqLayout
-from . import kernels, kv_write, prefill
+from . import kernels, kv_write, prefill, prep
 from .reference import drafter_attention_ref, paged_attention_gated_ref, paged_attention_ref
 
 _POOLS = ("k_pool", "v_pool")
@@ -90,6 +92,37 @@ def write_kv_inplace(k_pool: mx.array, v_pool: mx.array, k: mx.array, v: mx.arra
     does not apply (CPU, SELECT["kv_inplace"] off, or an attention the kernel does not cover): then use
     `write_kv`."""
     return None
+
+
+def _prep_kernel(qg, k, v, q_norm, k_norm, eps, positions, tables, head_dim, k_pool, v_pool, layout):
+    """One launch where the three it replaces would all run their kernels, the in-place write included."""
+    ops_on = all(OPS[n].active_kernel() is not None
+                 for n in ("head_norm_rope", "write_kv_inplace", "paged_attention", "paged_attention_gated"))
+    q_shape = (qg.shape[0], qg.shape[1], head_dim)
+    if not (ops_on and kernels.covers(q_shape, qg.dtype, k_pool, v_pool, layout)
+            and prep.covers(qg, k, v, k_pool, v_pool, tables, head_dim)):
+        return None
+    return tuple(prep.prep_kv_write(qg, k, v, q_norm, k_norm, eps, positions, tables, head_dim, k_pool, v_pool, layout))
+
+
+def _prep_check(qg, k, v, q_norm, k_norm, eps, positions, tables, head_dim, k_pool, v_pool, layout):
+    """The self-check's reference: q and k as the references compute them, and the token (the write's
+    result is the pools' contents: tests/test_kernels_attention.py)."""
+    return (head_norm_rope_ref(qg, q_norm, eps, positions, tables, head_dim),
+            head_norm_rope_ref(k, k_norm, eps, positions, tables, head_dim), mx.ones((1,), dtype=mx.int32))
+
+
+# unverified: emulator-checked and compiled with nvcc, not yet run on the H200 (benchmarks/decode_profile.md)
+@kernel_op("attention_prep", _prep_kernel, reference=_prep_check, row="attn_prep_fused", pools=_POOLS,
+           unverified=("cuda",))
+def attention_prep(qg: mx.array, k: mx.array, v: mx.array, q_norm: mx.array, k_norm: mx.array, eps: float,
+                   positions: mx.array, tables: RopeTables, head_dim: int, k_pool: mx.array, v_pool: mx.array,
+                   layout: SeqLayout):
+    """qg [T, HQ, 2*D] (q | gate per head), k / v [T, HK, D] -> (q [T, HQ, D], k [T, HK, D] normed and
+    rotated, the in-place KV write's token or None). With None the caller writes k, v (`write_kv`)."""
+    q = head_norm_rope(qg, q_norm, eps, positions, tables, head_dim)  # reads q where it lies in qg
+    kn = head_norm_rope(k, k_norm, eps, positions, tables, head_dim)
+    return q, kn, write_kv_inplace(k_pool, v_pool, kn, v, layout, q.shape, q.dtype)
 
 
 @kernel_op("drafter_attention", None)

@@ -9,7 +9,7 @@ import numpy as np
 
 import mlx.core as mx
 
-from ..metal_cases import BF16, F32, TOL, Trial, _cpu, _fn, _n, _rand
+from ..metal_cases import BF16, F32, TOL, Trial, _cpu, _fn, _linear32, _n, _rand
 
 
 def _experts(rng, E, N, K, bits, dt):
@@ -36,9 +36,35 @@ def moe_trials() -> list[Trial]:
                 f"mtl_moe_route_s{int(sh)}[{_n(dt)}]",
                 lambda lg=logits, s=s: list(_fn("route")(lg, 8, True, s)),
                 lambda lg=logits, s=s: list(_cpu(_fn("moe_route_ref"), lg, 8, True, s)), [0.0, 1e-5]))
-        for bits in (4, 8):
+        for bits in (4, 8):  # the router projection with the routing in its last threadgroup (moe/router.py)
+            for T, H in ((3, 256), (1, 2048)):  # several tokens a SIMD group routes; the examples' batch-1 router
+                rng = np.random.default_rng(20)
+                xr = _rand(rng, T, H, dtype=dt)
+                rt, sg = _experts(rng, 1, 256, H, bits, dt), _experts(rng, 1, 1, H, bits, dt)
+                rt, sg = (_fn("LinearParams")(p.weight[0], p.scales[0], p.biases[0], bits=bits, group_size=64)
+                          for p in (rt, sg))
+                for sh in (False, True):
+                    s = sg if sh else None
+
+                    # bf16 logits tie (the kernel takes the lower id, the reference may not): the experts are
+                    # compared by the logits they were picked for, position by position, as the tests do
+                    def run_r(x=xr, rt=rt, s=s):  # + the arrival counter, reset by the last threadgroup
+                        outs = list(_fn("launch")(x, rt, s, 8, True))
+                        picked = mx.take_along_axis(outs[0], outs[-2], axis=-1)
+                        return outs[:-2] + [picked, outs[-1], _fn("arrival_counter")(rt) + 0]
+
+                    def ref_r(x=xr, rt=rt, s=s):
+                        lg = [_linear32(x, p).astype(x.dtype) for p in ([rt] + ([s] if s is not None else []))]
+                        inds, w = _cpu(_fn("moe_route_ref"), lg[0], 8, True, lg[1] if s is not None else None)
+                        return lg + [mx.take_along_axis(lg[0], inds, axis=-1), w, mx.zeros((8,), dtype=mx.uint32)]
+
+                    tol = [TOL[dt]] * (2 + sh) + [1e-4 if dt == F32 else TOL[dt], 0.0]
+                    out.append(Trial(f"mtl_moe_router_route[{_n(dt)} {bits}-bit{' shared' if sh else ''} T{T}]", run_r, ref_r,
+                                     tol, kernels=(f"mtl_moe_router_route_s{int(sh)}",)))
+        # the fused experts at a small geometry; with the add + norm epilogue also at the examples' 35B-A3B one
+        for bits, (E, H, Im, k, T) in ((b, g) for b in (4, 8) for g in ((16, 256, 128, 8, 2), (16, 2048, 512, 8, 1))):
             rng = np.random.default_rng(30 + bits)
-            E, H, Im, k, T = 16, 256, 128, 8, 2
+            small = H == 256
             gate, up = (_experts(rng, E, Im, H, bits, dt) for _ in range(2))
             down = _experts(rng, E, H, Im, bits, dt)
             shared = tuple(_experts(rng, 1, n, kk, bits, dt) for n, kk in ((Im, H), (Im, H), (H, Im)))
@@ -60,8 +86,9 @@ def moe_trials() -> list[Trial]:
                              w if sp else w[:, :k], s32)
                     return [y.astype(x.dtype)]
 
-                out.append(Trial(f"mtl_moe_experts[{tag}]", run, ref, [TOL[dt]],
-                                 kernels=(f"mtl_moe_gate_up_s{int(sh)}", f"mtl_moe_down_s{int(sh)}")))
+                if small:
+                    out.append(Trial(f"mtl_moe_experts[{tag}]", run, ref, [TOL[dt]],
+                                     kernels=(f"mtl_moe_gate_up_s{int(sh)}", f"mtl_moe_down_s{int(sh)}")))
                 h = _rand(rng, T, H, dtype=dt)
                 nw = 1 + _rand(rng, H, dtype=dt, scale=0.2)
 
@@ -73,6 +100,6 @@ def moe_trials() -> list[Trial]:
                     moe = ref(x, w, sp, g, u, d, inds)[0]
                     return list(_cpu(_fn("add_rms_norm_ref"), h, moe, nw, 1e-6)) + [mx.zeros((8,), dtype=mx.uint32)]
 
-                out.append(Trial(f"mtl_moe_experts_add_rms[{tag}]", run_rms, ref_rms, [TOL[dt], TOL[dt], 0.0],
+                out.append(Trial(f"mtl_moe_experts_add_rms[{tag} H{H}]", run_rms, ref_rms, [TOL[dt], TOL[dt], 0.0],
                                  kernels=(f"mtl_moe_gate_up_s{int(sh)}", f"mtl_moe_down_rms_s{int(sh)}")))
     return out

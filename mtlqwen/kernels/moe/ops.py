@@ -12,14 +12,14 @@ from ..qmatmul.ops import linear, linear_multi, swiglu_linear
 from ..selection import SELECT
 from . import grouped, kernels
 from . import router as router_launch
-from .reference import moe_experts_ref, moe_experts_sorted, moe_route_ref
+from .reference import moe_experts_ref, moe_experts_sorted, moe_route_exact_ref, moe_route_ref
 
 
 def _route_gpu(logits, k, renorm=True, shared_logit=None):
     return kernels.route(logits, k, renorm, shared_logit) if SELECT["moe_route_kernel"] else None
 
 
-@kernel_op("moe_route", _route_gpu, reference=moe_route_ref)
+@kernel_op("moe_route", _route_gpu, reference=moe_route_exact_ref)
 def moe_route(logits: mx.array, k: int, renorm: bool = True, shared_logit: mx.array | None = None):
     """Router logits [T, E] -> (expert ids [T, k] int32, weights [T, k (+1 shared gate)] fp32): one launch."""
     return moe_route_ref(logits, k, renorm, shared_logit)
@@ -37,11 +37,11 @@ def _router_logits(x, router, shared_gate):
 
 
 def moe_router_route_check(x, router, shared_gate, k, renorm=True):
-    """The self-check's reference: the routing reference on the projection ops' logits. Not linear_ref's:
-    the routing of bf16 logits flips at near-ties (several a prompt over 256 experts), so logits rounded
-    apart would fail a correct kernel."""
+    """The self-check's reference: the routing on the projection ops' logits, equal logits in the kernels'
+    order. Not on linear_ref's logits: the routing of bf16 logits flips at near-ties (several a prompt over
+    256 experts), so logits rounded apart would fail a correct kernel."""
     logits, sgl = _router_logits(x, router, shared_gate)
-    return moe_route_ref(logits, k, renorm, sgl)
+    return moe_route_exact_ref(logits, k, renorm, sgl)
 
 
 # unverified: emulator-checked and compiled with nvcc, not yet run on the H200 (benchmarks/moe.md)

@@ -29,6 +29,29 @@ def moe_route_ref(logits: mx.array, k: int, renorm: bool = True,
     return inds, w
 
 
+def moe_route_exact_ref(logits: mx.array, k: int, renorm: bool = True,
+                        shared_logit: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """moe_route_ref with the kernels' order for equal logits (bf16 logits tie often): the lower expert id
+    first. Each expert's rank counts the experts before it, O(T * E^2); past 2^24 comparisons it is
+    moe_route_ref (whose order among equal logits is unspecified). The self-checks' reference: an
+    argpartition that puts a tied expert elsewhere would fail a correct kernel."""
+    T, E = logits.shape
+    if T * E * E > 2**24:
+        return moe_route_ref(logits, k, renorm, shared_logit)
+    lf = logits.astype(mx.float32)
+    ids = mx.arange(E)
+    before = (lf[:, None, :] > lf[:, :, None]) | ((lf[:, None, :] == lf[:, :, None]) & (ids[None, None, :] < ids[None, :, None]))
+    rank = before.astype(mx.int32).sum(axis=-1)                        # [T, E]: distinct 0..E-1
+    inds = mx.argsort(rank, axis=-1)[:, :k].astype(mx.int32)           # [T, k] in the kernels' order
+    probs = mx.softmax(lf, axis=-1)
+    w = mx.take_along_axis(probs, inds, axis=-1)
+    if renorm:
+        w = w / w.sum(axis=-1, keepdims=True)
+    if shared_logit is not None:
+        w = mx.concatenate([w, mx.sigmoid(shared_logit.astype(mx.float32))], axis=-1)
+    return inds, w
+
+
 def shared_expert_ref(x: mx.array, shared: tuple[LinearParams, LinearParams, LinearParams]) -> mx.array:
     """The shared expert's SwiGLU MLP, x [T, H] -> [T, H]."""
     gate, up, down = shared

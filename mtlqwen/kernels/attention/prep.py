@@ -1,0 +1,136 @@
+"""The attention layer's q and k preparation and the in-place KV write in one launch (GPU).
+
+    q = rope(rms_norm(qg[:, :, :D]) * q_norm)          [T, HQ, D]  (read in place from the q|gate projection)
+    k = rope(rms_norm(k) * k_norm)                    [T, HK, D]
+    k_pool[slot(t)] = k[t];  v_pool[slot(t)] = v[t]   (the new tokens' write slots, as kv_write.py)
+
+Why: these were three launches per attention layer (head_norm_rope for q, for k, then kv_write), and MLX's
+host time per launch (~13-20 us on the H200's hosts, benchmarks/decode_profile.md) made the batch-1 step
+host-bound. The kernel is rope/kernels.py's head_norm_rope body over the q head-rows followed by the k
+head-rows, the k rows also storing into the pools. k is an output too: the first-use self-check compares q
+and k with the references, and a caller that cannot take the in-place write (no token) has it.
+
+Ordering: as kv_write.py, the pools are written through their input pointers and `done` is the token every
+reader of the pools in the same evaluation takes.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..backend import gpu_backend
+from ..norms.kernels import FLOATS, ROW_INV_RMS, eps_array
+from ..portable import KernelExample, portable_kernel
+from ..rope.reference import RopeTables
+from ..seqs import SeqLayout
+
+# One head-row of D values per TPRN threads, RPG rows a threadgroup: rows 0..T*HQ-1 are q's, then T*HK k's.
+_BODY = """
+SHARED float part[32];
+SHARED float nrm[RPG * D];
+const int tid = TID_X;
+const int lr = tid / TPRN;
+const int lt = tid % TPRN;
+const int T = qg_shape[0];
+const int NQ = T * HQ;
+const int rw = TGID_X * RPG + lr;
+const bool live = rw < NQ + T * HK;
+const bool isq = rw < NQ;
+const int kr = (live && !isq) ? rw - NQ : 0;
+const size_t base = !live ? 0 : (isq ? (size_t)rw * RSQ : (size_t)kr * D);
+CONST_PTR XT* src = isq ? qg : kin;
+CONST_PTR XT* nw = isq ? qw : kw;
+float ss = 0.0f;
+for (int i = lt; i < D; i += TPRN) {
+  const float xv = TO_FLOAT(src[base + i]);
+  ss += xv * xv;
+}
+""" + ROW_INV_RMS + """
+for (int i = lt; i < D; i += TPRN) {
+  nrm[lr * D + i] = TO_FLOAT(FROM_FLOAT(XT, TO_FLOAT(src[base + i]) * inv * TO_FLOAT(nw[i])));
+}
+BARRIER;
+if (live) {
+  const int t = isq ? rw / HQ : kr / HK;
+  const int ps = pos[t];
+  const size_t slot = ((size_t)blocks[t] * BT + (size_t)offsets[t]) * (HK * D) + (size_t)(kr % HK) * D;
+  for (int i = lt; i < D; i += TPRN) {
+    float v = nrm[lr * D + i];
+    if (i < RD) {
+      const int j = i % (RD / 2);
+      const float cs = cos_t[(size_t)ps * (RD / 2) + j];
+      const float sn = sin_t[(size_t)ps * (RD / 2) + j];
+      v = i < RD / 2 ? v * cs - nrm[lr * D + i + RD / 2] * sn : v * cs + nrm[lr * D + i - RD / 2] * sn;
+    }
+    const XT r = FROM_FLOAT(XT, v);
+    if (isq) {
+      q[(size_t)rw * D + i] = r;
+    } else {
+      k[(size_t)kr * D + i] = r;
+      ((DEVICE_PTR TP*)k_pool)[slot + i] = FROM_FLOAT(TP, TO_FLOAT(r));
+      ((DEVICE_PTR TP*)v_pool)[slot + i] = FROM_FLOAT(TP, TO_FLOAT(vin[(size_t)kr * D + i]));
+    }
+  }
+}
+if (GID_X == 0) {
+  done[0] = 1;
+}
+"""
+
+INPUTS = ["qg", "kin", "vin", "qw", "kw", "eps", "pos", "cos_t", "sin_t", "k_pool", "v_pool", "blocks", "offsets"]
+
+
+def _example(dt, tp, T: int, HQ: int, HK: int, D: int, RD: int) -> KernelExample:
+    """A call at T tokens: qg [T, HQ, 2D], k / v [T, HK, D], pools of 64 blocks of 128 tokens."""
+    ins = [(dt, (T, HQ, 2 * D)), (dt, (T, HK, D)), (dt, (T, HK, D)), (dt, (D,)), (dt, (D,)), (mx.float32, (1,)),
+           (mx.int32, (T,)), (mx.float32, (64, RD // 2)), (mx.float32, (64, RD // 2)),
+           (tp, (64, 128, HK, D)), (tp, (64, 128, HK, D)), (mx.int32, (T,)), (mx.int32, (T,))]
+    tmpl = [("XT", dt), ("HQ", HQ), ("HK", HK), ("D", D), ("RSQ", 2 * D), ("RD", RD), ("TPRN", 32), ("RPG", 4),
+            ("TP", tp), ("BT", 128)]
+    return KernelExample(inputs=ins, outputs=[dt, dt, mx.int32], template=tmpl)
+
+
+PREP = portable_kernel(
+    name="mtl_attn_prep_kv_write",
+    input_names=INPUTS,
+    output_names=["q", "k", "done"],
+    body=_BODY,
+    # the 9B and 35B-A3B attention (16 q heads, 4 / 2 KV heads, head_dim 256, rotary 64) and a small one
+    examples=[_example(dt, tp, T, HQ, HK, D, RD)
+              for dt, tp in ((mx.bfloat16, mx.bfloat16), (mx.float32, mx.float32))
+              for T, HQ, HK, D, RD in ((1, 16, 4, 256, 64), (1, 16, 2, 256, 64), (3, 4, 2, 64, 32))],
+)
+
+
+def covers(qg: mx.array, k: mx.array, v: mx.array, k_pool: mx.array, v_pool: mx.array, tables: RopeTables,
+           head_dim: int) -> bool:
+    """qg [T, HQ, RSQ >= D], k / v [T, HK, D] of one float dtype, pools [blocks, BT, HK, D] of one float dtype."""
+    if gpu_backend() is None or qg.ndim != 3 or k.ndim != 3 or qg.dtype not in FLOATS:
+        return False
+    T, HQ, RSQ = qg.shape
+    rd = tables.rotary_dim
+    return (T > 0 and k.shape == v.shape == (T, k.shape[1], head_dim) and k.dtype == v.dtype == qg.dtype
+            and RSQ >= head_dim and head_dim % 32 == 0 and rd % 2 == 0 and rd <= head_dim
+            and k_pool.ndim == 4 and k_pool.shape[2:] == k.shape[1:] and v_pool.shape == k_pool.shape
+            and v_pool.dtype == k_pool.dtype and k_pool.dtype in FLOATS)
+
+
+def prep_kv_write(qg, k, v, q_norm, k_norm, eps: float, positions, tables: RopeTables, head_dim: int,
+                  k_pool, v_pool, layout: SeqLayout, init_value=None):
+    """-> (q [T, HQ, D], k normed [T, HK, D], the write's `done` token [1] int32)."""
+    T, HQ, RSQ = qg.shape
+    HK = k.shape[1]
+    rpg = 4
+    return PREP(
+        gpu_backend(),
+        inputs=[qg, k, v, q_norm, k_norm, eps_array(eps),
+                positions if positions.dtype == mx.int32 else positions.astype(mx.int32), tables.cos, tables.sin,
+                k_pool, v_pool, layout.array("write_blocks"), layout.array("write_offsets")],
+        output_shapes=[(T, HQ, head_dim), (T, HK, head_dim), (1,)],
+        output_dtypes=[qg.dtype, qg.dtype, mx.int32],
+        grid=(-(-(T * (HQ + HK)) // rpg) * 32 * rpg, 1, 1),
+        threadgroup=(32 * rpg, 1, 1),
+        template=[("XT", qg.dtype), ("HQ", HQ), ("HK", HK), ("D", head_dim), ("RSQ", RSQ), ("RD", tables.rotary_dim),
+                  ("TPRN", 32), ("RPG", rpg), ("TP", k_pool.dtype), ("BT", layout.block_tokens)],
+        init_value=init_value,
+    )
