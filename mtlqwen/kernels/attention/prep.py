@@ -21,6 +21,7 @@ import mlx.core as mx
 from ..backend import gpu_backend
 from ..norms.kernels import FLOATS, ROW_INV_RMS, eps_array
 from ..portable import KernelExample, portable_kernel
+from ..rope.kernels import ROTATE_PARKED, park_normed
 from ..rope.reference import RopeTables
 from ..seqs import SeqLayout
 
@@ -45,23 +46,13 @@ for (int i = lt; i < D; i += TPRN) {
   const float xv = TO_FLOAT(src[base + i]);
   ss += xv * xv;
 }
-""" + ROW_INV_RMS + """
-for (int i = lt; i < D; i += TPRN) {
-  nrm[lr * D + i] = TO_FLOAT(FROM_FLOAT(XT, TO_FLOAT(src[base + i]) * inv * TO_FLOAT(nw[i])));
-}
-BARRIER;
+""" + ROW_INV_RMS + park_normed("src", "nw") + """
 if (live) {
   const int t = isq ? rw / HQ : kr / HK;
   const int ps = pos[t];
   const size_t slot = ((size_t)blocks[t] * BT + (size_t)offsets[t]) * (HK * D) + (size_t)(kr % HK) * D;
   for (int i = lt; i < D; i += TPRN) {
-    float v = nrm[lr * D + i];
-    if (i < RD) {
-      const int j = i % (RD / 2);
-      const float cs = cos_t[(size_t)ps * (RD / 2) + j];
-      const float sn = sin_t[(size_t)ps * (RD / 2) + j];
-      v = i < RD / 2 ? v * cs - nrm[lr * D + i + RD / 2] * sn : v * cs + nrm[lr * D + i - RD / 2] * sn;
-    }
+""" + ROTATE_PARKED + """
     const XT r = FROM_FLOAT(XT, v);
     if (isq) {
       q[(size_t)rw * D + i] = r;

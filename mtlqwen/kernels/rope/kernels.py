@@ -69,6 +69,24 @@ def rope_kernel(x, positions, tables: RopeTables, init_value=None):
     )[0]
 
 
+def park_normed(x: str, w: str) -> str:
+    """Row lr's normalised values (x[base + i] * inv * w[i], rounded to XT) into threadgroup memory nrm."""
+    return f"""for (int i = lt; i < D; i += TPRN) {{
+  nrm[lr * D + i] = TO_FLOAT(FROM_FLOAT(XT, TO_FLOAT({x}[base + i]) * inv * TO_FLOAT({w}[i])));
+}}
+BARRIER;"""
+
+
+# element i of the parked row at position ps, rotated (NeoX halves of the first RD dims) -> v
+ROTATE_PARKED = """    float v = nrm[lr * D + i];
+    if (i < RD) {
+      const int j = i % (RD / 2);
+      const float cs = cos_t[(size_t)ps * (RD / 2) + j];
+      const float sn = sin_t[(size_t)ps * (RD / 2) + j];
+      v = i < RD / 2 ? v * cs - nrm[lr * D + i + RD / 2] * sn : v * cs + nrm[lr * D + i - RD / 2] * sn;
+    }"""
+
+
 # One head-row of D values per TPRN threads, RPG rows per threadgroup. The normalised row is rounded to
 # the activation dtype (as the separate norm's output is) and parked in threadgroup memory, because RoPE
 # pairs element i with i ± RD/2 of the same row.
@@ -83,21 +101,12 @@ const int rw = TGID_X * RPG + lr;
 const bool live = rw < N;
 const size_t base = (size_t)(live ? rw : 0) * RS;
 """ + SUM_SQ + ROW_INV_RMS + """
-for (int i = lt; i < D; i += TPRN) {
-  nrm[lr * D + i] = TO_FLOAT(FROM_FLOAT(XT, TO_FLOAT(x[base + i]) * inv * TO_FLOAT(w[i])));
-}
-BARRIER;
+""" + park_normed("x", "w") + """
 if (live) {
   const int ps = pos[rw / H];
   const size_t ob = (size_t)rw * D;
   for (int i = lt; i < D; i += TPRN) {
-    float v = nrm[lr * D + i];
-    if (i < RD) {
-      const int j = i % (RD / 2);
-      const float cs = cos_t[(size_t)ps * (RD / 2) + j];
-      const float sn = sin_t[(size_t)ps * (RD / 2) + j];
-      v = i < RD / 2 ? v * cs - nrm[lr * D + i + RD / 2] * sn : v * cs + nrm[lr * D + i - RD / 2] * sn;
-    }
+""" + ROTATE_PARKED + """
     y[ob + i] = FROM_FLOAT(XT, v);
   }
 }
