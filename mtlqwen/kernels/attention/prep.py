@@ -21,18 +21,12 @@ import mlx.core as mx
 from ..backend import gpu_backend
 from ..norms.kernels import FLOATS, ROW_INV_RMS, eps_array
 from ..portable import KernelExample, portable_kernel
-from ..rope.kernels import ROTATE_PARKED, park_normed
+from ..rope.kernels import PARKED_ROWS, ROTATE_PARKED, park_normed
 from ..rope.reference import RopeTables
 from ..seqs import SeqLayout
 
 # One head-row of D values per TPRN threads, RPG rows a threadgroup: rows 0..T*HQ-1 are q's, then T*HK k's.
-_BODY = """
-SHARED float part[32];
-SHARED float nrm[RPG * D];
-const int tid = TID_X;
-const int lr = tid / TPRN;
-const int lt = tid % TPRN;
-const int T = qg_shape[0];
+_BODY = PARKED_ROWS + """const int T = qg_shape[0];
 const int NQ = T * HQ;
 const int rw = TGID_X * RPG + lr;
 const bool live = rw < NQ + T * HK;

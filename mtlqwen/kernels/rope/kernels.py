@@ -90,13 +90,16 @@ ROTATE_PARKED = """    float v = nrm[lr * D + i];
 # One head-row of D values per TPRN threads, RPG rows per threadgroup. The normalised row is rounded to
 # the activation dtype (as the separate norm's output is) and parked in threadgroup memory, because RoPE
 # pairs element i with i ± RD/2 of the same row.
-_HEAD_NORM_ROPE = """
+# threadgroup memory and thread -> (row lr of the group, lane lt of the row) for RPG parked rows of D
+PARKED_ROWS = """
 SHARED float part[32];
 SHARED float nrm[RPG * D];
 const int tid = TID_X;
 const int lr = tid / TPRN;
 const int lt = tid % TPRN;
-const int N = x_shape[0] * H;
+"""
+
+_HEAD_NORM_ROPE = PARKED_ROWS + """const int N = x_shape[0] * H;
 const int rw = TGID_X * RPG + lr;
 const bool live = rw < N;
 const size_t base = (size_t)(live ? rw : 0) * RS;
