@@ -254,6 +254,31 @@ def test_a_victim_stays_out_until_the_blocks_to_finish_it_exist():
     assert sch.kv.pool.num_free == 6
 
 
+def test_a_former_victim_waits_for_a_finished_sequences_blocks_instead_of_a_second_preemption():
+    """A readmitted victim b and a newcomer c admitted behind it: c samples its only token in the first
+    step and holds its block until read-back. When b's next token needs a block and none is free, b is the
+    only live sequence: it sits the step out (its blocks kept) rather than being preempted again."""
+    sch = make(num_blocks=3, slots=2, budget=8)
+    b, c = seq("b", 8, max_tokens=2), seq("c", 4, max_tokens=1)
+    b.num_preemptions = 1  # as if preempted before; 8 + 2 - 1 tokens: 3 blocks to finish, 3 free
+    sch.add(b)
+    sch.add(c)
+    p = sch.schedule()
+    assert p.admitted == [b, c] and summary(p) == [("b", 0, 4, False), ("c", 0, 4, True)]
+    commit(p)
+    assert c.sampling_done and sch.kv.pool.num_free == 1
+    p = sch.schedule()
+    assert summary(p) == [("b", 4, 4, True)] and sch.kv.pool.num_free == 0
+    commit(p)
+    p = sch.schedule()  # b's 9th token needs a 3rd block; c's comes back only at its read-back
+    assert (summary(p), p.preempted, b.num_preemptions, b.block_table) == ([], [], 1, [0, 2])
+    sch.release(c)
+    p = sch.schedule()
+    assert summary(p) == [("b", 8, 1, True)] and b.block_table == [0, 2, 1]
+    commit(p)
+    assert b.sampling_done and sch.num_preemptions == 0
+
+
 @st.composite
 def tight_workloads(draw):
     bt = draw(st.sampled_from([2, 4, 8]))

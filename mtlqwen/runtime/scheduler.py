@@ -7,7 +7,9 @@ cannot cover the step, the newest sequence is preempted (blocks and slot freed, 
 the front for recompute from kv_valid 0: GDN state cannot be rolled back) and the split is redone.
 A preempted request is readmitted only once the pool can hold it and every running sequence up to
 max_tokens, so it is not preempted again while the pool is short (no thrash); new requests are admitted
-as soon as a slot is free and their step's blocks exist.
+as soon as a slot is free and their step's blocks exist. The victims a short pool picks are sequences never
+preempted; when only former victims are left and a finished sequence still holds blocks until its
+read-back, the former victim sits the step out instead.
 
 Shared in-flight prefixes: a request admitted while a running sequence (the leader) is about to compute
 a longer prefix of it than the cache holds (boundary `target`, see KVManager.shared_boundary) is held:
@@ -244,13 +246,21 @@ class Scheduler:
         self.steps += 1
         plan = StepPlan(released=self._release_waits())
         plan.admitted = self._admit()
+        stalled: set[Sequence] = set()
         while True:
             # a sequence whose last token is already sampled only waits for read-back; a held one for its leader
-            live = [s for s in self.running if not s.sampling_done and s not in self.held]
+            live = [s for s in self.running if not s.sampling_done and s not in self.held and s not in stalled]
             counts = self.token_counts(live)
             if self.kv.reserve(sum(self.kv.new_blocks(s, n) for s, n in zip(live, counts))):
                 break
-            self._preempt(self._victim(live), plan.admitted, plan.preempted, plan.released)
+            victim = self._victim(live)
+            if victim.num_preemptions and any(s.sampling_done for s in self.running):
+                # only former victims are left to push out, and a finished sequence's blocks come back at
+                # its read-back: the victim sits this step out (keeping its blocks) instead of a second
+                # preemption
+                stalled.add(victim)
+                continue
+            self._preempt(victim, plan.admitted, plan.preempted, plan.released)
         plan.held = list(self.held)
         for seq, n in zip(live, counts):
             if n == 0:
