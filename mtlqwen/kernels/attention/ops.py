@@ -107,7 +107,7 @@ def _prep_kernel(qg, k, v, q_norm, k_norm, eps, positions, tables, head_dim, k_p
 
 def _prep_check(qg, k, v, q_norm, k_norm, eps, positions, tables, head_dim, k_pool, v_pool, layout):
     """The self-check's reference: q and k as the references compute them, and the token (the write's
-    result is the pools' contents: tests/test_kernels_attention.py)."""
+    result is the pools' contents: tests/test_kernels_attention_prep.py)."""
     return (head_norm_rope_ref(qg, q_norm, eps, positions, tables, head_dim),
             head_norm_rope_ref(k, k_norm, eps, positions, tables, head_dim), mx.ones((1,), dtype=mx.int32))
 

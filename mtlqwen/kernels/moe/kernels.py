@@ -113,8 +113,21 @@ DOWN_WRITE = "if (n < N) y[(size_t)tok * N + n] = FROM_FLOAT(T, acc[m][r]);"
 # down with the residual add + next RMSNorm (qmatmul/residual.py's epilogue): the block output goes to dlt,
 # and the last of the blocks (row blocks x tokens, counted at run time) adds and norms every token's row
 DOWN_RMS_WRITE = "if (n < N) dlt[(size_t)tok * N + n] = FROM_FLOAT(T, acc[m][r]);"
-DOWN_RMS_EPILOGUE = EPILOGUE.replace("(uint32_t)(NBLK - 1)", "(uint32_t)(((N + 4 * R - 1) / (4 * R)) * h_shape[0] - 1)")
-DOWN_RMS_EPILOGUE = DOWN_RMS_EPILOGUE.replace("for (int m = 0; m < M; ++m)", "for (int m = 0; m < h_shape[0]; ++m)")
+
+
+def _down_rms_epilogue() -> str:
+    """residual.py's epilogue over every token's row (h_shape[0]), its arrival count the down launch's
+    row blocks x tokens (residual.py's NBLK template: one row block count, one row set)."""
+    out = EPILOGUE
+    for old, new in (("(uint32_t)(NBLK - 1)", "(uint32_t)(((N + 4 * R - 1) / (4 * R)) * h_shape[0] - 1)"),
+                     ("for (int m = 0; m < M; ++m)", "for (int m = 0; m < h_shape[0]; ++m)")):
+        if out.count(old) != 1:
+            raise AssertionError(f"qmatmul/residual.py's epilogue changed: {old!r} appears {out.count(old)} times")
+        out = out.replace(old, new)
+    return out
+
+
+DOWN_RMS_EPILOGUE = _down_rms_epilogue()
 
 
 def _one_row(body: str) -> str:
@@ -231,10 +244,14 @@ MAX_EXPERTS = 32 * 32  # EPL <= 32 logits per lane
 MAX_TOP_K = 16
 
 
+def route_limits(E: int, k: int) -> bool:
+    """The routing body's limits: top-k of at most MAX_TOP_K, at most MAX_EXPERTS logits (EPL <= 32 a lane)."""
+    return 1 <= k <= min(E, MAX_TOP_K) and E <= MAX_EXPERTS
+
+
 def route_supported(logits: mx.array, k: int, shared_logit: mx.array | None) -> bool:
     T, E = logits.shape if logits.ndim == 2 else (0, 0)
-    return (logits.ndim == 2 and T > 0 and 1 <= k <= min(E, MAX_TOP_K) and E <= MAX_EXPERTS
-            and logits.dtype in XKIND
+    return (logits.ndim == 2 and T > 0 and route_limits(E, k) and logits.dtype in XKIND
             and (shared_logit is None or (shared_logit.shape == (T, 1) and shared_logit.dtype in XKIND)))
 
 
@@ -287,8 +304,9 @@ def _cast(a: mx.array, dt) -> mx.array:
     return a if a.dtype == dt else a.astype(dt)
 
 
-def _fused_launches(x, gate, up, down, inds, weights, with_shared, rows, down_kernel, down_extra, n_out):
-    """The gate+up launch, then `down_kernel` over its output with `down_extra` inputs appended."""
+def _fused_launches(x, gate, up, down, inds, weights, with_shared, rows, down_kernel, down_extra, down_tmpl, n_out):
+    """The gate+up launch, then `down_kernel` over its output: `down_extra` inputs and `down_tmpl` template
+    values appended, `n_out` outputs of [T, H]."""
     T, H = x.shape
     k = inds.shape[1]
     sh = with_shared is not None
@@ -316,18 +334,17 @@ def _fused_launches(x, gate, up, down, inds, weights, with_shared, rows, down_ke
         grid=(-(-Im // (4 * gr)) * 128, T * S, 1), threadgroup=(128, 1, 1),
         template=tmpl(2 * gr, 2, 1), init_value=POISON)[0]
     ins = [h, inds] + wsb(down) + (wsb(with_shared[2]) if sh else []) + down_extra
-    extra_tmpl = [("EPT", -(-H // 128))] if n_out == 3 else []
     return down_kernel(sh)(
         gpu_backend(), inputs=ins, output_shapes=[(T, H)] * n_out, output_dtypes=[dt] * n_out,
         grid=(-(-H // (4 * dr)) * 128, T, 1), threadgroup=(128, 1, 1),
-        template=tmpl(dr, 1, 0) + extra_tmpl, init_value=POISON)
+        template=tmpl(dr, 1, 0) + down_tmpl, init_value=POISON)
 
 
 def fused_experts(x, gate, up, down, inds, weights, with_shared: tuple | None = None,
                   rows: tuple[int, int] | None = None) -> mx.array:
     """x [T, H] -> sum over the k routed slots (and `with_shared`'s expert as slot k, weight weights[:, k])
     [T, H]; `rows` = (gate rows, down rows) per SIMD group overrides the table's blocking."""
-    return _fused_launches(x, gate, up, down, inds, weights, with_shared, rows, _down_kernel, [], 1)[0]
+    return _fused_launches(x, gate, up, down, inds, weights, with_shared, rows, _down_kernel, [], [], 1)[0]
 
 
 def fused_add_norm_supported(x, gate, up, down, inds, with_shared, h, w) -> bool:
@@ -344,5 +361,6 @@ def fused_experts_add_rms_norm(x, gate, up, down, inds, weights, with_shared, h,
     """(h + fused_experts(...), rms_norm(h + fused_experts(...)) * w), both [T, H]: the down launch carries
     the residual add and the norm (the last of its threadgroups does every token's row)."""
     extra = [h, w, eps_array(eps), arrival_counter(down)]
-    _, hsum, y = _fused_launches(x, gate, up, down, inds, weights, with_shared, rows, _down_rms_kernel, extra, 3)
+    ept = [("EPT", -(-x.shape[1] // 128))]  # residual elements a thread of the epilogue holds
+    _, hsum, y = _fused_launches(x, gate, up, down, inds, weights, with_shared, rows, _down_rms_kernel, extra, ept, 3)
     return hsum, y

@@ -22,7 +22,7 @@ from ..qmatmul.bodies import HEADER, XKIND, fma_body
 from ..qmatmul.params import LinearParams
 from ..qmatmul.residual import arrival_counter
 from ..selection import SELECT, qmv_config
-from .kernels import MAX_EXPERTS, MAX_TOP_K, ROUTE_BODY
+from .kernels import ROUTE_BODY, route_limits
 
 # the routing body over the logits this launch wrote (E, t and lane come from the epilogue and the qmv body)
 _ROUTE = (ROUTE_BODY.replace("  const int E = logits_shape[1];\n  const int t = TGID_X;\n  const int lane = LANE;\n", "")
@@ -94,8 +94,7 @@ def supported(x: mx.array, router: LinearParams, shared_gate: LinearParams | Non
             and x.ndim == 2 and router.quantized and gemv.qmv_supported(x, ps)
             and (shared_gate is None or shared_gate.out_features == 1)):
         return False
-    E = router.out_features
-    return 1 <= k <= min(E, MAX_TOP_K) and E <= MAX_EXPERTS  # the routing kernel's limits (route_supported)
+    return route_limits(router.out_features, k)
 
 
 def launch(x: mx.array, router: LinearParams, shared_gate: LinearParams | None, k: int, renorm: bool = True):
