@@ -115,29 +115,27 @@ DOWN_WRITE = "if (n < N) y[(size_t)tok * N + n] = FROM_FLOAT(T, acc[m][r]);"
 DOWN_RMS_WRITE = "if (n < N) dlt[(size_t)tok * N + n] = FROM_FLOAT(T, acc[m][r]);"
 
 
-def _down_rms_epilogue() -> str:
-    """residual.py's epilogue over every token's row (h_shape[0]), its arrival count the down launch's
-    row blocks x tokens (residual.py's NBLK template: one row block count, one row set)."""
-    out = EPILOGUE
-    for old, new in (("(uint32_t)(NBLK - 1)", "(uint32_t)(((N + 4 * R - 1) / (4 * R)) * h_shape[0] - 1)"),
-                     ("for (int m = 0; m < M; ++m)", "for (int m = 0; m < h_shape[0]; ++m)")):
-        if out.count(old) != 1:
-            raise AssertionError(f"qmatmul/residual.py's epilogue changed: {old!r} appears {out.count(old)} times")
-        out = out.replace(old, new)
-    return out
+def _replaced_once(src: str, pairs, what: str) -> str:
+    """src with each (old, new) replaced, each old appearing exactly once (else the source it comes from
+    changed under this file)."""
+    for old, new in pairs:
+        if src.count(old) != 1:
+            raise AssertionError(f"{what} changed: {old!r} appears {src.count(old)} times")
+        src = src.replace(old, new)
+    return src
 
 
-DOWN_RMS_EPILOGUE = _down_rms_epilogue()
+# residual.py's epilogue over every token's row (h_shape[0]), its arrival count the down launch's row
+# blocks x tokens (residual.py's NBLK template counts one row set's blocks)
+DOWN_RMS_EPILOGUE = _replaced_once(EPILOGUE, (
+    ("(uint32_t)(NBLK - 1)", "(uint32_t)(((N + 4 * R - 1) / (4 * R)) * h_shape[0] - 1)"),
+    ("for (int m = 0; m < M; ++m)", "for (int m = 0; m < h_shape[0]; ++m)")), "qmatmul/residual.py's epilogue")
 
 
 def _one_row(body: str) -> str:
     """The FMA body at one activation row: row `tok` of x (the pair's or the token's)."""
-    for old, new in (("const int M = x_shape[0];", "const int M = 1;"),
-                     ("(x + (size_t)m * K", "(x + (size_t)(tok + m) * K")):
-        if body.count(old) != 1:
-            raise AssertionError(f"qmv body changed: {old!r} appears {body.count(old)} times")
-        body = body.replace(old, new)
-    return body
+    return _replaced_once(body, (("const int M = x_shape[0];", "const int M = 1;"),
+                                 ("(x + (size_t)m * K", "(x + (size_t)(tok + m) * K")), "qmv body")
 
 
 _KERNELS: dict = {}
