@@ -126,18 +126,22 @@ def test_self_check_defaults_to_the_unverified_back_ends(monkeypatch):
 
 def test_an_op_unverified_on_a_verified_back_end_checks_itself(monkeypatch):
     """An op's own `unverified` back-ends self-check its kernel although the back-end is verified (a kernel
-    newer than the last GPU run); the env override still wins; the MoE kernels not yet run on the H200
-    say so."""
+    newer than the last GPU run); the env override still wins; kernel_op records the marker on the op."""
     monkeypatch.delenv("MTLQWEN_SELF_CHECK", raising=False)
     monkeypatch.setattr(dispatch, "gpu_backend", lambda: "cuda")
     assert dispatch.self_check(("cuda",)) and not dispatch.self_check(("metal",))
     monkeypatch.setenv("MTLQWEN_SELF_CHECK", "0")
     assert not dispatch.self_check(("cuda",))
-    import mtlqwen.kernels.moe  # noqa: F401, PLC0415  (registers the MoE ops)
 
-    assert dispatch.OPS["moe_router_route"].unverified == ("cuda",)
-    assert dispatch.OPS["moe_experts_add_rms_norm"].unverified == ("cuda",)
-    assert dispatch.OPS["rms_norm"].unverified == ()
+    @dispatch.kernel_op("test_fresh_kernel", None, unverified=("cuda",))
+    def fresh(x):
+        return x
+
+    try:
+        assert dispatch.OPS["test_fresh_kernel"].unverified == ("cuda",)
+        assert dispatch.OPS["rms_norm"].unverified == ()
+    finally:
+        del dispatch.OPS["test_fresh_kernel"]
 
 
 def test_a_kernel_that_declines_a_shape_is_not_switched_off(caplog):

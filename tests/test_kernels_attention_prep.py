@@ -33,13 +33,15 @@ def rel_err(out, ref) -> float:
 
 
 def prep_case(data, bt, nkv, rep, hd, rd, nseq, dtype, seed):
-    """A drawn batch: contexts around block boundaries, 1-5 new tokens a sequence."""
+    """A drawn batch: contexts around block boundaries, 1-5 new tokens a sequence, norm weights in the
+    activations' dtype or in fp32 (checkpoints that keep their norms in fp32: the 35B-A3B's)."""
     past = [data.draw(contexts(bt)) for _ in range(nseq)]
     qlens = [data.draw(st.integers(1, 5)) for _ in range(nseq)]
-    return batch_case(bt, nkv, rep, hd, rd, past, qlens, dtype, seed)
+    wdtype = data.draw(st.sampled_from([dtype, mx.float32]))
+    return batch_case(bt, nkv, rep, hd, rd, past, qlens, dtype, seed, wdtype)
 
 
-def batch_case(bt, nkv, rep, hd, rd, past, qlens, dtype, seed):
+def batch_case(bt, nkv, rep, hd, rd, past, qlens, dtype, seed, wdtype=None):
     """qg [T, nkv*rep, 2*hd], k / v [T, nkv, hd], norms, tables, pools and the layout: attention_prep's args."""
     rng = np.random.default_rng(seed)
     _, kp, vp, layout = make_batch(rng, bt, nkv, rep, hd, past, qlens, dtype)
@@ -49,7 +51,7 @@ def batch_case(bt, nkv, rep, hd, rd, past, qlens, dtype, seed):
         return mx.array((scale * rng.standard_normal(shape)).astype(np.float32)).astype(dtype)
 
     qg, k, v = rand(T, nkv * rep, 2 * hd), rand(T, nkv, hd), rand(T, nkv, hd)
-    qn, kn = 1 + rand(hd, scale=0.2), 1 + rand(hd, scale=0.2)
+    qn, kn = ((1 + rand(hd, scale=0.2)).astype(wdtype or dtype) for _ in range(2))
     tables = RopeTables(rd, 10_000_000.0)
     tables.ensure(max(p + t for p, t in zip(past, qlens)) + 1)
     return qg, k, v, qn, kn, 1e-6, layout.array("positions"), tables, hd, kp, vp, layout

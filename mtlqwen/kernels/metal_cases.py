@@ -294,11 +294,13 @@ def _attn_trials() -> list[Trial]:
 
         out.append(Trial(f"mtl_kv_write_inplace[{_n(pt)} pool, {_n(kt)} k/v]", run, ref, [0.0, 0.0, 0.0]))
     # q / k norm + RoPE and the in-place write in one launch (attention/prep.py), at the examples' geometries
-    for dt, (hq, hk, hd, rd) in ((d, g) for d in (BF16, F32) for g in ((16, 4, 256, 64), (16, 2, 256, 64), (4, 2, 64, 32))):
+    geoms = ((16, 4, 256, 64), (16, 2, 256, 64), (4, 2, 64, 32))
+    # (activation dtype, norm-weight dtype): bf16 activations beside fp32 norms too (the 35B-A3B's checkpoints)
+    for (dt, wt), (hq, hk, hd, rd) in [((d, d), g) for d in (BF16, F32) for g in geoms] + [((BF16, F32), geoms[1])]:
         rng = np.random.default_rng(6)
         _, kp, vp, layout = _attn_batch(rng, dt, past=[126, 3], qlens=[4, 5], nkv=hk, rep=hq // hk, hd=hd)
         qg, k, v = _rand(rng, 9, hq, 2 * hd, dtype=dt), _rand(rng, 9, hk, hd, dtype=dt), _rand(rng, 9, hk, hd, dtype=dt)
-        qn, kn = (1 + _rand(rng, hd, dtype=dt, scale=0.2) for _ in range(2))
+        qn, kn = ((1 + _rand(rng, hd, dtype=dt, scale=0.2)).astype(wt) for _ in range(2))
         tables = _fn("RopeTables")(rd, 1e7)
         pos = layout.array("positions")
 
@@ -312,7 +314,7 @@ def _attn_trials() -> list[Trial]:
             wk, wv = _cpu(_fn("write_kv"), kp + 0, vp + 0, rk, v, L)
             return [rq, rk, mx.array([1], dtype=mx.int32), wk.astype(F32), wv.astype(F32)]
 
-        out.append(Trial(f"mtl_attn_prep_kv_write[{_n(dt)} {hq}/{hk} heads of {hd}]", run, ref,
+        out.append(Trial(f"mtl_attn_prep_kv_write[{_n(dt)} {hq}/{hk} heads of {hd}, {_n(wt)} norms]", run, ref,
                          [TOL[dt], TOL[dt], 0.0, TOL[dt], 0.0]))
     return out
 

@@ -75,8 +75,10 @@ SELECT: dict[str, int] = {
     # The attention layer's q norm + RoPE, k norm + RoPE and the in-place KV write in one launch
     # (attention/prep.py) where all three would run their kernels: 2 launches fewer per attention layer
     # (16 per 9B step, 20 per 35B-A3B step) at ~13-20 us of host time each on the H200's hosts
-    # (benchmarks/decode_profile.md). Emulator-checked; its GPU test has not run on the H200 yet (it
-    # self-checks q and k at first use on CUDA meanwhile). 0 = the three launches.
+    # (benchmarks/decode_profile.md). Its GPU tests passed on the H200, and the 9B, 35B-A3B and 122B-A10B
+    # end-to-end runs served it (fp32 norm weights beside bf16 activations: a compile failure there until
+    # the weights got their own type). Not yet timed in a running step (the one trace ran with it switched
+    # off by that failure). 0 = the three launches.
     "attn_prep_fused": 1,
     # out_proj / o_proj / down_proj at decode sizes carry the residual add + next RMSNorm in their epilogue
     # (qmatmul/residual.py): 64 add_rms_norm launches fewer per 9B step (40 per 35B-A3B step). Its GPU test
@@ -84,8 +86,11 @@ SELECT: dict[str, int] = {
     # the device, it made the step's kernels 0.21 ms longer (3.55 -> 3.76 ms; 26.0 us a launch against
     # 14.5 + 4.0 for the plain qmv and add_rms_norm). On the hosts of the later leases the step is host-bound
     # (5.65 ms of host time for 283 primitives, ~20 us each; an add_rms_norm launch alone 13.5 us to encode:
-    # benchmarks/decode_profile.md), where 64 launches fewer are worth ~1 ms. On: the direct A/B on such a
-    # host (step_trace.py --variants qmv_residual_norm=0) is still to run.
+    # benchmarks/decode_profile.md). The A/B on such a host (9B, B=1, step_trace.py --variants
+    # qmv_residual_norm=0): period 4,516 us on against 4,570 off; the host's encode time fell 1.35 ms
+    # (224 launches against 288) and it now waits 0.93 ms on the device, whose busy time rose 0.54 ms
+    # (3,720 against 3,180 us). On: slightly faster where the host bounds, and the epilogue's device cost
+    # (~8 us a launch over the plain qmv + add_rms_norm) is what to cut next.
     "qmv_residual_norm": 1,
     # The FMA qmv loads the next chunks' weights before the current chunks' math (template PF). Written to
     # keep loads in flight at M=1, where the kernel stalled at ~1.9-2.0 TB/s steady state (lm_head 291 us
@@ -171,8 +176,9 @@ SELECT: dict[str, int] = {
     "moe_route_kernel": 1,
     # At decode sizes (1-8 tokens) that routing runs in the router projection's launch (moe/router.py: the
     # qmv's last threadgroup routes every token), one launch a layer fewer: 40 per 35B-A3B step, at
-    # ~13-20 us of host time each on the H200's hosts (benchmarks/decode_profile.md). Emulator-checked (Metal
-    # rendering); its GPU test has not run on the H200 yet. 0 = the projection and the routing kernel apart.
+    # ~13-20 us of host time each on the H200's hosts (benchmarks/decode_profile.md). Its GPU tests passed
+    # on the H200. With the residual epilogue (attention prep switched off) a 35B-A3B B=1 step ran 318
+    # kernels in 5,355 us against 438 in 5,567 with all three off (step_trace.py). 0 = apart.
     "moe_route_in_router": 1,
     # Tokens up to which the fused expert kernels serve (gate+up+SwiGLU per (token, slot), then down with
     # the routing weights and the shared expert summed in its K loop): each (token, expert) pair reads its
@@ -187,19 +193,19 @@ SELECT: dict[str, int] = {
     # CUDA: (token, expert) pairs from which the expert MLPs run on the grouped tensor-core GEMM
     # (moe/grouped.py: qgemm over each expert's padded segment, two launches) instead of sorted gather_qmm,
     # where it covers the shapes (4/8-bit, bf16/fp16, H and Im multiples of 256); 0 = never. Its tests
-    # passed on the H200 (tests/test_moe_grouped.py: each launch, the composed path, the dispatch at 16 and
-    # 101 tokens). One 35B-A3B MoE block (moe_bench.py): 1,263 us against sorted gather_qmm's 11,524 at 1024
-    # tokens (8,192 pairs), 2,696 against 43,648 at 4096; end to end the 4096-token prefill at 1024-token
-    # steps went from 1,904 to 5,043 tok/s (benchmarks/moe.md). Below 8,192 pairs it is not measured, and
-    # the one run with it serving from 64 pairs had 8 concurrent 512-token prompts (128-token mixed steps,
-    # ~1,000 pairs) reach their first token in 5.0 s against 1.96 s on the sorted path (another host): so it
-    # serves from the measured size until a sweep (moe_bench.py --tokens 128 256 512) places the crossover.
-    "moe_grouped_min_pairs": 8192,
+    # passed on the H200 (tests/test_moe_grouped.py). One 35B-A3B MoE block (moe_bench.py, H200), grouped
+    # against sorted gather_qmm: 819 vs 1,821 us at 128 tokens (1,024 pairs), 823 vs 3,246 at 256, 1,033 vs
+    # 6,213 at 512, 1,263 vs 11,524 at 1024, 2,696 vs 43,648 at 4096. Below 1,024 pairs it is not measured,
+    # so the sorted path keeps them. End to end (e2e_bench.py, 35B-A3B, 4096-token prompt): 6,579 tok/s at
+    # 128-token steps (1,896 from 8,192 pairs), 8,209 at 1024-token steps (benchmarks/moe.md).
+    "moe_grouped_min_pairs": 1024,
     # Activation rows MB of one grouped tile (16, 32 or 64; 0 = by the mean pairs per expert T*k/E: the
     # smallest of them that holds it). Each tile reads its expert's whole [N, K] slab and each expert's
     # segment pads up to a multiple of MB, so MB near the mean reads an expert about once or twice and pads
     # at most MB-1 rows of it: 32 at a 1024-token step of the 35B-A3B (8192 pairs over 256 experts), 64
-    # at 4096. Not yet measured (moe_bench.py's grouped row at MTLQWEN_SELECT=moe_grouped_tile_rows=N).
+    # at 4096. One block at 128 / 256 / 512 tokens (moe_bench.py --tile-rows): MB 16 took 803 / 805 / 974
+    # us, 32 871 / 923 / 1,134, 64 1,077 / 1,110 / 1,331, and the rule (16 at all three) 819 / 823 / 1,033:
+    # the rule's pick within the runs' noise. 1024 tokens and up not yet swept.
     "moe_grouped_tile_rows": 0,
     # Fused expert kernels' rows per SIMD group: gate rows (as many up rows) of gate+up, rows of down. The
     # qmv's M=1 SwiGLU row count (qmv_m1_swiglu_rows); down at 2 so H = 2048 gives 256 threadgroups at

@@ -100,7 +100,7 @@ def _prep_kernel(qg, k, v, q_norm, k_norm, eps, positions, tables, head_dim, k_p
                  for n in ("head_norm_rope", "write_kv_inplace", "paged_attention", "paged_attention_gated"))
     q_shape = (qg.shape[0], qg.shape[1], head_dim)
     if not (ops_on and kernels.covers(q_shape, qg.dtype, k_pool, v_pool, layout)
-            and prep.covers(qg, k, v, k_pool, v_pool, tables, head_dim)):
+            and prep.covers(qg, k, v, q_norm, k_norm, k_pool, v_pool, tables, head_dim)):
         return None
     return tuple(prep.prep_kv_write(qg, k, v, q_norm, k_norm, eps, positions, tables, head_dim, k_pool, v_pool, layout))
 
@@ -112,9 +112,8 @@ def _prep_check(qg, k, v, q_norm, k_norm, eps, positions, tables, head_dim, k_po
             head_norm_rope_ref(k, k_norm, eps, positions, tables, head_dim), mx.ones((1,), dtype=mx.int32))
 
 
-# unverified: emulator-checked and compiled with nvcc, not yet run on the H200 (benchmarks/decode_profile.md)
-@kernel_op("attention_prep", _prep_kernel, reference=_prep_check, row="attn_prep_fused", pools=_POOLS,
-           unverified=("cuda",))
+# tests/test_kernels_attention_prep.py passed on the H200 (fp32 norm weights beside bf16 activations included)
+@kernel_op("attention_prep", _prep_kernel, reference=_prep_check, row="attn_prep_fused", pools=_POOLS)
 def attention_prep(qg: mx.array, k: mx.array, v: mx.array, q_norm: mx.array, k_norm: mx.array, eps: float,
                    positions: mx.array, tables: RopeTables, head_dim: int, k_pool: mx.array, v_pool: mx.array,
                    layout: SeqLayout):

@@ -34,7 +34,7 @@ const bool isq = rw < NQ;
 const int kr = (live && !isq) ? rw - NQ : 0;
 const size_t base = !live ? 0 : (isq ? (size_t)rw * RSQ : (size_t)kr * D);
 CONST_PTR XT* src = isq ? qg : kin;
-CONST_PTR XT* nw = isq ? qw : kw;
+CONST_PTR WT* nw = isq ? qw : kw;
 float ss = 0.0f;
 for (int i = lt; i < D; i += TPRN) {
   const float xv = TO_FLOAT(src[base + i]);
@@ -65,13 +65,15 @@ if (GID_X == 0) {
 INPUTS = ["qg", "kin", "vin", "qw", "kw", "eps", "pos", "cos_t", "sin_t", "k_pool", "v_pool", "blocks", "offsets"]
 
 
-def _example(dt, tp, T: int, HQ: int, HK: int, D: int, RD: int) -> KernelExample:
-    """A call at T tokens: qg [T, HQ, 2D], k / v [T, HK, D], pools of 64 blocks of 128 tokens."""
-    ins = [(dt, (T, HQ, 2 * D)), (dt, (T, HK, D)), (dt, (T, HK, D)), (dt, (D,)), (dt, (D,)), (mx.float32, (1,)),
+def _example(dt, tp, T: int, HQ: int, HK: int, D: int, RD: int, wt=None) -> KernelExample:
+    """A call at T tokens: qg [T, HQ, 2D], k / v [T, HK, D], norm weights of wt (default dt), pools of 64
+    blocks of 128 tokens."""
+    wt = wt or dt
+    ins = [(dt, (T, HQ, 2 * D)), (dt, (T, HK, D)), (dt, (T, HK, D)), (wt, (D,)), (wt, (D,)), (mx.float32, (1,)),
            (mx.int32, (T,)), (mx.float32, (64, RD // 2)), (mx.float32, (64, RD // 2)),
            (tp, (64, 128, HK, D)), (tp, (64, 128, HK, D)), (mx.int32, (T,)), (mx.int32, (T,))]
     tmpl = [("XT", dt), ("HQ", HQ), ("HK", HK), ("D", D), ("RSQ", 2 * D), ("RD", RD), ("TPRN", 32), ("RPG", 4),
-            ("TP", tp), ("BT", 128)]
+            ("TP", tp), ("BT", 128), ("WT", wt)]
     return KernelExample(inputs=ins, outputs=[dt, dt, mx.int32], template=tmpl)
 
 
@@ -80,17 +82,23 @@ PREP = portable_kernel(
     input_names=INPUTS,
     output_names=["q", "k", "done"],
     body=_BODY,
-    # the 9B and 35B-A3B attention (16 q heads, 4 / 2 KV heads, head_dim 256, rotary 64) and a small one
+    # the 9B and 35B-A3B attention (16 q heads, 4 / 2 KV heads, head_dim 256, rotary 64) and a small one;
+    # bf16 activations beside fp32 norm weights too (checkpoints that keep their norms in fp32)
     examples=[_example(dt, tp, T, HQ, HK, D, RD)
               for dt, tp in ((mx.bfloat16, mx.bfloat16), (mx.float32, mx.float32))
-              for T, HQ, HK, D, RD in ((1, 16, 4, 256, 64), (1, 16, 2, 256, 64), (3, 4, 2, 64, 32))],
+              for T, HQ, HK, D, RD in ((1, 16, 4, 256, 64), (1, 16, 2, 256, 64), (3, 4, 2, 64, 32))]
+    + [_example(mx.bfloat16, mx.bfloat16, 1, 16, 2, 256, 64, wt=mx.float32)],
 )
 
 
-def covers(qg: mx.array, k: mx.array, v: mx.array, k_pool: mx.array, v_pool: mx.array, tables: RopeTables,
-           head_dim: int) -> bool:
-    """qg [T, HQ, RSQ >= D], k / v [T, HK, D] of one float dtype, pools [blocks, BT, HK, D] of one float dtype."""
+def covers(qg: mx.array, k: mx.array, v: mx.array, q_norm: mx.array, k_norm: mx.array, k_pool: mx.array,
+           v_pool: mx.array, tables: RopeTables, head_dim: int) -> bool:
+    """qg [T, HQ, RSQ >= D], k / v [T, HK, D] of one float dtype, norm weights [D] of one float dtype (any:
+    fp32 norms beside bf16 activations are common), pools [blocks, BT, HK, D] of one float dtype."""
     if gpu_backend() is None or qg.ndim != 3 or k.ndim != 3 or qg.dtype not in FLOATS:
+        return False
+    if (q_norm.dtype != k_norm.dtype or q_norm.dtype not in FLOATS
+            or q_norm.shape != (head_dim,) or k_norm.shape != (head_dim,)):
         return False
     T, HQ, RSQ = qg.shape
     rd = tables.rotary_dim
@@ -116,6 +124,6 @@ def prep_kv_write(qg, k, v, q_norm, k_norm, eps: float, positions, tables: RopeT
         grid=(-(-(T * (HQ + HK)) // rpg) * 32 * rpg, 1, 1),
         threadgroup=(32 * rpg, 1, 1),
         template=[("XT", qg.dtype), ("HQ", HQ), ("HK", HK), ("D", head_dim), ("RSQ", RSQ), ("RD", tables.rotary_dim),
-                  ("TPRN", 32), ("RPG", rpg), ("TP", k_pool.dtype), ("BT", layout.block_tokens)],
+                  ("TPRN", 32), ("RPG", rpg), ("TP", k_pool.dtype), ("BT", layout.block_tokens), ("WT", q_norm.dtype)],
         init_value=init_value,
     )
