@@ -63,8 +63,12 @@ def ours(config, args) -> dict:
     res["weights_gib"] = mx.get_active_memory() / 2**30  # the device memory a shape needs before any KV
     greedy = SamplingParams(max_tokens=args.gen, ignore_eos=True)
 
+    # the engine's default prefix cache cuts every prefill chunk at its 512-token snapshot boundaries
+    cache = {} if args.prefix_interval is None else {"prefix_interval": args.prefix_interval}
+
     def decode_rate(n_req: int, prompt_len: int, step_tokens: int):
-        eng = Engine(model, slots=max(n_req, 1), step_tokens=step_tokens, num_blocks=n_req * ((prompt_len + args.gen) // 128 + 2))
+        eng = Engine(model, slots=max(n_req, 1), step_tokens=step_tokens,
+                     num_blocks=n_req * ((prompt_len + args.gen) // 128 + 2), **cache)
         prompts = [rand_prompt(prompt_len, vocab, 100 + i) for i in range(n_req)]
         t0 = time.perf_counter()
         outs = eng.generate(prompts, greedy)
@@ -74,7 +78,7 @@ def ours(config, args) -> dict:
         return gen / (total - last_first), statistics.median(o.ttft for o in outs)
 
     def prefill_rate(n: int, step_tokens: int):
-        eng = Engine(model, slots=1, step_tokens=step_tokens, num_blocks=n // 128 + 4)
+        eng = Engine(model, slots=1, step_tokens=step_tokens, num_blocks=n // 128 + 4, **cache)
         p = rand_prompt(n, vocab, 7)
         t0 = time.perf_counter()
         eng.generate([p], SamplingParams(max_tokens=1, ignore_eos=True))
@@ -181,6 +185,9 @@ def main(argv=None):
                     help="step_tokens budgets to time the prefill with")
     ap.add_argument("--batch", type=int, nargs="+", default=[8], help="concurrent requests (several sizes allowed)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prefix-interval", type=int, default=None,
+                    help="the engine's prefix_interval (default: the engine's, 512, whose snapshot boundaries cut "
+                         "every prefill chunk at 512 tokens; 0: no cache, chunks of the whole step budget)")
     ap.add_argument("--skip-mlxlm", action="store_true")
     ap.add_argument("--skip-ours", action="store_true")
     ap.add_argument("--json", default=None, help="write results here too")

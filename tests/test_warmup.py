@@ -59,7 +59,7 @@ def test_the_workload_and_its_pool(ckpt, monkeypatch):
     monkeypatch.setattr(Engine, "generate", spy)
     out = warmup.warm_up(model, ENGINE_KW)
     assert seen == [[(5, 1, 1, "length", 0)], [(20, 1, 1, "length", 0)], [(40, 1, 1, "length", 0)],
-                    [(100, 1, 1, "length", 0)], [(35, 1, 1, "length", 0)],
+                    [(128, 1, 1, "length", 0)], [(35, 1, 1, "length", 0)],
                     [(40, 1, 1, "length", 35)],  # restored from the 35-token request's turn entry
                     [(6, 2, 2, "length", 0), (7, 3, 3, "length", 0), (8, 4, 4, "length", 0)]]
     eng = engines[0]

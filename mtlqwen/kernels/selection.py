@@ -194,8 +194,8 @@ SELECT: dict[str, int] = {
     # (moe/grouped.py: qgemm over each expert's padded segment, two launches) instead of sorted gather_qmm,
     # where it covers the shapes (4/8-bit, bf16/fp16, H and Im multiples of 256); 0 = never. Its tests
     # passed on the H200 (tests/test_moe_grouped.py). One 35B-A3B MoE block (moe_bench.py, H200), grouped
-    # against sorted gather_qmm: 819 vs 1,821 us at 128 tokens (1,024 pairs), 823 vs 3,246 at 256, 1,033 vs
-    # 6,213 at 512, 1,263 vs 11,524 at 1024, 2,696 vs 43,648 at 4096. Below 1,024 pairs it is not measured,
+    # against sorted gather_qmm: 819 vs 1,821 us at 128 tokens (1,024 pairs), 823 vs 3,254 at 256, 1,033 vs
+    # 6,194 at 512, 1,263 vs 11,524 at 1024, 2,696 vs 43,648 at 4096. Below 1,024 pairs it is not measured,
     # so the sorted path keeps them. End to end (e2e_bench.py, 35B-A3B, 4096-token prompt): 6,579 tok/s at
     # 128-token steps (1,896 from 8,192 pairs), 8,209 at 1024-token steps (benchmarks/moe.md).
     "moe_grouped_min_pairs": 1024,

@@ -23,8 +23,10 @@ from .config import EngineConfig
 
 WARMUP_MODES = ("auto", "on", "off")
 # prompts run alone, so that their prefill steps have these many rows: the GEMV's, then the tensor-core
-# GEMM's row classes (up to 32 / 64 / 128); the prefill-only budget's step covers dequantize + GEMM
-CHUNK_ROWS = (5, 20, 40, 100)
+# GEMM's row classes (up to 32 / 64 / 128; 128 rows at top-8 are also the 1,024 pairs from which an MoE
+# model's grouped GEMM serves, at its smallest tile class); the prefill-only budget's step covers
+# dequantize + GEMM (and the grouped GEMM's tile class of a full step)
+CHUNK_ROWS = (5, 20, 40, 128)
 
 
 def should_warm_up(mode: str, group=None) -> bool:
