@@ -27,7 +27,7 @@ from ..portable import KernelExample
 from ..qmatmul import qgemm
 from ..qmatmul.params import LinearParams
 from ..selection import SELECT
-from .reference import routed_sum, shared_expert_ref
+from .reference import combine_ref, shared_expert_ref
 
 POISON: float | None = None  # tests set NaN: the rows the path reads must then be written by the kernel
 
@@ -162,19 +162,17 @@ def supported(x: mx.array, gate: LinearParams, up: LinearParams, down: LinearPar
 
 def grouped_experts(x: mx.array, gate: LinearParams, up: LinearParams, down: LinearParams, inds: mx.array,
                     weights: mx.array, shared: tuple | None = None, shared_mlp=shared_expert_ref,
-                    mb: int | None = None, gemm=grouped_qgemm) -> mx.array:
+                    mb: int | None = None, gemm=grouped_qgemm, combine=combine_ref) -> mx.array:
     """moe_experts_ref on the grouped layout and two grouped qgemm launches: x [T, H] -> [T, H]. `mb`
-    overrides tile_rows; `gemm` = grouped_qgemm_ref runs the same path on the CPU."""
+    overrides tile_rows; `gemm` = grouped_qgemm_ref runs the same path on the CPU; `combine` reads each
+    pair's row of the buffer back (combine_ref's signature; ops.py passes the combine op)."""
     T, k = inds.shape
     E = gate.weight.shape[0]
     mb = mb or tile_rows(T * k, E)
     lay = group_layout(inds, E, mb)
     h = gemm(x, [gate, up], lay.tile_expert, mb, epi=1, src=lay.src)[0]           # [R, Im], x's rows by src
     y = gemm(h, [down], lay.tile_expert, mb)[0]                                    # [R, H]
-    out = routed_sum(y[lay.dest].reshape(T, k, -1), weights, k, x.dtype)
-    if shared is not None:
-        out = out + shared_mlp(x, shared) * weights[:, k:].astype(x.dtype)
-    return out
+    return combine(y, lay.dest, weights, k, None if shared is None else shared_mlp(x, shared), dtype=x.dtype)
 
 
 def examples() -> list[tuple]:

@@ -102,4 +102,16 @@ def moe_trials() -> list[Trial]:
 
                 out.append(Trial(f"mtl_moe_experts_add_rms[{tag} H{H}]", run_rms, ref_rms, [TOL[dt], TOL[dt], 0.0],
                                  kernels=(f"mtl_moe_gate_up_s{int(sh)}", f"mtl_moe_down_rms_s{int(sh)}")))
+    # the combine step (moe/combine.py) at its examples' geometry: 9 tokens, top-8 rows of a 100-row buffer
+    for dt in (BF16, F32):
+        for sh in (False, True):
+            rng = np.random.default_rng(27)
+            y = _rand(rng, 100, 2048, dtype=dt)
+            dest = mx.array(rng.permutation(100)[:72].astype(np.int32))
+            w = mx.array((rng.random((9, 8 + sh)) + 0.1).astype(np.float32))
+            s = _rand(rng, 9, 2048, dtype=dt) if sh else None
+            out.append(Trial(
+                f"mtl_moe_combine_s{int(sh)}[{_n(dt)}]",
+                lambda y=y, d=dest, w=w, s=s: [_fn("combine")(y, d, w, 8, s)],
+                lambda y=y, d=dest, w=w, s=s: [_cpu(_fn("combine_ref"), y, d, w, 8, s)], [TOL[dt]]))
     return out

@@ -10,9 +10,10 @@ from ..norms.ops import add_rms_norm
 from ..norms.reference import add_rms_norm_ref
 from ..qmatmul.ops import linear, linear_multi, swiglu_linear
 from ..selection import SELECT
+from . import combine as combine_launch
 from . import grouped, kernels
 from . import router as router_launch
-from .reference import moe_experts_ref, moe_experts_sorted, moe_route_exact_ref, moe_route_ref
+from .reference import combine_ref, moe_experts_ref, moe_experts_sorted, moe_route_exact_ref, moe_route_ref
 
 
 def _route_gpu(logits, k, renorm=True, shared_logit=None):
@@ -59,6 +60,23 @@ def shared_mlp(x: mx.array, shared) -> mx.array:
     return linear(swiglu_linear(x, gate, up), down)
 
 
+def _combine_gpu(y, dest, weights, k, shared_y=None, dtype=None):
+    if not SELECT["moe_combine_kernel"] or (dtype is not None and dtype != y.dtype):
+        return None
+    if not combine_launch.covers(y, dest, weights, k, shared_y):
+        return None
+    return combine_launch.combine(y, dest, weights, k, shared_y)
+
+
+# unverified: emulator-checked and compiled with nvcc, not yet run on the H200 (benchmarks/moe.md)
+@kernel_op("moe_combine", _combine_gpu, unverified=("cuda",))
+def moe_combine(y: mx.array, dest: mx.array, weights: mx.array, k: int, shared_y: mx.array | None = None,
+                dtype=None) -> mx.array:
+    """y [R, H] the experts' down rows in a path's order, dest [T*k] each pair's row, weights [T, k (+1)]
+    -> the pairs' weighted sum (+ weights[:, k] * shared_y) [T, H] (reference.combine_ref)."""
+    return combine_ref(y, dest, weights, k, shared_y, dtype)
+
+
 def _experts_gpu(x, gate, up, down, inds, weights, shared=None):
     """Decode sizes: the fused expert kernels; prefill sizes: pairs grouped by expert, on the grouped
     tensor-core GEMM (CUDA, shapes it covers) or else sorted gather_qmm; between them (None): the
@@ -70,9 +88,9 @@ def _experts_gpu(x, gate, up, down, inds, weights, shared=None):
         return kernels.fused_experts(x, gate, up, down, inds, weights) + \
             shared_mlp(x, shared) * weights[:, k:].astype(x.dtype)
     if 0 < SELECT["moe_grouped_min_pairs"] <= T * k and grouped.supported(x, gate, up, down, inds):
-        return grouped.grouped_experts(x, gate, up, down, inds, weights, shared, shared_mlp)
+        return grouped.grouped_experts(x, gate, up, down, inds, weights, shared, shared_mlp, combine=moe_combine)
     if T * k >= SELECT["moe_sort_min_pairs"] and gate.quantized == up.quantized == down.quantized:
-        return moe_experts_sorted(x, gate, up, down, inds, weights, shared, shared_mlp)
+        return moe_experts_sorted(x, gate, up, down, inds, weights, shared, shared_mlp, combine=moe_combine)
     return None
 
 

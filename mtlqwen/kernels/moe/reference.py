@@ -64,6 +64,18 @@ def routed_sum(down: mx.array, weights: mx.array, k: int, dtype) -> mx.array:
     return (down * weights[:, :k].astype(dtype)[..., None]).sum(axis=1)
 
 
+def combine_ref(y: mx.array, dest: mx.array, weights: mx.array, k: int, shared_y: mx.array | None = None,
+                dtype=None) -> mx.array:
+    """y [R, H] (the experts' down rows in a path's own order), dest [T*k] (each pair's row of y), weights
+    [T, k (+1)] -> routed_sum of the pairs' rows (+ weights[:, k] * shared_y) [T, H] in `dtype` (y's)."""
+    T = weights.shape[0]
+    dtype = dtype or y.dtype
+    out = routed_sum(y[dest].reshape(T, k, -1), weights, k, dtype)
+    if shared_y is not None:
+        out = out + shared_y * weights[:, k:].astype(dtype)
+    return out
+
+
 def moe_experts_ref(x: mx.array, gate: LinearParams, up: LinearParams, down: LinearParams, inds: mx.array,
                     weights: mx.array, shared: tuple | None = None, shared_mlp=shared_expert_ref) -> mx.array:
     """x [T, H], experts' gate / up [E, Im, H], down [E, H, Im], inds [T, k], weights [T, k (+1)] ->
@@ -80,10 +92,12 @@ def moe_experts_ref(x: mx.array, gate: LinearParams, up: LinearParams, down: Lin
 
 
 def moe_experts_sorted(x: mx.array, gate: LinearParams, up: LinearParams, down: LinearParams, inds: mx.array,
-                       weights: mx.array, shared: tuple | None = None, shared_mlp=shared_expert_ref) -> mx.array:
+                       weights: mx.array, shared: tuple | None = None, shared_mlp=shared_expert_ref,
+                       combine=combine_ref) -> mx.array:
     """moe_experts_ref with the (token, expert) pairs grouped by expert on the device: the flattened
     [T*k] ids sorted, x's rows gathered in that order, gather_qmm told the indices are sorted (it then
-    walks each expert's weights once per segment), the results put back in pair order. Prefill sizes."""
+    walks each expert's weights once per segment), each pair's row read back from sorted order by
+    `combine` (combine_ref's signature; ops.py passes the combine op). Prefill sizes."""
     T, k = inds.shape
     flat = inds.reshape(-1)
     order = mx.argsort(flat)  # [T*k]: pairs by expert
@@ -99,8 +113,6 @@ def moe_experts_sorted(x: mx.array, gate: LinearParams, up: LinearParams, down: 
 
     g = proj(xs, gate)  # [T*k, 1, Im]
     h = g * mx.sigmoid(g) * proj(xs, up)
-    y = proj(h, down)[unsort, 0, :].reshape(T, k, -1)  # [T, k, H], pair order
-    out = routed_sum(y, weights, k, x.dtype)
-    if shared is not None:
-        out = out + shared_mlp(x, shared) * weights[:, k:].astype(x.dtype)
-    return out
+    y = proj(h, down)[:, 0, :]  # [T*k, H], sorted order: pair p's row is unsort[p]
+    return combine(y, unsort.astype(mx.int32), weights, k, None if shared is None else shared_mlp(x, shared),
+                   dtype=x.dtype)
