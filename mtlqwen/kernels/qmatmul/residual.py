@@ -28,8 +28,14 @@ from . import gemv
 from .bodies import HEADER, XKIND, fma_body
 from .params import LinearParams
 
-# After the qmv body: dlt [M, N] holds this threadgroup's columns. Writers fence, then one thread counts
-# the threadgroup in; the NBLK-th arrival owns the epilogue (h + dlt -> hsum, rms_norm(hsum) * nw -> y).
+# After the qmv body: dlt [M, N] holds this threadgroup's columns. Writers fence, then one thread counts the
+# threadgroup in; the NBLK-th arrival owns the epilogue (h + dlt -> hsum, rms_norm(hsum) * nw -> y).
+# Each thread owns EPT columns of a row, taken EC at a time. EC == EPT: one pass, every load of the row in
+# flight at once and held in registers through the norm (a loop that stored between its loads ran them one
+# latency at a time, possible aliasing, ~30 us a launch). EC < EPT: a pass for the sum of squares and a
+# second that reloads (L2 hits) and stores, EC loads in flight each: fewer registers, because the whole
+# kernel is allocated the epilogue's count (M=1, 4-bit: 107 registers at EC = EPT = 32 against the plain
+# qmv's 64, half its resident SIMD groups; 55 at EC = 8, ptxas -v for sm_90).
 EPILOGUE = r"""
   SHARED float qr_part[4];
   SHARED int qr_last;
@@ -42,32 +48,44 @@ EPILOGUE = r"""
     const int tid = TID_X;
     for (int m = 0; m < M; ++m) {
       const size_t base = (size_t)m * N;
-      // every load of the row first (EPT per thread, all in flight), then the math and the stores: a loop
-      // that stored between its loads ran them one latency at a time (possible aliasing), ~30 us a launch
-      float hv[EPT];
-      float wv[EPT];
-#pragma unroll
-      for (int j = 0; j < EPT; ++j) {
-        const int i = tid + 128 * j;
-        hv[j] = i < N ? TO_FLOAT(h[base + i]) + TO_FLOAT(LOAD_L2(dlt + base + i)) : 0.0f;
-        wv[j] = i < N ? TO_FLOAT(nw[i]) : 0.0f;
-      }
+      float hv[EC];
+      float wv[EC];
       float ss = 0.0f;
+#pragma unroll 1
+      for (int c0 = 0; c0 < EPT; c0 += EC) {
 #pragma unroll
-      for (int j = 0; j < EPT; ++j) {
-        hv[j] = TO_FLOAT(FROM_FLOAT(T, hv[j]));  // the new residual stream, rounded as stored
-        ss += hv[j] * hv[j];
+        for (int j = 0; j < EC; ++j) {
+          const int i = tid + 128 * (c0 + j);
+          hv[j] = i < N ? TO_FLOAT(h[base + i]) + TO_FLOAT(LOAD_L2(dlt + base + i)) : 0.0f;
+          if (EC == EPT) wv[j] = i < N ? TO_FLOAT(nw[i]) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < EC; ++j) {
+          hv[j] = TO_FLOAT(FROM_FLOAT(T, hv[j]));  // the new residual stream, rounded as stored
+          ss += hv[j] * hv[j];
+        }
       }
       ss = SIMD_SUM(ss);
       if (LANE == 0) qr_part[SIMD_ID] = ss;
       BARRIER;
       const float inv = RSQRT((qr_part[0] + qr_part[1] + qr_part[2] + qr_part[3]) / (float)N + eps[0]);
+#pragma unroll 1
+      for (int c0 = 0; c0 < EPT; c0 += EC) {
+        if (EC < EPT) {  // the chunk again (one chunk: hv and wv still hold the row)
 #pragma unroll
-      for (int j = 0; j < EPT; ++j) {
-        const int i = tid + 128 * j;
-        if (i < N) {
-          hsum[base + i] = FROM_FLOAT(T, hv[j]);
-          y[base + i] = FROM_FLOAT(T, hv[j] * inv * wv[j]);
+          for (int j = 0; j < EC; ++j) {
+            const int i = tid + 128 * (c0 + j);
+            hv[j] = i < N ? TO_FLOAT(FROM_FLOAT(T, TO_FLOAT(h[base + i]) + TO_FLOAT(LOAD_L2(dlt + base + i)))) : 0.0f;
+            wv[j] = i < N ? TO_FLOAT(nw[i]) : 0.0f;
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < EC; ++j) {
+          const int i = tid + 128 * (c0 + j);
+          if (i < N) {
+            hsum[base + i] = FROM_FLOAT(T, hv[j]);
+            y[base + i] = FROM_FLOAT(T, hv[j] * inv * wv[j]);
+          }
         }
       }
       BARRIER;  // qr_part is reused by the next row
@@ -79,20 +97,26 @@ EPILOGUE = r"""
 _BODY = fma_body(1, 0, store="if (n < N) dlt[(size_t)m * N + n] = FROM_FLOAT(T, acc[m][r]);") + EPILOGUE
 
 
-def _example(dt, bits: int) -> KernelExample:
-    """A Qwen3.5-9B down_proj (12288 -> 4096, g64) for the Metal compile check."""
+def epilogue_chunk(ept: int) -> int:
+    """EC: SELECT["qmv_residual_chunk"] where it divides the EPT columns a thread owns, else EPT (one pass)."""
+    ec = SELECT["qmv_residual_chunk"]
+    return ec if 0 < ec < ept and ept % ec == 0 else ept
+
+
+def _example(dt, bits: int, ec: int = 32) -> KernelExample:
+    """A Qwen3.5-9B down_proj (12288 -> 4096, g64) for the compile checks; EC columns a pass."""
     K, N = 12288, 4096
     ins = [(dt, (2, K)), (mx.uint32, (N, K * bits // 32)), (dt, (N, K // 64)), (dt, (N, K // 64)),
            (dt, (2, N)), (dt, (N,)), (mx.float32, (1,)), (mx.uint32, (8,))]
     tmpl = [("T", dt), ("XK", XKIND[dt]), ("BITS", bits), ("GS", 64), ("MT", 2), ("R", 4), ("U", 2),
-            ("P", 1), ("EPI", 0), ("PF", 1), ("NP", bits == 4), ("NBLK", N // 16), ("EPT", N // 128)]
+            ("P", 1), ("EPI", 0), ("PF", 1), ("NP", bits == 4), ("NBLK", N // 16), ("EPT", N // 128), ("EC", ec)]
     return KernelExample(inputs=ins, outputs=[dt] * 3, template=tmpl)
 
 
 QMV_ADD_RMS = portable_kernel(
     name="mtl_qmv_add_rms", input_names=["x", "w0", "s0", "b0", "h", "nw", "eps", "cnt"],
     output_names=["dlt", "hsum", "y"], body=_BODY, header=HEADER,
-    examples=[_example(dt, bits) for dt in (mx.bfloat16, mx.float32) for bits in (4, 8)],
+    examples=[_example(dt, bits) for dt in (mx.bfloat16, mx.float32) for bits in (4, 8)] + [_example(mx.bfloat16, 4, 8)],
 )
 
 MAX_EPT = 64  # residual elements per thread held in registers by the epilogue (hidden size <= 8192)
@@ -135,6 +159,7 @@ def qmv_add_rms(x: mx.array, p: LinearParams, h: mx.array, w: mx.array, eps: flo
     N = p.out_features
     R, U = qmv_config(gemv.row_bucket(M), K, p.bits, N=N)
     nblk = -(-N // (4 * R))
+    ept = -(-N // 128)
     _, hsum, y = QMV_ADD_RMS(
         gpu_backend(),
         inputs=gemv.fma_inputs(x, [p]) + [h, w, eps_array(eps), arrival_counter(p)],
@@ -142,7 +167,7 @@ def qmv_add_rms(x: mx.array, p: LinearParams, h: mx.array, w: mx.array, eps: flo
         output_dtypes=[x.dtype] * 3,
         grid=(nblk * 128, 1, 1),
         threadgroup=(128, 1, 1),
-        template=gemv.fma_template(x, p, R, U, 1, 0, pf) + [("NBLK", nblk), ("EPT", -(-N // 128))],
+        template=gemv.fma_template(x, p, R, U, 1, 0, pf) + [("NBLK", nblk), ("EPT", ept), ("EC", epilogue_chunk(ept))],
         init_value=gemv.POISON,
     )
     return hsum, y
