@@ -193,8 +193,10 @@ RECURRENT_INPLACE = portable_kernel(
 _CHUNK = (
     PROLOGUE
     + """
-SHARED float Ks[C * DK];        // normalised k of the chunk [token][dk]
-SHARED float Qs[C * DK];        // normalised, scaled q
+// normalised k, and normalised scaled q, of the chunk [token][dk / 4]: float4 so each thread reads its
+// 4-column pieces of a row in one shared-memory load (the 4 lanes of a row read 64 contiguous bytes)
+SHARED float4 Ks4[C * DK / 4];
+SHARED float4 Qs4[C * DK / 4];
 SHARED float As[C * (C + 1)];   // A [i][j]; after the solve: e^{g_i} S q_i [i][row]
 SHARED float Ms[C * (C + 1)];   // e^{g_i-g_j} q_i.k_j [i][j], j <= i
 SHARED float Xs[C * (C + 1)];   // v, then X, then V' [token][row]
@@ -221,11 +223,11 @@ for (int c0 = t0; c0 < t1; c0 += C) {
     RED_QSS
     const float kinv = RSQRT(kss + 1e-6f);
     const float qinv = RSQRT(qss + 1e-6f) * q_scale;
-    for (int e = 0; e < NE; ++e) {
-      const int c = ((e / 4) * TPR + p) * 4 + e % 4;
-      kj[e] *= kinv;
-      Ks[r * DK + c] = kj[e];
-      Qs[r * DK + c] = qv[e] * qinv;
+    for (int e = 0; e < NE; ++e) kj[e] *= kinv;
+    for (int m = 0; m < NQ; ++m) {
+      Ks4[r * (DK / 4) + m * TPR + p] = MAKE_FLOAT4(kj[4 * m], kj[4 * m + 1], kj[4 * m + 2], kj[4 * m + 3]);
+      Qs4[r * (DK / 4) + m * TPR + p] = MAKE_FLOAT4(qv[4 * m] * qinv, qv[4 * m + 1] * qinv, qv[4 * m + 2] * qinv,
+                                                    qv[4 * m + 3] * qinv);
     }
     if (p == 0) {
       const int tt = c0 + (tv ? r : 0);
@@ -249,10 +251,10 @@ for (int c0 = t0; c0 < t1; c0 += C) {
 #pragma unroll 4
   for (int i = 0; i < C; ++i) {
     float kk = 0.0f, ks = 0.0f;
-    for (int e = 0; e < NE; ++e) {
-      const float ki = Ks[i * DK + ((e / 4) * TPR + p) * 4 + e % 4];
-      kk += ki * kj[e];
-      ks += ki * s[e];
+    for (int m = 0; m < NQ; ++m) {
+      const float4 k4 = Ks4[i * (DK / 4) + m * TPR + p];
+      kk += k4.x * kj[4 * m]; kk += k4.y * kj[4 * m + 1]; kk += k4.z * kj[4 * m + 2]; kk += k4.w * kj[4 * m + 3];
+      ks += k4.x * s[4 * m]; ks += k4.y * s[4 * m + 1]; ks += k4.z * s[4 * m + 2]; ks += k4.w * s[4 * m + 3];
     }
     RED_KK
     RED_KS
@@ -281,10 +283,10 @@ for (int c0 = t0; c0 < t1; c0 += C) {
 #pragma unroll 4
   for (int i = 0; i < C; ++i) {
     float qk = 0.0f, qs = 0.0f;
-    for (int e = 0; e < NE; ++e) {
-      const float qi = Qs[i * DK + ((e / 4) * TPR + p) * 4 + e % 4];
-      qk += qi * kj[e];
-      qs += qi * s[e];
+    for (int m = 0; m < NQ; ++m) {
+      const float4 q4 = Qs4[i * (DK / 4) + m * TPR + p];
+      qk += q4.x * kj[4 * m]; qk += q4.y * kj[4 * m + 1]; qk += q4.z * kj[4 * m + 2]; qk += q4.w * kj[4 * m + 3];
+      qs += q4.x * s[4 * m]; qs += q4.y * s[4 * m + 1]; qs += q4.z * s[4 * m + 2]; qs += q4.w * s[4 * m + 3];
     }
     RED_QK
     RED_QS
@@ -308,7 +310,10 @@ for (int c0 = t0; c0 < t1; c0 += C) {
 #pragma unroll 4
   for (int j = 0; j < n; ++j) {
     const float w = EXP(gl - gam[j]) * Xs[j * (C + 1) + r];
-    for (int e = 0; e < NE; ++e) s[e] += w * Ks[j * DK + ((e / 4) * TPR + p) * 4 + e % 4];
+    for (int m = 0; m < NQ; ++m) {
+      const float4 k4 = Ks4[j * (DK / 4) + m * TPR + p];
+      s[4 * m] += w * k4.x; s[4 * m + 1] += w * k4.y; s[4 * m + 2] += w * k4.z; s[4 * m + 3] += w * k4.w;
+    }
   }
   BARRIER;  // the next chunk overwrites the tiles
 }

@@ -10,9 +10,12 @@ from . import kernels, normed
 from .reference import gated_delta_candidates_ref, gated_delta_packed_normed_ref, gated_delta_ref, split_qkv
 
 _POOLS = ("state_pool",)
+# unverified: the chunk scan's float4 shared-memory reads are emulator-checked and compiled with nvcc, not
+# yet run on the H200 (benchmarks/kernels_gdn.md); until then these ops check themselves at first use on CUDA
+_NEW_ON = ("cuda",)
 
 
-@kernel_op("gated_delta", kernels.gated_delta_kernel, pools=_POOLS)
+@kernel_op("gated_delta", kernels.gated_delta_kernel, pools=_POOLS, unverified=_NEW_ON)
 def gated_delta(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout):
     """q, k [T, Hk, dk], v [T, Hv, dv], a, b [T, Hv] -> (o [T, Hv, dv], new states [B, Hv, dv, dk])."""
     return gated_delta_ref(q, k, v, a, b, A_log, dt_bias, state_pool, layout)
@@ -28,7 +31,8 @@ def _packed_ref(y, a, b, A_log, dt_bias, state_pool, layout, heads, write_state=
     return gated_delta_ref(*split_qkv(y, heads), a, b, A_log, dt_bias, state_pool, layout)
 
 
-@kernel_op("gated_delta_packed", kernels.gated_delta_packed_kernel, reference=_packed_ref, pools=_POOLS)
+@kernel_op("gated_delta_packed", kernels.gated_delta_packed_kernel, reference=_packed_ref, pools=_POOLS,
+           unverified=_NEW_ON)
 def gated_delta_packed(y, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, heads: tuple[int, int, int, int],
                        write_state: bool = False):
     """`gated_delta` on the packed conv output y (heads = (Hk, dk, Hv, dv)): the kernel reads q, k, v where
