@@ -210,7 +210,8 @@ def _down_rms_example(dt, bits: int, sh: bool, H: int, Im: int, T: int) -> Kerne
     ins = ([(dt, (T, (k + sh) * Im)), (mx.int32, (T, k))] + w + (ws if sh else [])
            + [(dt, (T, H)), (dt, (H,)), (mx.float32, (1,)), (mx.uint32, (8,))])
     tmpl = [("T", dt), ("XK", XKIND[dt]), ("BITS", bits), ("GS", 64), ("MT", 1), ("R", 2), ("U", 1), ("P", 1),
-            ("EPI", 0), ("PF", False), ("NP", bits == 4), ("KT", k), ("SH", sh), ("EPT", -(-H // 128))]
+            ("EPI", 0), ("PF", False), ("NP", bits == 4), ("KT", k), ("SH", sh), ("EPT", -(-H // 128)),
+            ("EC", -(-H // 128))]
     return KernelExample(inputs=ins, outputs=[dt] * 3, template=tmpl)
 
 
@@ -359,6 +360,7 @@ def fused_experts_add_rms_norm(x, gate, up, down, inds, weights, with_shared, h,
     """(h + fused_experts(...), rms_norm(h + fused_experts(...)) * w), both [T, H]: the down launch carries
     the residual add and the norm (the last of its threadgroups does every token's row)."""
     extra = [h, w, eps_array(eps), arrival_counter(down)]
-    ept = [("EPT", -(-x.shape[1] // 128))]  # residual elements a thread of the epilogue holds
+    # residual elements a thread of the epilogue holds, all in one pass (residual.py's EC = EPT)
+    ept = [("EPT", -(-x.shape[1] // 128)), ("EC", -(-x.shape[1] // 128))]
     _, hsum, y = _fused_launches(x, gate, up, down, inds, weights, with_shared, rows, _down_rms_kernel, extra, ept, 3)
     return hsum, y

@@ -48,21 +48,21 @@ EPILOGUE = r"""
     const int tid = TID_X;
     for (int m = 0; m < M; ++m) {
       const size_t base = (size_t)m * N;
-      float hv[EC];
-      float wv[EC];
+      float ep_h[EC];
+      float ep_w[EC];
       float ss = 0.0f;
 #pragma unroll 1
       for (int c0 = 0; c0 < EPT; c0 += EC) {
 #pragma unroll
         for (int j = 0; j < EC; ++j) {
           const int i = tid + 128 * (c0 + j);
-          hv[j] = i < N ? TO_FLOAT(h[base + i]) + TO_FLOAT(LOAD_L2(dlt + base + i)) : 0.0f;
-          if (EC == EPT) wv[j] = i < N ? TO_FLOAT(nw[i]) : 0.0f;
+          ep_h[j] = i < N ? TO_FLOAT(h[base + i]) + TO_FLOAT(LOAD_L2(dlt + base + i)) : 0.0f;
+          if (EC == EPT) ep_w[j] = i < N ? TO_FLOAT(nw[i]) : 0.0f;
         }
 #pragma unroll
         for (int j = 0; j < EC; ++j) {
-          hv[j] = TO_FLOAT(FROM_FLOAT(T, hv[j]));  // the new residual stream, rounded as stored
-          ss += hv[j] * hv[j];
+          ep_h[j] = TO_FLOAT(FROM_FLOAT(T, ep_h[j]));  // the new residual stream, rounded as stored
+          ss += ep_h[j] * ep_h[j];
         }
       }
       ss = SIMD_SUM(ss);
@@ -71,20 +71,20 @@ EPILOGUE = r"""
       const float inv = RSQRT((qr_part[0] + qr_part[1] + qr_part[2] + qr_part[3]) / (float)N + eps[0]);
 #pragma unroll 1
       for (int c0 = 0; c0 < EPT; c0 += EC) {
-        if (EC < EPT) {  // the chunk again (one chunk: hv and wv still hold the row)
+        if (EC < EPT) {  // the chunk again (one chunk: ep_h and ep_w still hold the row)
 #pragma unroll
           for (int j = 0; j < EC; ++j) {
             const int i = tid + 128 * (c0 + j);
-            hv[j] = i < N ? TO_FLOAT(FROM_FLOAT(T, TO_FLOAT(h[base + i]) + TO_FLOAT(LOAD_L2(dlt + base + i)))) : 0.0f;
-            wv[j] = i < N ? TO_FLOAT(nw[i]) : 0.0f;
+            ep_h[j] = i < N ? TO_FLOAT(FROM_FLOAT(T, TO_FLOAT(h[base + i]) + TO_FLOAT(LOAD_L2(dlt + base + i)))) : 0.0f;
+            ep_w[j] = i < N ? TO_FLOAT(nw[i]) : 0.0f;
           }
         }
 #pragma unroll
         for (int j = 0; j < EC; ++j) {
           const int i = tid + 128 * (c0 + j);
           if (i < N) {
-            hsum[base + i] = FROM_FLOAT(T, hv[j]);
-            y[base + i] = FROM_FLOAT(T, hv[j] * inv * wv[j]);
+            hsum[base + i] = FROM_FLOAT(T, ep_h[j]);
+            y[base + i] = FROM_FLOAT(T, ep_h[j] * inv * ep_w[j]);
           }
         }
       }
