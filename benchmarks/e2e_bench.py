@@ -29,6 +29,7 @@ import mlx.core as mx
 
 from mtlqwen import Engine, SamplingParams
 from mtlqwen.model.builtin import SHAPES
+from mtlqwen.runtime.config import EngineConfig
 
 from bench_common import build_model
 
@@ -63,7 +64,7 @@ def ours(config, args) -> dict:
     res["weights_gib"] = mx.get_active_memory() / 2**30  # the device memory a shape needs before any KV
     greedy = SamplingParams(max_tokens=args.gen, ignore_eos=True)
 
-    # the engine's default prefix cache cuts every prefill chunk at its 512-token snapshot boundaries
+    # the engine's default prefix cache cuts every prefill chunk at its snapshot boundaries (--prefix-interval)
     cache = {} if args.prefix_interval is None else {"prefix_interval": args.prefix_interval}
 
     def decode_rate(n_req: int, prompt_len: int, step_tokens: int):
@@ -185,9 +186,10 @@ def main(argv=None):
                     help="step_tokens budgets to time the prefill with")
     ap.add_argument("--batch", type=int, nargs="+", default=[8], help="concurrent requests (several sizes allowed)")
     ap.add_argument("--repeats", type=int, default=3)
+    interval = EngineConfig.__dataclass_fields__["prefix_interval"].default
     ap.add_argument("--prefix-interval", type=int, default=None,
-                    help="the engine's prefix_interval (default: the engine's, 512, whose snapshot boundaries cut "
-                         "every prefill chunk at 512 tokens; 0: no cache, chunks of the whole step budget)")
+                    help=f"the engine's prefix_interval (default: the engine's, {interval}, whose snapshot boundaries "
+                         f"cut every prefill chunk at {interval} tokens; 0: no cache, chunks of the whole step budget)")
     ap.add_argument("--skip-mlxlm", action="store_true")
     ap.add_argument("--skip-ours", action="store_true")
     ap.add_argument("--json", default=None, help="write results here too")

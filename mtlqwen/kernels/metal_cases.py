@@ -379,13 +379,10 @@ def _qmv_trials() -> list[Trial]:
                 if dt == BF16 and p_bits == 4:  # the two-pass epilogue, 8 columns a pass (qmv_residual_chunk)
 
                     def run_chunked(run=run):
-                        from .selection import SELECT  # noqa: PLC0415
+                        from .selection import selected  # noqa: PLC0415
 
-                        before, SELECT["qmv_residual_chunk"] = SELECT["qmv_residual_chunk"], 8
-                        try:
+                        with selected({"qmv_residual_chunk": 8}):
                             return run()
-                        finally:
-                            SELECT["qmv_residual_chunk"] = before
 
                     out.append(Trial(f"mtl_qmv_add_rms[{tag} EC 8]", run_chunked, ref, [TOL[dt], TOL[dt], 0.0]))
     return out

@@ -13,7 +13,8 @@ from ..selection import SELECT
 from . import combine as combine_launch
 from . import grouped, kernels
 from . import router as router_launch
-from .reference import combine_ref, moe_experts_ref, moe_experts_sorted, moe_route_exact_ref, moe_route_ref
+from .reference import (combine_ref, moe_experts_ref, moe_experts_sorted, moe_route_exact_ref, moe_route_ref,
+                        plus_shared)
 
 
 def _route_gpu(logits, k, renorm=True, shared_logit=None):
@@ -85,8 +86,8 @@ def _experts_gpu(x, gate, up, down, inds, weights, shared=None):
     if kernels.fused_supported(x, gate, up, down, inds):
         if shared is None or kernels.shared_fusable(shared, gate, x):
             return kernels.fused_experts(x, gate, up, down, inds, weights, shared)
-        return kernels.fused_experts(x, gate, up, down, inds, weights) + \
-            shared_mlp(x, shared) * weights[:, k:].astype(x.dtype)
+        return plus_shared(kernels.fused_experts(x, gate, up, down, inds, weights), shared_mlp(x, shared), weights,
+                           k, x.dtype)
     if 0 < SELECT["moe_grouped_min_pairs"] <= T * k and grouped.supported(x, gate, up, down, inds):
         return grouped.grouped_experts(x, gate, up, down, inds, weights, shared, shared_mlp, combine=moe_combine)
     if T * k >= SELECT["moe_sort_min_pairs"] and gate.quantized == up.quantized == down.quantized:

@@ -64,16 +64,18 @@ def routed_sum(down: mx.array, weights: mx.array, k: int, dtype) -> mx.array:
     return (down * weights[:, :k].astype(dtype)[..., None]).sum(axis=1)
 
 
+def plus_shared(out: mx.array, shared_y: mx.array | None, weights: mx.array, k: int, dtype) -> mx.array:
+    """out [T, H] + weights[:, k] * shared_y in `dtype` (the shared expert's gated term), or out without one."""
+    return out if shared_y is None else out + shared_y * weights[:, k:].astype(dtype)
+
+
 def combine_ref(y: mx.array, dest: mx.array, weights: mx.array, k: int, shared_y: mx.array | None = None,
                 dtype=None) -> mx.array:
     """y [R, H] (the experts' down rows in a path's own order), dest [T*k] (each pair's row of y), weights
     [T, k (+1)] -> routed_sum of the pairs' rows (+ weights[:, k] * shared_y) [T, H] in `dtype` (y's)."""
-    T = weights.shape[0]
     dtype = dtype or y.dtype
-    out = routed_sum(y[dest].reshape(T, k, -1), weights, k, dtype)
-    if shared_y is not None:
-        out = out + shared_y * weights[:, k:].astype(dtype)
-    return out
+    return plus_shared(routed_sum(y[dest].reshape(weights.shape[0], k, -1), weights, k, dtype), shared_y, weights,
+                       k, dtype)
 
 
 def moe_experts_ref(x: mx.array, gate: LinearParams, up: LinearParams, down: LinearParams, inds: mx.array,
@@ -86,9 +88,7 @@ def moe_experts_ref(x: mx.array, gate: LinearParams, up: LinearParams, down: Lin
     # down per (token, expert): each (t, j) row of h is a token of its own
     y = gather_linear_ref(h.reshape(T * k, -1), down, inds.reshape(T * k, 1))[:, 0, :]
     out = routed_sum(y.reshape(T, k, -1), weights, k, x.dtype)
-    if shared is not None:
-        out = out + shared_mlp(x, shared) * weights[:, k:].astype(x.dtype)
-    return out
+    return plus_shared(out, None if shared is None else shared_mlp(x, shared), weights, k, x.dtype)
 
 
 def moe_experts_sorted(x: mx.array, gate: LinearParams, up: LinearParams, down: LinearParams, inds: mx.array,

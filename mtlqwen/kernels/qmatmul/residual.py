@@ -56,7 +56,7 @@ EPILOGUE = r"""
 #pragma unroll
         for (int j = 0; j < EC; ++j) {
           const int i = tid + 128 * (c0 + j);
-          ep_h[j] = i < N ? TO_FLOAT(h[base + i]) + TO_FLOAT(LOAD_L2(dlt + base + i)) : 0.0f;
+          ep_h[j] = i < N ? H_PLUS_DELTA : 0.0f;
           if (EC == EPT) ep_w[j] = i < N ? TO_FLOAT(nw[i]) : 0.0f;
         }
 #pragma unroll
@@ -75,7 +75,7 @@ EPILOGUE = r"""
 #pragma unroll
           for (int j = 0; j < EC; ++j) {
             const int i = tid + 128 * (c0 + j);
-            ep_h[j] = i < N ? TO_FLOAT(FROM_FLOAT(T, TO_FLOAT(h[base + i]) + TO_FLOAT(LOAD_L2(dlt + base + i)))) : 0.0f;
+            ep_h[j] = i < N ? TO_FLOAT(FROM_FLOAT(T, H_PLUS_DELTA)) : 0.0f;
             ep_w[j] = i < N ? TO_FLOAT(nw[i]) : 0.0f;
           }
         }
@@ -94,6 +94,9 @@ EPILOGUE = r"""
   }
 """
 
+# column i of row m's residual plus the projection's delta (read back from L2: other threadgroups wrote it)
+EPILOGUE = EPILOGUE.replace("H_PLUS_DELTA", "(TO_FLOAT(h[base + i]) + TO_FLOAT(LOAD_L2(dlt + base + i)))")
+
 _BODY = fma_body(1, 0, store="if (n < N) dlt[(size_t)m * N + n] = FROM_FLOAT(T, acc[m][r]);") + EPILOGUE
 
 
@@ -103,9 +106,11 @@ def epilogue_chunk(ept: int) -> int:
     return ec if 0 < ec < ept and ept % ec == 0 else ept
 
 
-def _example(dt, bits: int, ec: int = 32) -> KernelExample:
-    """A Qwen3.5-9B down_proj (12288 -> 4096, g64) for the compile checks; EC columns a pass."""
+def _example(dt, bits: int, ec: int | None = None) -> KernelExample:
+    """A Qwen3.5-9B down_proj (12288 -> 4096, g64) for the compile checks; EC columns a pass (default: all
+    of a thread's EPT in one)."""
     K, N = 12288, 4096
+    ec = ec or N // 128
     ins = [(dt, (2, K)), (mx.uint32, (N, K * bits // 32)), (dt, (N, K // 64)), (dt, (N, K // 64)),
            (dt, (2, N)), (dt, (N,)), (mx.float32, (1,)), (mx.uint32, (8,))]
     tmpl = [("T", dt), ("XK", XKIND[dt]), ("BITS", bits), ("GS", 64), ("MT", 2), ("R", 4), ("U", 2),
