@@ -140,10 +140,11 @@ def forced_acceptance(accept: int | None):
         speculative.verify = real
 
 
-def engine_step_ms(model, drafter, S: int, n: int, args, commit: str | None = None, compiled: bool | None = None,
-                   pipeline: bool = False) -> float:
-    """Steady-state ms per Engine.step() with S decoding requests (no drafter: the plain engine; n = 0 with
-    a drafter: loaded, nobody drafting); pipeline: Engine(spec_pipeline=True)."""
+def warm_engine(model, drafter, S: int, n: int, args, commit: str | None = None, compiled: bool | None = None,
+                pipeline: bool = False) -> Engine:
+    """An Engine with S requests decoding in steady state, args.warmup steps past their prefill (no drafter:
+    the plain engine; n = 0 with a drafter: loaded, nobody drafting); pipeline: Engine(spec_pipeline=True).
+    Each request has room for args.steps more steps at n_draft n; cancel them when done (cancel_all)."""
     gen = (args.warmup + args.steps) * (n + 1) + 8  # long enough that no step's drafts are capped
     bt = 128
     spec = dict(draft=drafter, n_draft=n or None, verify_commit=commit if n else None, draft_policy="fixed",
@@ -161,13 +162,24 @@ def engine_step_ms(model, drafter, S: int, n: int, args, commit: str | None = No
     for _ in range(args.warmup):
         eng.step()
     mx.synchronize()
+    return eng
+
+
+def cancel_all(eng: Engine) -> None:
+    for rid in list(eng._seqs):
+        eng.cancel(rid)
+
+
+def engine_step_ms(model, drafter, S: int, n: int, args, commit: str | None = None, compiled: bool | None = None,
+                   pipeline: bool = False) -> float:
+    """Steady-state ms per Engine.step() of warm_engine's engine."""
+    eng = warm_engine(model, drafter, S, n, args, commit, compiled, pipeline)
     t0 = time.perf_counter()
     for _ in range(args.steps):
         eng.step()
     mx.synchronize()
     ms = 1e3 * (time.perf_counter() - t0) / args.steps
-    for rid in list(eng._seqs):
-        eng.cancel(rid)
+    cancel_all(eng)
     return ms
 
 
