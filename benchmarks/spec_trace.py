@@ -33,6 +33,7 @@ import mlx.core as mx
 
 import spec_bench
 from mtlqwen.runtime import speculative
+from decode_profile import count_primitives
 from step_trace import busy_us, kernel_events, short
 
 
@@ -108,9 +109,30 @@ def run_steps(eng, steps: int) -> float:
     return 1e3 * (time.perf_counter() - t0) / steps
 
 
+def graph_of_step(eng) -> dict:
+    """Primitives by name of one engine step's graphs: every lazy array the step hands to mx.async_eval,
+    counted before it is evaluated (arrays of an earlier evaluation are leaves by then)."""
+    counts: collections.Counter = collections.Counter()
+    real = mx.async_eval
+
+    def counting(*arrays):
+        flat = [a for a in arrays if isinstance(a, mx.array)]
+        if flat:
+            counts.update(count_primitives(flat))
+        return real(*arrays)
+
+    mx.async_eval = counting
+    try:
+        eng.step()
+    finally:
+        mx.async_eval = real
+    mx.synchronize()
+    return {"total": sum(counts.values()), **dict(counts.most_common())}
+
+
 def trace_row(model, drafter, S: int, n: int, pipeline: bool, args) -> dict:
     a = copy.copy(args)
-    a.steps = 2 * args.steps + 1  # room for both timed runs
+    a.steps = 3 * args.steps + 2  # room for the timed runs and the graph count
     with spec_bench.forced_acceptance(args.accept if n else None):
         eng = spec_bench.warm_engine(model, drafter if n else None, S, n, a, None, True, pipeline)
         wall = run_steps(eng, args.steps)  # uninstrumented: the step as served
@@ -129,16 +151,17 @@ def trace_row(model, drafter, S: int, n: int, pipeline: bool, args) -> dict:
         host = {k: round(1e3 * v / args.steps, 3) for k, v in sorted(phases.total.items(), key=lambda kv: -kv[1])}
         host["other"] = host.pop("step", 0.0)
         ks = kernel_events(lambda: run_steps(eng, args.steps))
+        graph = graph_of_step(eng)
         spec_bench.cancel_all(eng)
     per = collections.defaultdict(list)
     for s, e, name in ks:
         per[short(name)].append(e - s)
     top = sorted(((k, len(d) / args.steps, sum(d) / args.steps) for k, d in per.items()), key=lambda t: -t[2])
     row = {"seqs": S, "n_draft": n, "pipeline": "on" if pipeline else "off", "step_ms": round(wall, 3),
-           "step_ms_instrumented": round(wall_inst, 3), "host_ms": host}
+           "step_ms_instrumented": round(wall_inst, 3), "host_ms": host, "graph_nodes": graph}
     if ks:
         row.update(busy_ms=round(busy_us(ks) / 1e3 / args.steps, 3), kernels_per_step=round(len(ks) / args.steps, 1),
-                   top=[{"name": k, "per_step": round(c, 1), "ms_per_step": round(t / 1e3, 3)} for k, c, t in top[: args.top]])
+                   top=[{"name": k, "per_step": round(c, 1), "ms_per_step": round(t / 1e3, 3)} for k, c, t in (top[: args.top] if args.top else top)])
     return row
 
 
@@ -154,7 +177,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--top", type=int, default=10, help="kernel rows kept per row")
+    ap.add_argument("--top", type=int, default=0, help="kernel rows kept per row (0: all)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     model = spec_bench.build_target(args.shape, args.bits)
@@ -179,7 +202,9 @@ def main(argv=None) -> int:
     for r in rows:
         if r.get("top"):
             print(f"\n{r['seqs']} seqs, n_draft {r['n_draft']}, pipeline {r['pipeline']}: "
-                  + "; ".join(f"{t['name']} {t['per_step']:g}x {t['ms_per_step']:.2f} ms" for t in r["top"]))
+                  + "; ".join(f"{t['name']} {t['per_step']:g}x {t['ms_per_step']:.2f} ms" for t in r["top"][:12]))
+        g = r["graph_nodes"]
+        print(f"  graph: {g['total']} nodes; " + ", ".join(f"{k} {v}" for k, v in list(g.items())[1:16]))
     return 0
 
 
