@@ -19,6 +19,7 @@ from mtlqwen.kernels.gdn import (
     gated_delta_candidates,
     gated_delta_candidates_ref,
     gated_delta_packed,
+    gated_delta_packed_candidates,
     gated_delta_packed_normed,
     gated_delta_packed_normed_ref,
     gated_delta_ref,
@@ -238,6 +239,9 @@ def test_packed_reference_is_the_reference_on_split_channels():
     got = gated_delta_packed(y, **rest, layout=layout, heads=heads)
     want = gated_delta_ref(**args, layout=layout)
     assert all(np.array_equal(np.array(g), np.array(w)) for g, w in zip(got, want))
+    got = gated_delta_packed_candidates(y, **rest, layout=layout, heads=heads)
+    want = gated_delta_candidates_ref(**args, layout=layout)
+    assert len(got) == 3 and all(np.array_equal(np.array(g), np.array(w)) for g, w in zip(got, want))
 
 
 @pytest.mark.gpu
@@ -369,13 +373,22 @@ def test_gdn_chunk_boundaries(dtype):
     lens=st.lists(st.integers(1, 20), min_size=1, max_size=4),
     geom=st.sampled_from(GEOMS),
     dtype=st.sampled_from([mx.float32, mx.bfloat16]),
+    packed=st.booleans(),
 )
-def test_gdn_candidates_kernel(seed, lens, geom, dtype):
+def test_gdn_candidates_kernel(seed, lens, geom, dtype, packed):
+    """The candidates kernel (every token's state kept, as a verification runs it), reading q, k, v as
+    three arrays or in place from the packed conv output, outputs poisoned == the reference."""
     from mtlqwen.kernels.gdn.kernels import run_gdn  # noqa: PLC0415
 
     args, layout = make_case(seed, lens, *geom, dtype=dtype)
-    out = run_gdn(**args, layout=layout, candidates=True, init_value=float("nan"))
-    _check(out, on_cpu(gated_delta_candidates_ref, **args, layout=layout), dtype, "candidates")
+    if packed:
+        y, heads = packed_case(args)
+        rest = {n: args[n] for n in ("a", "b", "A_log", "dt_bias", "state_pool")}
+        out = run_gdn(y, y, y, **rest, layout=layout, heads=heads, candidates=True, init_value=float("nan"))
+    else:
+        out = run_gdn(**args, layout=layout, candidates=True, init_value=float("nan"))
+    assert out is not None
+    _check(out, on_cpu(gated_delta_candidates_ref, **args, layout=layout), dtype, f"candidates packed={packed}")
 
 
 @pytest.mark.gpu
@@ -385,6 +398,7 @@ def test_dispatchers_use_the_kernels():
     assert dispatch.kernel_for("gated_delta") is not None
     assert dispatch.kernel_for("gated_delta_candidates") is not None
     assert dispatch.kernel_for("gated_delta_packed") is not None
+    assert dispatch.kernel_for("gated_delta_packed_candidates") is not None
     assert dispatch.kernel_for("gated_delta_packed_normed") is not None
     for lens in ([1, 1, 1], [3, 40]):
         args, layout = make_case(3, lens, 2, 3, 32, 48)
@@ -396,3 +410,5 @@ def test_dispatchers_use_the_kernels():
         rest = {n: args[n] for n in ("a", "b", "A_log", "dt_bias", "state_pool")}
         _check(gated_delta_packed(y, **rest, layout=layout, heads=heads),
                on_cpu(gated_delta_ref, **args, layout=layout), mx.float32, "dispatch packed")
+        _check(gated_delta_packed_candidates(y, **rest, layout=layout, heads=heads),
+               on_cpu(gated_delta_candidates_ref, **args, layout=layout), mx.float32, "dispatch packed candidates")

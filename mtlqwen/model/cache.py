@@ -18,7 +18,8 @@ from .config import Qwen35Config
 @dataclass
 class GDNStash:
     """One GDN layer's part of a verification. rec: the state after every verify row [Tv, Hv, dv, dk]
-    ("candidates" mode) or the verify rows' delta-rule inputs (q, k, v, a, b) ("replay" mode);
+    ("candidates" mode) or the verify rows' delta-rule inputs (y, a, b) ("replay" mode; y: the packed conv
+    output q | k | v [Tv, 2*Hk*dk + Hv*dv]);
     old_conv: the verifying slots' conv rows before the step [Sv, K-1, C]; raw: the verify rows' conv
     inputs [Tv, C]."""
 

@@ -19,8 +19,8 @@ from ..kernels import (
     add_rms_norm,
     attention_prep,
     causal_conv1d,
-    gated_delta,
-    gated_delta_candidates,
+    gated_delta_packed,
+    gated_delta_packed_candidates,
     gated_delta_packed_normed,
     gated_rms_norm,
     linear,
@@ -31,7 +31,6 @@ from ..kernels import (
     moe_router_route,
     paged_attention_gated,
     rms_norm,
-    split_qkv,
     swiglu_linear,
     write_kv,
 )
@@ -56,9 +55,9 @@ def _lin(w: dict[str, mx.array], name: str, config) -> LinearParams:
 
 class _VerifySplit:
     """A batch with verifying sequences, split once per layout (every GDN layer reuses it): the plain
-    sequences run `gated_delta` and commit their state at once; the verifying ones run
-    `gated_delta_candidates` (or plain `gated_delta` when replaying), so prefill and decode rows never pay
-    for per-token states."""
+    sequences run `gated_delta_packed` and commit their state at once; the verifying ones run
+    `gated_delta_packed_candidates` (or plain `gated_delta_packed` when replaying), so prefill and decode rows
+    never pay for per-token states."""
 
     def __init__(self, layout: SeqLayout):
         ver = [i for i, v in enumerate(layout.verify) if v]
@@ -101,6 +100,7 @@ class GDNMixer:
         self.A_log, self.dt_bias = w[f"{prefix}.A_log"], w[f"{prefix}.dt_bias"]
         self.norm_w = w[f"{prefix}.norm.weight"]
         self.out_proj = _lin(w, f"{prefix}.out_proj", c)
+        self.heads = (c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads, c.linear_value_head_dim)
 
     def __call__(self, x: mx.array, layout: SeqLayout, cache: ModelCache, stash: VerifyStash | None = None):
         """-> o_proj's input [T, value_dim]. stash: where a batch holding verifications puts this layer's
@@ -111,8 +111,10 @@ class GDNMixer:
         mixed, z, b, a = linear_multi(x, [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
         # mixed [T, conv_dim]: q | k | v channels; z [T, value_dim]; b, a [T, Hv]
         if layout.verify is not None and any(layout.verify):
-            o = self._mix_verifying(mixed, a, b, layout, cache, stash)
-            return gated_rms_norm(o, z.reshape(T, Hv, dv), self.norm_w, c.rms_norm_eps).reshape(T, c.value_dim)
+            o = self._mix_verifying(mixed, a, b, layout, cache, stash)  # [T, Hv, dv]
+            # per-head norm on [T * Hv, dv] views, as gated_delta_packed_normed's
+            return gated_rms_norm(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), self.norm_w,
+                                  c.rms_norm_eps).reshape(T, c.value_dim)
         conv_pool, rec_pool = cache.conv_states[self.idx], cache.rec_states[self.idx]
         y, conv_new = causal_conv1d(mixed, self.conv_w, conv_pool, layout, write_state=True)  # the delta rule reads y
         # the delta rule and the gated RMSNorm (one launch where gdn_fused_norm allows): o [T, value_dim]
@@ -143,30 +145,29 @@ class GDNMixer:
         their new state; verifying ones leave the pools alone and put (rec, old conv rows [Sv, K-1, C],
         raw verify rows [Tv, C]) in `stash` for `Qwen35Model.commit_candidates`, where rec is all states
         [Tv, Hv, dv, dk] ("candidates") or the verify rows' (q, k, v, a, b) ("replay")."""
-        c = self.c
         sp = _VerifySplit.of(layout)
         conv_pool, rec_pool = cache.conv_states[self.idx], cache.rec_states[self.idx]
         y, conv_new = causal_conv1d(mixed, self.conv_w, conv_pool, layout)  # every row's conv output is final
-        q, k, v = split_qkv(y, (c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads,
-                                c.linear_value_head_dim))
+        heads = self.heads
         if sp.all:
-            ins, raw = (q, k, v, a, b), mixed
+            ins, raw = (y, a, b), mixed
         else:
             vr = sp.verify_rows
-            ins, raw = (q[vr], k[vr], v[vr], a[vr], b[vr]), mixed[vr]
-        # ins: q, k [Tv, Hk, dk], v [Tv, Hv, dv], a, b [Tv, Hv]; raw: the verify rows' conv inputs [Tv, C]
+            ins, raw = (y[vr], a[vr], b[vr]), mixed[vr]
+        # ins: the verify rows' packed conv outputs y [Tv, 2*Hk*dk + Hv*dv] (the kernels read q | k | v where
+        # they lie), a, b [Tv, Hv]; raw: their conv inputs [Tv, C]
         if stash.mode == "replay":  # outputs only; the states come from the replay at commit
-            o_v, _ = gated_delta(*ins, self.A_log, self.dt_bias, rec_pool, sp.verify)
+            o_v, _ = gated_delta_packed(*ins, self.A_log, self.dt_bias, rec_pool, sp.verify, heads)
             rec = ins
         else:
-            o_v, _, rec = gated_delta_candidates(*ins, self.A_log, self.dt_bias, rec_pool, sp.verify)
+            o_v, _, rec = gated_delta_packed_candidates(*ins, self.A_log, self.dt_bias, rec_pool, sp.verify, heads)
         # read the verifying slots' old conv rows before the plain rows' writes below
         stash.layers[self.idx] = GDNStash(rec, conv_pool[sp.verify_slots], raw)
         stash.layout = sp.verify
         if sp.plain is None:
             return o_v
         pr = sp.plain_rows
-        o_p, rec_p = gated_delta(q[pr], k[pr], v[pr], a[pr], b[pr], self.A_log, self.dt_bias, rec_pool, sp.plain)
+        o_p, rec_p = gated_delta_packed(y[pr], a[pr], b[pr], self.A_log, self.dt_bias, rec_pool, sp.plain, heads)
         conv_pool[sp.plain_slots] = conv_new[sp.plain_seqs]
         rec_pool[sp.plain_slots] = rec_p
         return mx.concatenate([o_p, o_v])[sp.inverse]
@@ -424,7 +425,8 @@ class Qwen35Model:
         win = self._conv_window(k, starts, S)
         for idx, part in stash.layers.items():
             m = self.gdn_mixers[idx]
-            _, new = gated_delta(*(t[rows] for t in part.rec), m.A_log, m.dt_bias, cache.rec_states[idx], rl)
+            _, new = gated_delta_packed(*(t[rows] for t in part.rec), m.A_log, m.dt_bias, cache.rec_states[idx], rl,
+                                        m.heads)
             cache.rec_states[idx][slots] = new
             self._commit_conv(cache, idx, part, win, slots)
 
@@ -433,8 +435,9 @@ class Qwen35Model:
         """The "candidates" commit's graph from arrays alone (a compiled trace runs it too): slot slots[j]
         takes the state after row starts[j] + k[j] of every layer's candidates. k, starts, slots: [S] int32."""
         win = self._conv_window(k, starts, k.shape[0])
+        last = starts + k  # each sequence's kept candidate row, once for every layer (a node costs host time)
         for idx, part in layers.items():
-            cache.rec_states[idx][slots] = part.rec[starts + k]  # rec: all states [Tv, Hv, dv, dk]
+            cache.rec_states[idx][slots] = part.rec[last]  # rec: all states [Tv, Hv, dv, dk]
             self._commit_conv(cache, idx, part, win, slots)
 
     @staticmethod

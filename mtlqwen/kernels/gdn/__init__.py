@@ -1,7 +1,13 @@
 """Gated DeltaNet: references (reference.py), the recurrent and chunk kernels (kernels.py), the recurrence
 with its gated RMSNorm fused (normed.py), dispatchers (ops.py)."""
 
-from .ops import gated_delta, gated_delta_candidates, gated_delta_packed, gated_delta_packed_normed
+from .ops import (
+    gated_delta,
+    gated_delta_candidates,
+    gated_delta_packed,
+    gated_delta_packed_candidates,
+    gated_delta_packed_normed,
+)
 from .reference import (
     gated_delta_candidates_ref,
     gated_delta_packed_normed_ref,
@@ -12,5 +18,5 @@ from .reference import (
 )
 
 __all__ = ["gated_delta", "gated_delta_candidates", "gated_delta_candidates_ref", "gated_delta_packed",
-           "gated_delta_packed_normed", "gated_delta_packed_normed_ref", "gated_delta_ref", "gdn_gates",
+           "gated_delta_packed_candidates", "gated_delta_packed_normed", "gated_delta_packed_normed_ref", "gated_delta_ref", "gdn_gates",
            "l2_normalize", "split_qkv"]

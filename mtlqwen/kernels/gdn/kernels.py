@@ -413,3 +413,8 @@ def gated_delta_packed_kernel(y, a, b, A_log, dt_bias, state_pool, layout: SeqLa
 def gated_delta_candidates_kernel(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout):
     out = run_gdn(q, k, v, a, b, A_log, dt_bias, state_pool, layout, candidates=True)
     return None if out is None else tuple(out)
+
+
+def gated_delta_packed_candidates_kernel(y, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, heads):
+    out = run_gdn(y, y, y, a, b, A_log, dt_bias, state_pool, layout, heads=heads, candidates=True)
+    return None if out is None else tuple(out)

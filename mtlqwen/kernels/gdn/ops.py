@@ -10,12 +10,9 @@ from . import kernels, normed
 from .reference import gated_delta_candidates_ref, gated_delta_packed_normed_ref, gated_delta_ref, split_qkv
 
 _POOLS = ("state_pool",)
-# unverified: the chunk scan's float4 shared-memory reads are emulator-checked and compiled with nvcc, not
-# yet run on the H200 (benchmarks/kernels_gdn.md); until then these ops check themselves at first use on CUDA
-_NEW_ON = ("cuda",)
 
 
-@kernel_op("gated_delta", kernels.gated_delta_kernel, pools=_POOLS, unverified=_NEW_ON)
+@kernel_op("gated_delta", kernels.gated_delta_kernel, pools=_POOLS)
 def gated_delta(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout):
     """q, k [T, Hk, dk], v [T, Hv, dv], a, b [T, Hv] -> (o [T, Hv, dv], new states [B, Hv, dv, dk])."""
     return gated_delta_ref(q, k, v, a, b, A_log, dt_bias, state_pool, layout)
@@ -31,8 +28,7 @@ def _packed_ref(y, a, b, A_log, dt_bias, state_pool, layout, heads, write_state=
     return gated_delta_ref(*split_qkv(y, heads), a, b, A_log, dt_bias, state_pool, layout)
 
 
-@kernel_op("gated_delta_packed", kernels.gated_delta_packed_kernel, reference=_packed_ref, pools=_POOLS,
-           unverified=_NEW_ON)
+@kernel_op("gated_delta_packed", kernels.gated_delta_packed_kernel, reference=_packed_ref, pools=_POOLS)
 def gated_delta_packed(y, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, heads: tuple[int, int, int, int],
                        write_state: bool = False):
     """`gated_delta` on the packed conv output y (heads = (Hk, dk, Hv, dv)): the kernel reads q, k, v where
@@ -40,6 +36,20 @@ def gated_delta_packed(y, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, h
     the new states into state_pool's rows itself; it then returns (o, None) and the caller skips its scatter
     (the reference always returns the states)."""
     return _packed_ref(y, a, b, A_log, dt_bias, state_pool, layout, heads)
+
+
+def _packed_candidates_ref(y, a, b, A_log, dt_bias, state_pool, layout, heads):
+    return gated_delta_candidates_ref(*split_qkv(y, heads), a, b, A_log, dt_bias, state_pool, layout)
+
+
+@kernel_op("gated_delta_packed_candidates", kernels.gated_delta_packed_candidates_kernel,
+           reference=_packed_candidates_ref, pools=_POOLS)
+def gated_delta_packed_candidates(y, a, b, A_log, dt_bias, state_pool, layout: SeqLayout,
+                                  heads: tuple[int, int, int, int]):
+    """`gated_delta_candidates` on the packed conv output y (heads = (Hk, dk, Hv, dv)), as
+    `gated_delta_packed` reads it: a verification's GDN layer without three sliced copies of y.
+    -> (o [T, Hv, dv], new states [B, Hv, dv, dk], the state after every token [T, Hv, dv, dk] fp32)."""
+    return _packed_candidates_ref(y, a, b, A_log, dt_bias, state_pool, layout, heads)
 
 
 def _normed_ref(y, z, norm_w, eps, a, b, A_log, dt_bias, state_pool, layout, heads, write_state=False):
