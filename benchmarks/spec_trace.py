@@ -130,11 +130,12 @@ def graph_of_step(eng) -> dict:
     return {"total": sum(counts.values()), **dict(counts.most_common())}
 
 
-def trace_row(model, drafter, S: int, n: int, pipeline: bool, args) -> dict:
+def trace_row(model, drafter, S: int, n: int, pipeline: bool, args, commit: str = "auto") -> dict:
     a = copy.copy(args)
     a.steps = 3 * args.steps + 2  # room for the timed runs and the graph count
     with spec_bench.forced_acceptance(args.accept if n else None):
-        eng = spec_bench.warm_engine(model, drafter if n else None, S, n, a, None, True, pipeline)
+        eng = spec_bench.warm_engine(model, drafter if n else None, S, n, a, None if commit == "auto" else commit,
+                                     True, pipeline)
         wall = run_steps(eng, args.steps)  # uninstrumented: the step as served
         phases = Phases()
         undo = instrument(eng, phases)
@@ -157,7 +158,7 @@ def trace_row(model, drafter, S: int, n: int, pipeline: bool, args) -> dict:
     for s, e, name in ks:
         per[short(name)].append(e - s)
     top = sorted(((k, len(d) / args.steps, sum(d) / args.steps) for k, d in per.items()), key=lambda t: -t[2])
-    row = {"seqs": S, "n_draft": n, "pipeline": "on" if pipeline else "off", "step_ms": round(wall, 3),
+    row = {"seqs": S, "n_draft": n, "pipeline": "on" if pipeline else "off", "commit": commit, "step_ms": round(wall, 3),
            "step_ms_instrumented": round(wall_inst, 3), "host_ms": host, "graph_nodes": graph}
     if ks:
         row.update(busy_ms=round(busy_us(ks) / 1e3 / args.steps, 3), kernels_per_step=round(len(ks) / args.steps, 1),
@@ -173,6 +174,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seqs", type=int, nargs="+", default=[1])
     ap.add_argument("--n-draft", type=int, nargs="+", default=[0, 7, 15], help="0: the plain engine (no drafter)")
     ap.add_argument("--pipeline", nargs="+", choices=["off", "on"], default=["off"])
+    ap.add_argument("--commit", nargs="+", choices=["auto", "candidates", "replay"], default=["auto"],
+                    help="Engine(verify_commit=...); auto: the engine's choice per step")
     ap.add_argument("--accept", type=int, default=6, help="force min(K, n_draft) accepted drafts per verification")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=8)
@@ -186,19 +189,21 @@ def main(argv=None) -> int:
     rows = []
     for S in args.seqs:
         for n in args.n_draft:
-            for pl in (args.pipeline if n else ["off"]):
-                r = trace_row(model, drafter, S, n, pl == "on", args)
+            # a forced mode equal to the engine's own choice at this n_draft repeats the "auto" row
+            modes = [c for c in args.commit if not ("auto" in args.commit and c == speculative.commit_mode_for(n))]
+            for pl, cm in [(p, c) for p in args.pipeline for c in modes] if n else [("off", "auto")]:
+                r = trace_row(model, drafter, S, n, pl == "on", args, cm)
                 rows.append(r)
                 print(json.dumps(r), flush=True)
                 if args.json:
                     with open(args.json, "w") as f:
                         json.dump({"args": vars(args), "device": str(mx.default_device()), "rows": rows}, f, indent=1)
-    print("\n| seqs | n_draft | pipeline | step ms | device busy ms | kernels | host ms by phase (instrumented) |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| seqs | n_draft | pipeline | commit | step ms | device busy ms | kernels | graph nodes | host ms by phase (instrumented) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         h = ", ".join(f"{k} {v:.2f}" for k, v in r["host_ms"].items() if v >= 0.05)
-        print(f"| {r['seqs']} | {r['n_draft']} | {r['pipeline']} | {r['step_ms']:.2f} | {r.get('busy_ms', float('nan')):.2f} "
-              f"| {r.get('kernels_per_step', 0):.0f} | {h} |")
+        print(f"| {r['seqs']} | {r['n_draft']} | {r['pipeline']} | {r['commit']} | {r['step_ms']:.2f} "
+              f"| {r.get('busy_ms', float('nan')):.2f} | {r.get('kernels_per_step', 0):.0f} | {r['graph_nodes']['total']} | {h} |")
     for r in rows:
         if r.get("top"):
             print(f"\n{r['seqs']} seqs, n_draft {r['n_draft']}, pipeline {r['pipeline']}: "

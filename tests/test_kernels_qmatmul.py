@@ -262,12 +262,12 @@ def _add_norm32(h, delta, w, eps):
 @needs_gpu
 @settings(max_examples=n_examples(30), **GPU_SETTINGS)
 @given(**shape, layers=st.integers(1, 3), pf=st.sampled_from([0, 1]), npair=st.sampled_from([0, 1]),
-       chunk=st.sampled_from([0, 1]))
+       chunk=st.sampled_from([0, 1, 8]))
 def test_qmv_residual_norm_matches_reference(m, kg, n, bits, gs, dtype, seed, layers, pf, npair, chunk):
     """qmv + residual add + RMSNorm epilogue (qmatmul/residual.py): `layers` dependent launches on one counter
     per projection in one graph, each against the fp32 reference from the previous launch's outputs; the
-    counters are back at zero after the graph ran (the last threadgroup resets them). chunk 1: the two-pass
-    epilogue, one column a pass (rows past 128 columns: two passes)."""
+    counters are back at zero after the graph ran (the last threadgroup resets them). chunk 1 / 8: the two-pass
+    epilogue, 1 or 8 columns a pass (8: the default where it divides a thread's columns)."""
     qm = _poisoned(npair)
     selection.SELECT["qmv_residual_chunk"] = chunk  # put back by _restore_selection
     from mtlqwen.kernels.qmatmul import residual as qmv_residual  # noqa: PLC0415  (GPU module)

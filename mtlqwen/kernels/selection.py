@@ -93,11 +93,12 @@ SELECT: dict[str, int] = {
     # (~8 us a launch over the plain qmv + add_rms_norm) is what to cut next.
     "qmv_residual_norm": 1,
     # The residual epilogue's columns a thread takes per pass (qmatmul/residual.py): 0 = all of them in one
-    # pass, held in registers (what the GPU tests and the A/B above ran); 8 = two passes of 8 at a time,
-    # which keeps the whole kernel at 55 registers at M=1 (107 with one pass, the plain qmv 64: ptxas -v,
-    # sm_90), so the GEMV keeps its resident SIMD groups, for a longer tail in the last threadgroup.
-    # Emulator-checked and compiled; not yet timed (step_trace.py --variants qmv_residual_chunk=8).
-    "qmv_residual_chunk": 0,
+    # pass, held in registers; 8 = two passes of 8 at a time, which keeps the whole kernel at 55 registers
+    # at M=1 (107 with one pass, the plain qmv 64: ptxas -v, sm_90), so the GEMV keeps its resident SIMD
+    # groups, for a longer tail in the last threadgroup. H200, 9B batch-1 decode step (step_trace.py
+    # --variants qmv_residual_chunk=8, benchmarks/decode_profile.md): device busy 3,531 against 3,689 us
+    # with one pass, the same 208 launches.
+    "qmv_residual_chunk": 8,
     # The FMA qmv loads the next chunks' weights before the current chunks' math (template PF). Written to
     # keep loads in flight at M=1, where the kernel stalled at ~1.9-2.0 TB/s steady state (lm_head 291 us
     # for 572 MB, benchmarks/decode_profile.md). Its test passed on the H200, but summed over a 9B step's

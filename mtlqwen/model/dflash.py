@@ -15,7 +15,17 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..kernels import LinearParams, RopeTables, SeqLayout, drafter_attention, head_norm_rope, linear, rms_norm, write_kv
+from ..kernels import (
+    LinearParams,
+    RopeTables,
+    SeqLayout,
+    drafter_attention,
+    head_norm_rope,
+    linear,
+    rms_norm,
+    write_kv,
+    write_kv_inplace,
+)
 from .cache import ModelCache
 from .config import ConfigError, Qwen35Config, read_config_json
 from .dflash_config import DFlashConfig, DrafterFitError, parse_dflash_config, rope_frequencies
@@ -262,11 +272,17 @@ class Drafter:
     def write_rows(self, tap_feat: mx.array, layout: SeqLayout, cache: DrafterCache) -> None:
         """`write_context`'s graph, its checks and RoPE table done: reads only the layout's positions /
         write_blocks / write_offsets arrays, so a compiled trace (model/compiled_draft.py) runs it too."""
+        c = self.config
         ctx = rms_norm(linear(tap_feat, self.fc), self.hidden_norm, self.eps)  # [T, H]
         pos = layout.array("positions")
+        q_shape = (ctx.shape[0], c.num_attention_heads, c.head_dim)  # what the drafter's attention reads them with
         for i, (k, v) in enumerate(self._context_kv(ctx)):
             k = head_norm_rope(k, self.layers[i].k_norm, self.eps, pos, self.rope, k.shape[-1])
-            cache.k_pools[i], cache.v_pools[i] = write_kv(cache.k_pools[i], cache.v_pools[i], k, v, layout)
+            kp, vp = cache.k_pools[i], cache.v_pools[i]
+            # on GPUs into the pools' own buffers (one launch, no pool copy), the handles following the write
+            written = write_kv_inplace(kp, vp, k, v, layout, q_shape, ctx.dtype)
+            cache.k_pools[i], cache.v_pools[i] = write_kv(kp, vp, k, v, layout) if written is None else \
+                mx.depends([kp, vp], [written])
 
     # -- drafting
     def _block_layout(self, layout: SeqLayout, n_slots: int) -> SeqLayout:
@@ -307,6 +323,9 @@ class Drafter:
             k, v = L.project_kv(h)
             k = head_norm_rope(k, L.k_norm, self.eps, pos, self.rope, k.shape[-1])
             a = drafter_attention(q, k, v, cache.k_pools[i], cache.v_pools[i], bl, self.scale, L.causal, L.window)
+            # on GPUs the block's rows were written into the pools in place (past kv_valid): later writers of
+            # these pools (the step's context write) must follow, and MLX orders kernels only through data
+            cache.k_pools[i], cache.v_pools[i] = mx.depends([cache.k_pools[i], cache.v_pools[i]], [a])
             x = x + linear(a.reshape(T, nH * hd), L.o_proj)
             h = rms_norm(x, L.post_norm, self.eps)
             g = linear(h, L.gate_proj)

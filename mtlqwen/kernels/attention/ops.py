@@ -11,7 +11,7 @@ from ..rope.ops import head_norm_rope
 from ..rope.reference import RopeTables, head_norm_rope_ref
 from ..selection import SELECT
 from ..seqs import SeqLayout
-from . import kernels, kv_write, prefill, prep
+from . import drafter, kernels, kv_write, prefill, prep
 from .reference import drafter_attention_ref, paged_attention_gated_ref, paged_attention_ref
 
 _POOLS = ("k_pool", "v_pool")
@@ -124,9 +124,25 @@ def attention_prep(qg: mx.array, k: mx.array, v: mx.array, q_norm: mx.array, k_n
     return q, kn, write_kv_inplace(k_pool, v_pool, kn, v, layout, q.shape, q.dtype)
 
 
-@kernel_op("drafter_attention", None)
+def _drafter_kernel(q, k_blk, v_blk, k_pool, v_pool, layout, scale, causal=False, window=None):
+    """The block written into the pools past kv_valid, then one decode row per query (drafter.py); None
+    (the reference) for sliding-window layers or where the write or the decode kernel does not run."""
+    if window is not None:
+        return None
+    # the same for every layer of the pass: built once per layout (a graph node costs host time)
+    write, rows = layout.derived(f"drafter_decode_form_{causal}", lambda: drafter.decode_form(layout, causal))
+    token = write_kv_inplace(k_pool, v_pool, k_blk, v_blk, write, q.shape, q.dtype)
+    if token is None:
+        return None
+    return paged_attention(q, k_pool, v_pool, rows, scale, after=token)
+
+
+# unverified: composed of kernels that passed their GPU tests, the composition not yet run on the H200
+# (tests/test_kernels_drafter_attention.py); until then it checks itself at first use on CUDA
+@kernel_op("drafter_attention", _drafter_kernel, pools=_POOLS, unverified=("cuda",))
 def drafter_attention(q, k_blk, v_blk, k_pool, v_pool, layout: SeqLayout, scale: float, causal: bool = False,
                       window: int | None = None) -> mx.array:
     """DFlash drafter attention (dflash.md §1.4, §1.5): block queries over the paged context and the block's
-    own transient K/V. No GPU kernel yet: the reference runs everywhere."""
+    own transient K/V. q [T, nH, hd], k_blk / v_blk [T, nKV, hd] -> [T, nH, hd]. On GPUs the block's rows
+    are written into the pools past kv_valid (scratch rows) and read back by the decode kernel."""
     return drafter_attention_ref(q, k_blk, v_blk, k_pool, v_pool, layout, scale, causal, window)

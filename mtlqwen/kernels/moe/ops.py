@@ -69,8 +69,8 @@ def _combine_gpu(y, dest, weights, k, shared_y=None, dtype=None):
     return combine_launch.combine(y, dest, weights, k, shared_y)
 
 
-# unverified: emulator-checked and compiled with nvcc, not yet run on the H200 (benchmarks/moe.md)
-@kernel_op("moe_combine", _combine_gpu, unverified=("cuda",))
+# tests/test_kernels_moe_combine.py passed on the H200 (benchmarks/results/gpu-tests-moe-combine.log)
+@kernel_op("moe_combine", _combine_gpu)
 def moe_combine(y: mx.array, dest: mx.array, weights: mx.array, k: int, shared_y: mx.array | None = None,
                 dtype=None) -> mx.array:
     """y [R, H] the experts' down rows in a path's order, dest [T*k] each pair's row, weights [T, k (+1)]
