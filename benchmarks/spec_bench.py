@@ -345,7 +345,7 @@ def main(argv=None) -> int:
                        "ratio": spec / plain, "speedup": {t: (t * plain / spec if n and t <= n + 1 else None) for t in TAUS}}
                 if n and not args.no_parts and comp == args.compile[0] and pl == args.pipeline[0]:  # model-only parts: the same either way
                     row["parts_ms"] = part_ms(model, drafter, S, n, args,
-                                              speculative.commit_mode_for(n) if mode == "auto" else mode)
+                                              speculative.commit_mode_for(n, S) if mode == "auto" else mode)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 write_json(args, rows)  # after every row: a part cut short by its time limit keeps what it measured

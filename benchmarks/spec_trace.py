@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     for S in args.seqs:
         for n in args.n_draft:
             # a forced mode equal to the engine's own choice at this n_draft repeats the "auto" row
-            modes = [c for c in args.commit if not ("auto" in args.commit and c == speculative.commit_mode_for(n))]
+            modes = [c for c in args.commit if not ("auto" in args.commit and c == speculative.commit_mode_for(n, S))]
             for pl, cm in [(p, c) for p in args.pipeline for c in modes] if n else [("off", "auto")]:
                 r = trace_row(model, drafter, S, n, pl == "on", args, cm)
                 rows.append(r)

@@ -99,7 +99,7 @@ def test_step_costs_interpolate_and_load(tmp_path):
                 dict(seqs=(2, 1), drafts=(0, 1), ms=((1.0, 2.0), (1.0, 2.0))), dict(seqs=(1,), drafts=(0, 1), ms=((1.0,),))):
         with pytest.raises(ValueError, match="StepCosts"):
             StepCosts(**bad)
-    # spec_bench rows: the engine's own commit mode per n_draft (candidates below 9 drafts, replay from 9),
+    # spec_bench rows: the engine's own commit mode per cell (candidates up to 64 verify rows, replay past them),
     # the plain column from n_draft 0 rows (a drafter loaded) where measured, else plain_step_ms
     rows = [dict(seqs=1, n_draft=4, commit="candidates", plain_step_ms=5.0, spec_step_ms=20.0),
             dict(seqs=1, n_draft=4, commit="replay", plain_step_ms=5.0, spec_step_ms=18.0),
@@ -109,7 +109,7 @@ def test_step_costs_interpolate_and_load(tmp_path):
             dict(seqs=8, n_draft=4, commit="candidates", plain_step_ms=15.0, spec_step_ms=60.0),
             dict(seqs=8, n_draft=15, commit="replay", plain_step_ms=15.0, spec_step_ms=70.0)]
     got = StepCosts.from_rows(rows)
-    assert got == StepCosts((1, 8), (0, 4, 15), ((5.0, 20.0, 33.0), (16.0, 60.0, 70.0)))
+    assert got == StepCosts((1, 8), (0, 4, 15), ((5.0, 20.0, 30.0), (16.0, 60.0, 70.0)))  # 1 x 16 rows: candidates
     (tmp_path / "bench.json").write_text(json.dumps({"args": {}, "rows": rows}))
     (tmp_path / "table.json").write_text(json.dumps({"seqs": [1], "drafts": [0, 3], "ms": [[1, 2]]}))
     assert StepCosts.load(tmp_path / "bench.json") == got
@@ -120,7 +120,7 @@ def test_step_costs_interpolate_and_load(tmp_path):
     both = [{**r, "compiled": "off"} for r in rows] + [{**r, "compiled": "on", "spec_step_ms": r["spec_step_ms"] / 2}
                                                        for r in rows]
     assert StepCosts.from_rows(both, compiled=False) == got == StepCosts.from_rows(rows, compiled=True)
-    halved = StepCosts((1, 8), (0, 4, 15), ((5.0, 10.0, 16.5), (8.0, 30.0, 35.0)))
+    halved = StepCosts((1, 8), (0, 4, 15), ((5.0, 10.0, 15.0), (8.0, 30.0, 35.0)))
     assert StepCosts.from_rows(both, compiled=True) == halved
     (tmp_path / "both.json").write_text(json.dumps({"rows": both}))
     assert StepCosts.load(tmp_path / "both.json", compiled=True) == halved
@@ -215,7 +215,7 @@ def test_h200_table_drafts_only_when_acceptance_pays():
     assert make_policy("adaptive", None).costs is H200_9B_COSTS
     assert make_policy("adaptive", None, compiled=False).costs is H200_9B_COSTS
     assert make_policy("adaptive", None, compiled=True).costs is H200_9B_COMPILED_COSTS
-    assert H200_9B_COMPILED_COSTS.cost(1, 15) == 21.23 and H200_9B_COMPILED_COSTS.cost(32, 0) == 9.58
+    assert H200_9B_COMPILED_COSTS.cost(1, 15) == 13.15 and H200_9B_COMPILED_COSTS.cost(32, 0) == 9.58
     mine = FixedDrafting()
     assert make_policy(mine, None) is mine
 

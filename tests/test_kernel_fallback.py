@@ -247,6 +247,36 @@ def test_the_trace_probe_of_a_paged_op_is_concrete_and_small(caplog, monkeypatch
     assert len(kernel_warnings(caplog)) == (0 if factor == 1.0 else 1)
 
 
+def test_the_trace_probe_of_a_long_chunk_has_blocks_for_its_tokens(caplog, monkeypatch):
+    """A traced write of more rows than one block holds, under a dummy one-block table (the drafter's
+    context write builds its layout so: only the arrays are real): the probe's concrete layout gives the
+    sequence a table wide enough for its tokens, so its slot mapping exists (every entry block 0)."""
+    from mtlqwen.kernels import SeqLayout, write_kv_inplace  # noqa: PLC0415
+
+    monkeypatch.setenv("MTLQWEN_SELF_CHECK", "1")
+    seen = []
+
+    def fake(k_pool, v_pool, k, v, layout, q_shape, q_dtype):
+        seen.append((layout.traced, layout.array("write_blocks").tolist() if not layout.traced else None))
+        return mx.ones((1,), dtype=mx.int32)
+
+    bt, T = 4, 11
+    kp, vp = (mx.zeros((5, bt, 1, 8)) for _ in range(2))
+    k = mx.ones((T, 1, 8))
+
+    def step(k, blocks, offsets):
+        lay = SeqLayout([0, T], [0], [[0]], [0], bt, traced=True)
+        lay._arrays.update(write_blocks=blocks, write_offsets=offsets)
+        return write_kv_inplace(kp, vp, k, k, lay, (T, 2, 8), k.dtype)
+
+    pos = mx.arange(T, dtype=mx.int32)
+    with caplog.at_level(logging.WARNING, logger="mtlqwen.kernels"), dispatch.inject("write_kv_inplace", fake) as op:
+        mx.eval(mx.compile(step)(k, pos // bt + 1, pos % bt))
+        assert op.failed is None
+    assert seen == [(True, None), (False, [0] * T)]  # the traced call, then its probe over 3 blocks' worth of rows
+    assert kernel_warnings(caplog) == []
+
+
 def test_every_op_is_exported_and_dispatched():
     """Each op registered with the dispatcher is a public name of mtlqwen.kernels, and nothing calls a
     kernel around it (the exported function is the dispatching one)."""

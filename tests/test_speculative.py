@@ -20,7 +20,8 @@ from mtlqwen.model.cache import ModelCache
 from mtlqwen.model.qwen35 import VERIFY_COMMITS
 from mtlqwen.runtime import Engine, SamplingParams
 from mtlqwen.runtime.block_pool import BlockPool
-from mtlqwen.runtime.speculative import REPLAY_MIN_DRAFTS, commit_mode_for, resolve_n_draft
+from mtlqwen.runtime import speculative
+from mtlqwen.runtime.speculative import REPLAY_MIN_ROWS, commit_mode_for, resolve_n_draft
 
 @pytest.fixture(scope="module")
 def draft_dir(ckpt, tmp_path_factory):
@@ -455,12 +456,15 @@ def test_knobs_opt_out_stats_and_memory(model, drafter, draft_dir):
         assert_reference(model, p, o, 9)
 
 
-def test_verify_commit_knob(model, drafter):
+def test_verify_commit_knob(model, drafter, monkeypatch):
     """Unknown modes are refused by the engine and by a verifying forward; a given mode is used by every
-    verification of that engine; without one the engine picks per step from its drafts (replay from
-    REPLAY_MIN_DRAFTS)."""
-    assert [commit_mode_for(n) for n in (1, REPLAY_MIN_DRAFTS - 1, REPLAY_MIN_DRAFTS, 15)] == \
-        ["candidates", "candidates", "replay", "replay"]
+    verification of that engine; without one the engine picks per step from its verify rows (replay from
+    REPLAY_MIN_ROWS = sequences x (drafts + 1))."""
+    assert REPLAY_MIN_ROWS == 65
+    assert [commit_mode_for(n) for n in (1, 8, 15)] == ["candidates"] * 3  # one sequence: 16 rows at most
+    assert [commit_mode_for(n, s) for n, s in ((7, 8), (15, 4), (3, 16), (15, 8), (3, 17), (7, 32))] == \
+        ["candidates"] * 3 + ["replay"] * 3
+    monkeypatch.setattr(speculative, "REPLAY_MIN_ROWS", 10)  # one sequence of 9+ drafts replays below
     with pytest.raises(ValueError, match="verify_commit must be one of"):
         Engine(model, num_blocks=8, draft=drafter, verify_commit="rerun")
     with pytest.raises(ValueError, match="verify_commit needs a drafter"):
@@ -471,7 +475,7 @@ def test_verify_commit_knob(model, drafter):
         with pytest.raises(ValueError, match="verify_commit must be one of"):
             model.forward_verifying(mx.array([1, 2, 3], dtype=mx.int32), lay, c, verify_commit=bad)
     prompt = random_token_ids(9, 512, seed=3)
-    for given, n_draft in (("replay", 2), ("candidates", 12), (None, 2), (None, REPLAY_MIN_DRAFTS + 1)):
+    for given, n_draft in (("replay", 2), ("candidates", 12), (None, 2), (None, 10)):
         eng = Engine(model, slots=1, step_tokens=32, block_tokens=16, num_blocks=8, draft=drafter,
                      n_draft=n_draft, prefix_interval=0, verify_commit=given)
         eng.submit(prompt, greedy(n_draft + 6, ignore_eos=True))  # drafts shrink near max_tokens
@@ -482,7 +486,7 @@ def test_verify_commit_knob(model, drafter):
                 seen.append((eng._inflight.spec.stash.mode, max(eng._inflight.spec.n)))
         want = [(given or commit_mode_for(n), n) for _, n in seen]
         assert seen and seen == want, (given, n_draft, seen)
-        if given is None and n_draft > REPLAY_MIN_DRAFTS:  # long runs replay, the short last ones do not
+        if given is None and n_draft == 10:  # long runs replay (11 rows), the short last ones do not
             assert {m for m, _ in seen} == {"replay", "candidates"}, seen
 
 

@@ -163,8 +163,11 @@ class Op:
         rows = max(1, layout.num_seqs) if layout is not None else 1
         for name, v in bound.arguments.items():
             if isinstance(v, SeqLayout) and v.traced:
+                # empty contexts, every table entry block 0; a table row at least as wide as its sequence's
+                # tokens need (a traced layout's dummy table may be narrower: only its arrays are real)
+                width = [max(len(t), -(-v.q_len(i) // v.block_tokens)) for i, t in enumerate(v.block_tables)]
                 bound.arguments[name] = SeqLayout(
-                    list(v.query_start_loc), [0] * v.num_seqs, [[0] * len(t) for t in v.block_tables],
+                    list(v.query_start_loc), [0] * v.num_seqs, [[0] * w for w in width],
                     list(range(v.num_seqs)), v.block_tokens, verify=v.verify, max_len=v.max_len)
             elif isinstance(v, mx.array) and not _concrete((v,), {}):
                 shape = (rows, *v.shape[1:]) if name in self.pools else v.shape

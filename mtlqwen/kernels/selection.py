@@ -209,8 +209,8 @@ SELECT: dict[str, int] = {
     # Prefill paths (grouped and sorted): each token's k expert rows read back, weighted and summed (and
     # the shared expert's weighted row added) in one launch (moe/combine.py) instead of a row gather, a
     # multiply, a reduction, a multiply and an add (the gather alone 108 us a 1024-token 35B-A3B step on the
-    # H200, benchmarks/moe.md). Emulator-checked, compiled with nvcc; not yet run on the H200, so it checks
-    # itself against the reference at first use on CUDA. 0 = the MLX ops.
+    # H200, benchmarks/moe.md). Its GPU test passed on the H200 (results/gpu-tests-moe-combine.log); the
+    # prefill with it against without is not yet timed. 0 = the MLX ops.
     "moe_combine_kernel": 1,
     # Activation rows MB of one grouped tile (16, 32 or 64; 0 = by the mean pairs per expert T*k/E: the
     # smallest of them that holds it). Each tile reads its expert's whole [N, K] slab and each expert's

@@ -116,7 +116,7 @@ class StepCosts:
                     continue
                 if not got:
                     raise ValueError(f"the table has no row at {S} sequences, n_draft {N}")
-                own = [r for r in got if r.get("commit") in ("auto", commit_mode_for(N))] if N else []
+                own = [r for r in got if r.get("commit") in ("auto", commit_mode_for(N, S))] if N else []
                 row.append(float(min(r["spec_step_ms"] for r in (own or got))))
             ms.append(tuple(row))
         return cls(tuple(seqs), tuple(drafts), tuple(ms))
@@ -142,15 +142,17 @@ H200_9B_COSTS = StepCosts(
 )
 
 
-# The same pair, compiled steps (Engine(compile_decode=True): decode-with-taps and all-verify steps through
-# mx.compile, the drafter pass not yet compiled), forced acceptance of min(6, N) drafts, the engine's commit
-# mode (benchmarks/spec.md "Compiled speculative steps", results/spec-compiled-b1-b8-b32.json). The engine's
-# default table when it compiles; a measurement with the compiled drafter pass should replace it.
+# The same pair, compiled steps (Engine(compile_decode=True): decode-with-taps, all-verify steps, the drafter
+# pass and its context write through mx.compile), forced acceptance of min(6, N) drafts, the engine's commit
+# mode. The engine's default table when it compiles. Rows 1 and 8: spec_trace.py with the packed verification
+# path (benchmarks/spec.md "Where a speculative step's time goes", results/spec-trace-9b-b1-b8-packed-verify.json;
+# 1 x 15 with candidates, the engine's mode now); row 32: the earlier compiled run
+# (results/spec-compiled-b1-b8-b32.json), where drafting cannot pay either way.
 H200_9B_COMPILED_COSTS = StepCosts(
     seqs=(1, 8, 32),
     drafts=(0, 7, 15),
-    ms=((3.90, 16.53, 21.23),
-        (8.24, 35.23, 49.11),
+    ms=((4.42, 13.92, 13.15),
+        (5.86, 35.39, 53.16),
         (9.58, 87.45, 103.67)),
 )
 

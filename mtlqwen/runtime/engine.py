@@ -94,7 +94,7 @@ class Engine(Generation):
     step (default the drafter's block_size - 1, capped so every slot can verify within step_tokens);
     a request opts out with SamplingParams(speculative=False) (speculative.py). verify_commit: how verified GDN
     states are committed, "candidates" or "replay" (see Qwen35Model); default: chosen per step by
-    the number of drafts, from the H200 measurement (speculative.REPLAY_MIN_DRAFTS).
+    the step's verify rows, from the H200 measurement (speculative.REPLAY_MIN_ROWS).
     draft_policy: "fixed" (every eligible sequence sends n_draft drafts), "adaptive" (draft length and
     speculating sequences per step from a step-cost table and each sequence's running acceptance, so that
     by the table a drafter never slows the engine; n_draft is then the longest run) or a policy object

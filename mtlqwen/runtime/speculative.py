@@ -10,7 +10,7 @@ The engine calls four hooks when a drafter is loaded:
   commit(state)      after the one read-back: accepted drafts + the next token per verifying sequence;
                      kv_valid covers them. GDN states are committed by picking candidates on the device in
                      the launched step (by the device's accepted counts), or here by a replay
-                     (REPLAY_MIN_DRAFTS). KV and drafter context of rejected drafts are left where they
+                     (REPLAY_MIN_ROWS). KV and drafter context of rejected drafts are left where they
                      are, past kv_valid.
   must_sync(flight)  a step that verified, or sampled a sequence that may draft next step, is committed
                      before the next one is scheduled: its drafts need the host to know the anchor and
@@ -96,11 +96,13 @@ class _Verification:
     stash: VerifyStash  # the verifying forward's GDN parts, applied by Qwen35Model.commit_candidates
 
 
-# From this many drafts in a step, verified GDN states are committed by replay rather than by keeping every
-# candidate state (Qwen35Model's verify_commit). H200, 9B shape, 4-bit (benchmarks/spec.md, 2026-11-30): at
-# n_draft 4 candidates won (26.3 vs 28.8 ms at 1 sequence, 64.7 vs 66.3 at 8), at 8 they tied (within 1%),
-# at 15 replay won (36.2 vs 38.2 ms, 71.4 vs 74.3): the candidates' state writes grow with the drafts.
-REPLAY_MIN_DRAFTS = 9
+# From this many verify rows in a step (sequences x (drafts + 1)), verified GDN states are committed by replay
+# rather than by keeping every candidate state (Qwen35Model's verify_commit). Candidates keep one state a row
+# and GDN layer (2 MiB at the 9B shape: 16 rows, 768 MiB; 256 rows, 12 GiB); a replay reruns the accepted rows
+# in an eager graph after the read-back, which a host-bound step pays in full. H200, 9B shape, 4-bit, compiled
+# (benchmarks/spec.md, spec_trace.py): at 1 sequence and 15 drafts candidates 13.15 ms a step against replay
+# 15.77; at 8 x 15 (128 rows) a tie (53.4 / 53.2 ms).
+REPLAY_MIN_ROWS = 65
 
 
 def verify_rows(qsl: list[int], seqs, N: int) -> list[int]:
@@ -109,13 +111,14 @@ def verify_rows(qsl: list[int], seqs, N: int) -> list[int]:
     return [min(qsl[i] + t, qsl[i + 1] - 1) for i in seqs for t in range(N + 1)]
 
 
-def commit_mode_for(drafts: int) -> str:
-    return "replay" if drafts >= REPLAY_MIN_DRAFTS else "candidates"
+def commit_mode_for(drafts: int, seqs: int = 1) -> str:
+    """The engine's commit mode for a step in which `seqs` sequences verify up to `drafts` drafts each."""
+    return "replay" if seqs * (drafts + 1) >= REPLAY_MIN_ROWS else "candidates"
 
 
 class Speculator:
     """verify_commit: "candidates" or "replay" for every verification, or None to choose per step by the
-    step's longest draft run (commit_mode_for). policy: drafts per sequence and step (draft_policy.py;
+    step's verify rows (commit_mode_for). policy: drafts per sequence and step (draft_policy.py;
     default FixedDrafting)."""
 
     def __init__(self, model, drafter: Drafter, n_draft: int, cache, kv: KVManager,
@@ -244,7 +247,7 @@ class Speculator:
         compiled = self.compiled is not None and rows and self.compiled.eligible_with_taps(lay)  # decode or all-verify
         stash = None
         if ver:  # the forward stashes in this mode and the commit follows the stash
-            mode = self.verify_commit or ("candidates" if self.pipelined and compiled else commit_mode_for(N))
+            mode = self.verify_commit or ("candidates" if self.pipelined and compiled else commit_mode_for(N, len(ver)))
             fwd = self.compiled.verifying if compiled else self.model.forward_verifying
             logits, taps, stash = fwd(ids, lay, cache, self.taps, fwd_rows, mode)
         else:
