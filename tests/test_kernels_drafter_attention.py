@@ -102,3 +102,23 @@ def test_drafter_attention_kernel_path(data, bt, nkv, rep, hd, nseq, causal, tra
     mx.eval(got)
     assert dispatch.OPS["drafter_attention"].failed is None
     assert rel_err(got, want) < TOL[dt]
+
+
+def test_a_table_without_room_for_the_block_keeps_the_reference(monkeypatch):
+    """A host layout whose table ends before the block's last row never reaches the in-place write (it would
+    land in the padding block): the op's kernel declines and the reference serves."""
+    from mtlqwen.kernels.attention import ops  # noqa: PLC0415
+
+    def no_write(*a, **k):
+        raise AssertionError("the in-place write was reached")
+
+    monkeypatch.setattr(ops, "write_kv_inplace", no_write)
+    rng = np.random.default_rng(3)
+    kp, vp = (mx.array(rng.standard_normal((3, 4, 1, 8)).astype(np.float32)) for _ in range(2))
+    q = mx.array(rng.standard_normal((3, 2, 8)).astype(np.float32))
+    k = mx.array(rng.standard_normal((3, 1, 8)).astype(np.float32))
+    short = SeqLayout([0, 3], [6], [[2, 1]], [0], 4)  # 8 rows of table, the block needs positions 6..8
+    assert ops._drafter_kernel(q, k, k, kp, vp, short, 0.5) is None
+    with pytest.raises(AssertionError, match="in-place write was reached"):  # with room, the write is next
+        ops._drafter_kernel(q, k, k, kp, vp, SeqLayout([0, 3], [5], [[2, 1]], [0], 4), 0.5)
+

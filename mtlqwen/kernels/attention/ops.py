@@ -129,6 +129,11 @@ def _drafter_kernel(q, k_blk, v_blk, k_pool, v_pool, layout, scale, causal=False
     (the reference) for sliding-window layers or where the write or the decode kernel does not run."""
     if window is not None:
         return None
+    # a host layout must have blocks for the block's rows (the engine allocates them: they are the verify
+    # rows); a table that ends at the context would send the write into the padding block
+    if not layout.traced and any(len(t) * layout.block_tokens < kv + layout.q_len(i)
+                                 for i, (t, kv) in enumerate(zip(layout.block_tables, layout.kv_valid))):
+        return None
     # the same for every layer of the pass: built once per layout (a graph node costs host time)
     write, rows = layout.derived(f"drafter_decode_form_{causal}", lambda: drafter.decode_form(layout, causal))
     token = write_kv_inplace(k_pool, v_pool, k_blk, v_blk, write, q.shape, q.dtype)
