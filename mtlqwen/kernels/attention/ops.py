@@ -142,8 +142,9 @@ def _drafter_kernel(q, k_blk, v_blk, k_pool, v_pool, layout, scale, causal=False
     return paged_attention(q, k_pool, v_pool, rows, scale, after=token)
 
 
-# unverified: composed of kernels that passed their GPU tests, the composition not yet run on the H200
-# (tests/test_kernels_drafter_attention.py); until then it checks itself at first use on CUDA
+# unverified: its GPU test passed on the H200 (benchmarks/results/gpu-tests-drafter-attention-packed-candidates.log),
+# but it has not yet served inside a timed engine (benchmarks/spec.md); until then it checks itself against
+# the reference at first use on CUDA
 @kernel_op("drafter_attention", _drafter_kernel, pools=_POOLS, unverified=("cuda",))
 def drafter_attention(q, k_blk, v_blk, k_pool, v_pool, layout: SeqLayout, scale: float, causal: bool = False,
                       window: int | None = None) -> mx.array:
