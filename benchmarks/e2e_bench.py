@@ -66,6 +66,8 @@ def ours(config, args) -> dict:
 
     # the engine's default prefix cache cuts every prefill chunk at its snapshot boundaries (--prefix-interval)
     cache = {} if args.prefix_interval is None else {"prefix_interval": args.prefix_interval}
+    if args.prefix_in_step:  # chunks cross the boundaries, the snapshots taken inside the step
+        cache["prefix_in_step"] = True
 
     def decode_rate(n_req: int, prompt_len: int, step_tokens: int):
         eng = Engine(model, slots=max(n_req, 1), step_tokens=step_tokens,
@@ -190,6 +192,9 @@ def main(argv=None):
     ap.add_argument("--prefix-interval", type=int, default=None,
                     help=f"the engine's prefix_interval (default: the engine's, {interval}, whose snapshot boundaries "
                          f"cut every prefill chunk at {interval} tokens; 0: no cache, chunks of the whole step budget)")
+    ap.add_argument("--prefix-in-step", action="store_true",
+                    help="Engine(prefix_in_step=True): prefill chunks cross the snapshot boundaries and the GDN "
+                         "states there are taken inside the step (model/gdn_taps.py)")
     ap.add_argument("--skip-mlxlm", action="store_true")
     ap.add_argument("--skip-ours", action="store_true")
     ap.add_argument("--json", default=None, help="write results here too")

@@ -64,7 +64,8 @@ def run_chat(model, args, mode: str, outputs: dict) -> dict:
     chat_len = args.chat_turns * (args.turn_len + args.turn_gen)
     blocks = 3 * BlockPool.blocks_for(chat_len, args.block_tokens)  # the conversation, plus what entries hold
     engine = Engine(model, slots=1, step_tokens=args.step_tokens, block_tokens=args.block_tokens, num_blocks=blocks,
-                    prefix_interval=0 if mode == "chat-off" else args.interval, max_model_len=chat_len + 1)
+                    prefix_interval=0 if mode == "chat-off" else args.interval, max_model_len=chat_len + 1,
+                    prefix_in_step=args.in_step and mode != "chat-off")
     warm = tokens(np.random.default_rng(999), min(chat_len, 2 * args.step_tokens), model.config.vocab_size)
     engine.generate([warm], SamplingParams(max_tokens=2, ignore_eos=True))  # compile the kernels
     runs, answers = [], []
@@ -94,6 +95,8 @@ def main(argv=None):
     ap.add_argument("--question-len", type=int, default=64)
     ap.add_argument("--gen-len", type=int, default=32)
     ap.add_argument("--interval", type=int, default=512, help="prefix_interval when the cache is on")
+    ap.add_argument("--in-step", action="store_true",
+                    help="Engine(prefix_in_step=True) when the cache is on: prefill chunks cross the boundaries")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--step-tokens", type=int, default=128)
     ap.add_argument("--block-tokens", type=int, default=128)
@@ -129,7 +132,7 @@ def main(argv=None):
             continue
         interval = 0 if mode == "off" else args.interval
         engine = Engine(model, slots=n, step_tokens=max(args.step_tokens, n), block_tokens=args.block_tokens,
-                        num_blocks=blocks, prefix_interval=interval)
+                        num_blocks=blocks, prefix_interval=interval, prefix_in_step=args.in_step and interval > 0)
         warm = tokens(np.random.default_rng(999), min(prompt_len, 2 * args.step_tokens), vocab)
         engine.generate([warm] * n, SamplingParams(max_tokens=2, ignore_eos=True))  # compile the kernels
         runs, answers = [], []

@@ -33,6 +33,9 @@ class SeqLayout:
     # True inside an `mx.compile` trace: only the arrays and the query_start_loc list are real; ops index
     # by the arrays and take no other value from the lists (a value read there would be baked in).
     traced: bool = False
+    # [B] or None: per sequence, the token counts o (0 < o < q_len, ascending) after which the step must also
+    # leave the GDN state (the prefix cache's snapshot boundaries inside a prefill chunk; model/gdn_taps.py)
+    state_taps: list[list[int]] | None = None
 
     @classmethod
     def for_trace(cls, query_start_loc: list[int], arrays: dict[str, mx.array], block_tokens: int,

@@ -77,6 +77,10 @@ class ModelCache:
         # A speculative engine's model.dflash.DrafterCache: drafter K/V indexed by the same bundle ids, so
         # whoever copies a bundle (the prefix cache's partial blocks) copies its drafter rows too.
         self.drafter_cache: Any = None
+        # GDN states at snapshot boundaries inside the step's prefill chunks (model/gdn_taps.py), by
+        # (state row, position), then GDN layer: (conv [1, K-1, C], rec [1, Hv, dv, dk]); the step's
+        # snapshots (runtime/kv_manager.py) take them and clear the dict
+        self.gdn_taps: dict = {}
 
     @staticmethod
     def bytes_per_block(config: Qwen35Config, block_tokens: int, dtype: mx.Dtype = mx.bfloat16) -> int:
@@ -98,6 +102,7 @@ class ModelCache:
                 pools[i] = mx.zeros(p.shape, dtype=p.dtype)
         if self.drafter_cache is not None:
             self.drafter_cache.reset()
+        self.gdn_taps.clear()
         mx.eval(self.arrays())
 
     def bundle_pools(self) -> list[mx.array]:

@@ -36,6 +36,7 @@ from ..kernels import (
 )
 from .cache import GDNStash, ModelCache, VerifyStash
 from .config import Qwen35Config
+from .gdn_taps import has_taps, tapped_gdn
 from .sharding import Shard, embed_vocab, gather_vocab
 
 # How verified sequences get their GDN state (a verifying forward's verify_commit): "candidates" keeps the
@@ -110,6 +111,10 @@ class GDNMixer:
         # one launch for the four projections of x at decode sizes
         mixed, z, b, a = linear_multi(x, [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
         # mixed [T, conv_dim]: q | k | v channels; z [T, value_dim]; b, a [T, Hv]
+        if has_taps(layout):  # a prefill chunk across snapshot boundaries: the delta rule in pieces
+            if layout.verify is not None and any(layout.verify):
+                raise ValueError("a batch with verifications takes no state taps (the scheduler cuts its chunks)")
+            return tapped_gdn(self, mixed, z, a, b, layout, cache)
         if layout.verify is not None and any(layout.verify):
             o = self._mix_verifying(mixed, a, b, layout, cache, stash)  # [T, Hv, dv]
             # per-head norm on [T * Hv, dv] views, as gated_delta_packed_normed's

@@ -43,10 +43,13 @@ def pack(
     prev_tokens: mx.array | None = None,
     buckets: list[int] | None = None,
     scratch: tuple[int, int] | None = None,
+    boundaries=None,
 ) -> PackedBatch:
     """prev_rows / prev_tokens: the in-flight step's sampled tokens and each sequence's row in them.
     buckets + scratch (slot, block): pad T up to a bucket with a dummy sequence that owns the scratch
-    slot and block, so the padding writes only there and no real sequence sees it."""
+    slot and block, so the padding writes only there and no real sequence sees it. boundaries(start, end):
+    the snapshot boundaries inside a chunk whose GDN states the step must leave (KVManager.boundaries_in,
+    when the cache takes them in the step), set as the layout's state_taps."""
     ids: list[int] = []
     anchor_at, anchor_src = [], []
     qsl, kv_valid, tables, rows = [0], [], [], []
@@ -85,6 +88,10 @@ def pack(
     if anchor_at:
         input_ids[mx.array(anchor_at)] = prev_tokens[mx.array(anchor_src)]
     layout = SeqLayout(qsl, kv_valid, tables, rows, block_tokens)
+    if boundaries is not None:
+        taps = [[b - s.start for b in boundaries(s.start, s.start + s.num_tokens)] for s in plan.scheduled]
+        if any(taps):
+            layout.state_taps = taps + [[]] * (len(kv_valid) - len(plan.scheduled))
     if any(s.drafts for s in plan.scheduled):
         layout.verify = [s.drafts > 0 for s in plan.scheduled] + [False] * (len(kv_valid) - len(plan.scheduled))
     lr = mx.array(logits_rows, dtype=mx.int32) if logits_rows else None

@@ -45,6 +45,9 @@ class EngineConfig:
     seed: int | None = None  # the engine's draw of seeds for requests that give none
     prefix_interval: int = 512  # 0 turns the prefix cache off
     prefix_cache_bytes: int | None = None  # None: prefix_cache.DEFAULT_CACHE_BYTES
+    # prefill chunks run across snapshot boundaries, the GDN states there taken inside the step
+    # (model/gdn_taps.py); off: each chunk stops at the next boundary. Off until timed on a GPU
+    prefix_in_step: bool = False
     draft: Any = None  # a Drafter, a directory or a repo id
     n_draft: int | None = None
     compile_decode: bool | None = None  # None: on when the GPU kernels run (with a drafter too: its pass included)
@@ -79,7 +82,7 @@ class EngineConfig:
         _int("prefix_cache_bytes", self.prefix_cache_bytes, 0, optional=True)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        for name in ("pad_buckets", "compile_decode", "spec_pipeline"):
+        for name in ("pad_buckets", "compile_decode", "spec_pipeline", "prefix_in_step"):
             v = getattr(self, name)
             if not (isinstance(v, bool) or (v is None and name == "compile_decode")):
                 raise ValueError(f"{name} must be true or false, got {v!r}")

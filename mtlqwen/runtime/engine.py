@@ -89,6 +89,8 @@ class Engine(Generation):
     cut into step_tokens chunks; with decoders in the batch every step keeps step_tokens.
     prefix_interval: tokens between prefix-cache snapshots (default 512; 0 turns the prefix cache off);
     prefix_cache_bytes: the snapshots' memory budget (default 1 GiB), LRU-evicted (prefix_cache.py).
+    prefix_in_step: prefill chunks run across snapshot boundaries, the GDN states there taken inside the
+    step (model/gdn_taps.py), instead of every chunk stopping at the next boundary (default off).
 
     draft: a DFlash drafter (Drafter, directory or repo id) for speculative decoding; n_draft: drafts per
     step (default the drafter's block_size - 1, capped so every slot can verify within step_tokens);
@@ -134,6 +136,7 @@ class Engine(Generation):
         seed: int | None = _UNSET,
         prefix_interval: int = _UNSET,
         prefix_cache_bytes: int | None = _UNSET,
+        prefix_in_step: bool = _UNSET,
         draft=_UNSET,
         n_draft: int | None = _UNSET,
         compile_decode: bool | None = _UNSET,
@@ -162,7 +165,7 @@ class Engine(Generation):
             drafter_id = f"{drafter_id}|{drafter.config.quantization}"
         identity = model_identity(model, drafter_id)  # entries carry drafter rows
         self.kv = KVManager(self.num_blocks, block_tokens, cfg.prefix_interval, mem.prefix_bytes, identity,
-                            mem.prefix_entry_bytes)
+                            mem.prefix_entry_bytes, cfg.prefix_in_step)
         self.scheduler = Scheduler(self.kv, slots, step_tokens, prefill_step_tokens=cfg.prefill_budget)
         # one spare bundle and slot beyond what the scheduler hands out: the padding sequence's scratch
         self.cache = model.make_cache(self.num_blocks + 1, slots + 1, block_tokens)
@@ -288,7 +291,7 @@ class Engine(Generation):
         plan_batch: PackedBatch = pack(
             plan, self.block_tokens,
             prev.rows if prev else None, prev.tokens if prev else None,
-            self.buckets, self.scratch,
+            self.buckets, self.scratch, self.kv.boundaries_in if self.kv.in_step else None,
         )
         c = self.counters
         c["steps"] += 1

@@ -38,9 +38,13 @@ class KVManager:
     prefix_cache_bytes for its snapshots, identity for its root key and entry_bytes the size of one."""
 
     def __init__(self, num_blocks: int, block_tokens: int, prefix_interval: int = 0,
-                 prefix_cache_bytes: int = DEFAULT_CACHE_BYTES, identity: str = "", entry_bytes: int = 0):
+                 prefix_cache_bytes: int = DEFAULT_CACHE_BYTES, identity: str = "", entry_bytes: int = 0,
+                 in_step: bool = False):
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+        # in_step: prefill chunks run across snapshot boundaries, the states there taken inside the step
+        # (model/gdn_taps.py); else each chunk stops at the next boundary
+        self.in_step = bool(in_step) and prefix_interval > 0
         self.pool = BlockPool(num_blocks)
         self.block_tokens = block_tokens
         self.prefix = (PrefixCache(self.pool, prefix_interval, block_tokens, prefix_cache_bytes, identity, entry_bytes)
@@ -61,13 +65,19 @@ class KVManager:
         """A computed length whose GDN state is snapshotted."""
         return self.interval > 0 and length > 0 and length % self.interval == 0
 
-    def chunk_tokens(self, seq, n: int) -> int:
-        """A prefill chunk of n tokens, cut at the next boundary so the state there is captured."""
-        return self.chunk_tokens_at(seq.kv_valid, n)
+    def chunk_tokens(self, seq, n: int, cross: bool = True) -> int:
+        """A prefill chunk of n tokens, cut at the next boundary so the state there is captured, unless the
+        boundaries' states are taken inside the step (in_step, and `cross`: a step without verifications)."""
+        return self.chunk_tokens_at(seq.kv_valid, n, cross)
 
-    def chunk_tokens_at(self, pos: int, n: int) -> int:
+    def chunk_tokens_at(self, pos: int, n: int, cross: bool = True) -> int:
         b = self.to_boundary(pos)
-        return n if b is None else min(n, b)
+        return n if b is None or (self.in_step and cross) else min(n, b)
+
+    def boundaries_in(self, start: int, end: int) -> list[int]:
+        """Snapshot boundaries b with start < b < end: the states a chunk over [start, end) leaves inside."""
+        i = self.interval
+        return list(range((start // i + 1) * i, end, i)) if i else []
 
     def max_drafts(self, seq, n: int) -> int:
         """Drafts (at most n) a decoding sequence may verify: anchor + drafts stay short of the next
@@ -214,8 +224,17 @@ class StepSnapshots:
         prefix = self.kv.prefix
         if prefix is None:
             return
+        taps = getattr(self.cache, "gdn_taps", None)  # a ModelCache's; test stand-ins may have none
+        if taps:
+            self.cache.gdn_taps = {}
         for s in self.scheduled:
             end = s.start + s.num_tokens
+            for b in self.kv.boundaries_in(s.start, end) if taps else ():  # states the step left inside
+                state = taps.get((s.seq.slot, b))
+                if state is not None:
+                    c = prefix.capture(s.seq, b, self.cache, _tap_state(state))
+                    if c is not None:
+                        self.captures.append(c)
             if self.kv.on_boundary(end):
                 c = prefix.capture(s.seq, end, self.cache)
                 if c is not None:
@@ -233,3 +252,9 @@ class StepSnapshots:
         for c in self.captures:
             self.kv.pool.free(c.blocks)
         self.captures = []
+
+
+def _tap_state(layers: dict) -> list[mx.array]:
+    """A tap's states in the order of the slot rows a snapshot takes: every GDN layer's conv, then its rec."""
+    order = sorted(layers)
+    return [layers[i][0] for i in order] + [layers[i][1] for i in order]

@@ -212,24 +212,27 @@ class PrefixCache:
                 pool[dst] = parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
     # ---- capture (at launch) and publish (at read-back)
-    def capture(self, seq, end: int, cache) -> Capture | None:
+    def capture(self, seq, end: int, cache, state: list[mx.array] | None = None) -> Capture | None:
         """A snapshot of seq's state after `end` tokens (a boundary its step reaches), or None when that
-        prefix is cached already; call after the step's graph is built."""
+        prefix is cached already; call after the step's graph is built. state: the GDN states the step
+        left at `end` inside its chunk (model/gdn_taps.py), in the slot rows' order; None: the slot's rows."""
         if len(seq.tokens) >= end:  # tokens known now: skip what is cached already
             e = self._find(seq, end // self.interval)
             if e is not None:
                 self.entries.move_to_end(e.key)
                 return None
-        return self._snapshot(seq, end, cache)
+        return self._snapshot(seq, end, cache, state)
 
-    def _snapshot(self, seq, end: int, cache) -> Capture:
-        """Copies of seq's slot state and partial block after `end` computed tokens, and references to
-        its whole blocks below end (lazily, in the graph built so far)."""
+    def _snapshot(self, seq, end: int, cache, state: list[mx.array] | None = None) -> Capture:
+        """Copies of seq's slot state (or `state`) and partial block after `end` computed tokens, and
+        references to its whole blocks below end (lazily, in the graph built so far). A partial block taken
+        in a step that went on past `end` holds rows past it too: a restore writes them before it reads."""
         bt = self.block_tokens
         blocks = seq.block_table[: end // bt]
         self.pool.share(blocks)
-        rows = mx.array([seq.slot], dtype=mx.int32)
-        state = [mx.take(p, rows, axis=0) for p in _state_pools(cache)]
+        if state is None:
+            rows = mx.array([seq.slot], dtype=mx.int32)
+            state = [mx.take(p, rows, axis=0) for p in _state_pools(cache)]
         tail = None
         if end % bt:
             b = mx.array([seq.block_table[end // bt]], dtype=mx.int32)

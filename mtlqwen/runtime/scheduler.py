@@ -168,7 +168,8 @@ class Scheduler:
 
     # ---- shared in-flight prefixes
     def prefill_steps(self, start: int, end: int, share: int) -> int:
-        """Steps a prefill from start to end takes with `share` tokens a step, its chunks cut at boundaries."""
+        """Steps a prefill from start to end takes with `share` tokens a step, its chunks cut at boundaries
+        (unless KVManager.in_step)."""
         n = 0
         while start < end:
             start += self.kv.chunk_tokens_at(start, min(share, end - start))
@@ -232,14 +233,17 @@ class Scheduler:
     # ---- the per-step plan
     def token_counts(self, seqs: list[Sequence]) -> list[int]:
         """Decoding sequences send their anchor (+ spec_drafts when speculating); prefilling ones split
-        what is left (split_budget), each chunk ending on the next snapshot boundary at the latest. The
-        budget is step_tokens while anyone decodes, prefill_step_tokens when all prefill."""
+        what is left (split_budget), each chunk ending on the next snapshot boundary at the latest unless
+        the boundaries' states are taken inside the step (KVManager.in_step). The budget is step_tokens
+        while anyone decodes, prefill_step_tokens when all prefill."""
         counts = [s.need + (s.spec_drafts if s.need == 1 else 0) if s.need <= self.decode_tokens else 0 for s in seqs]
         pre = [i for i, s in enumerate(seqs) if s.need > self.decode_tokens]
         budget = self.step_tokens if len(pre) < len(seqs) else self.prefill_step_tokens
         shares = split_budget([seqs[i].need for i in pre], budget - sum(counts))
+        # a step with verifications cuts its chunks at boundaries (the verifying GDN path takes no taps)
+        cross = not any(s.need == 1 and s.spec_drafts for s in seqs)
         for i, n in zip(pre, shares):
-            counts[i] = self.kv.chunk_tokens(seqs[i], n)
+            counts[i] = self.kv.chunk_tokens(seqs[i], n, cross)
         return counts
 
     def schedule(self) -> StepPlan:

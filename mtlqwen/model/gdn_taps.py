@@ -1,0 +1,80 @@
+"""A GDN layer over a prefill chunk that crosses prefix-cache snapshot boundaries (SeqLayout.state_taps).
+
+Why: the prefix cache snapshots the GDN state every `interval` tokens, and a step's kernels leave that
+state only at the chunk's end. So without this every prefill chunk stops at the next boundary, which caps
+chunks at the interval (512 tokens by default). That cap costs the 9B a quarter of its 4096-token prefill
+rate and the 35B-A3B its larger grouped-GEMM tiles (benchmarks/prefix_cache.md).
+
+Here the chunk runs whole through the projections, the conv, attention and the MLP. Only the delta rule runs
+in pieces split at the taps:
+  - each piece starts from the states the previous piece returned, and those states are the snapshots;
+  - the conv state at a tap is the K-1 conv inputs before it (with the step's old conv rows when the tap lies
+    fewer than K-1 tokens into the chunk).
+The taps land in cache.gdn_taps[(state row, position)][GDN layer] as (conv [1, K-1, C], rec [1, Hv, dv, dk]),
+for the step's snapshots (runtime/kv_manager.py StepSnapshots) to take.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..kernels import SeqLayout, causal_conv1d, gated_delta_packed, gated_rms_norm
+
+
+def has_taps(layout: SeqLayout) -> bool:
+    return layout.state_taps is not None and any(layout.state_taps)
+
+
+def tapped_gdn(mixer, mixed: mx.array, z: mx.array, a: mx.array, b: mx.array, layout: SeqLayout, cache) -> mx.array:
+    """GDNMixer's conv + delta rule + gated norm of a batch with taps -> out_proj's input [T, value_dim]; the
+    pools get every sequence's state after its last token, cache.gdn_taps the states at the taps."""
+    c, idx = mixer.c, mixer.idx
+    T, Hv, dv = mixed.shape[0], c.linear_num_value_heads, c.linear_value_head_dim
+    conv_pool, rec_pool = cache.conv_states[idx], cache.rec_states[idx]
+    slots = layout.array("state_rows")
+    old_conv = conv_pool[slots]  # [B, K-1, C]: read before this step's write below
+    y, conv_new = causal_conv1d(mixed, mixer.conv_w, conv_pool, layout)  # y [T, C]; conv_new [B, K-1, C]
+    o = _delta_in_pieces(mixer, y, a, b, rec_pool, layout, cache)
+    conv_pool[slots] = conv_new
+    qsl, K1 = layout.query_start_loc, old_conv.shape[1]
+    for i, taps in enumerate(layout.state_taps):
+        for t in taps:  # the last K-1 conv inputs before the tap: old rows, then the chunk's own
+            src = mx.concatenate([old_conv[i], mixed[qsl[i] + max(0, t - K1) : qsl[i] + t].astype(old_conv.dtype)])
+            entry = cache.gdn_taps.setdefault((layout.state_rows[i], layout.kv_valid[i] + t), {})
+            entry[idx] = (src[-K1:][None], entry[idx][1] if idx in entry else None)
+    return gated_rms_norm(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), mixer.norm_w,
+                          c.rms_norm_eps).reshape(T, c.value_dim)
+
+
+def _delta_in_pieces(mixer, y, a, b, rec_pool, layout: SeqLayout, cache) -> mx.array:
+    """The delta rule over the chunk, one launch per round of pieces: round j runs every sequence's j-th piece
+    from the states of round j - 1 (round 0: the pool rows). -> o [T, Hv, dv]; final states into rec_pool."""
+    qsl, B = layout.query_start_loc, layout.num_seqs
+    cuts = [[0, *layout.state_taps[i], layout.q_len(i)] for i in range(B)]
+    members, src, src_rows, j = list(range(B)), rec_pool, list(layout.state_rows), 0
+    order, outs = [], []  # the packed rows of each round's outputs, in round order
+    while members:
+        rows = [qsl[i] + t for i in members for t in range(cuts[i][j], cuts[i][j + 1])]
+        q = [0]
+        for i in members:
+            q.append(q[-1] + cuts[i][j + 1] - cuts[i][j])
+        lay = SeqLayout(q, [layout.kv_valid[i] + cuts[i][j] for i in members],
+                        [layout.block_tables[i] for i in members], src_rows, layout.block_tokens)
+        r = mx.array(rows, dtype=mx.int32)
+        o_j, st = gated_delta_packed(y[r], a[r], b[r], mixer.A_log, mixer.dt_bias, src, lay, mixer.heads)
+        order += rows
+        outs.append(o_j)
+        go_on = [n for n, i in enumerate(members) if j + 2 < len(cuts[i])]  # another piece follows
+        done = [n for n, i in enumerate(members) if j + 2 >= len(cuts[i])]
+        for n in go_on:
+            i = members[n]
+            entry = cache.gdn_taps.setdefault((layout.state_rows[i], layout.kv_valid[i] + cuts[i][j + 1]), {})
+            entry[mixer.idx] = (entry[mixer.idx][0] if mixer.idx in entry else None, st[n : n + 1])
+        if done:
+            rec_pool[mx.array([layout.state_rows[members[n]] for n in done], dtype=mx.int32)] = \
+                st[mx.array(done, dtype=mx.int32)]
+        members, src, src_rows, j = [members[n] for n in go_on], st, go_on, j + 1
+    inverse = [0] * len(order)
+    for k, row in enumerate(order):
+        inverse[row] = k
+    return mx.concatenate(outs)[mx.array(inverse, dtype=mx.int32)]
