@@ -67,7 +67,7 @@ def instrument(eng, phases: Phases) -> list:
     def patch(obj, attr, name):
         if obj is None or not hasattr(obj, attr):
             return
-        had = attr in vars(obj) if hasattr(obj, "__dict__") else False
+        had = attr in vars(obj)  # an attribute of the object itself (modules' functions too), not its class's
         old = getattr(obj, attr)
         undo.append((obj, attr, old, had))
         setattr(obj, attr, phases.wrap(name, old))
@@ -94,7 +94,7 @@ def instrument(eng, phases: Phases) -> list:
 
 def restore(undo: list) -> None:
     for obj, attr, old, had in reversed(undo):
-        if had or obj is mx or obj is speculative:
+        if had:
             setattr(obj, attr, old)
         else:
             delattr(obj, attr)

@@ -9,7 +9,7 @@ import pytest
 
 from mtlqwen.kernels import SeqLayout
 from mtlqwen.runtime import Engine
-from mtlqwen.runtime.kv_manager import KVManager
+from mtlqwen.runtime.kv_manager import KVManager, _tap_state
 from mtlqwen.runtime.scheduler import Scheduler
 from mtlqwen.runtime.sequence import Sequence
 
@@ -59,11 +59,21 @@ def test_the_delta_rule_in_pieces_leaves_the_states_of_cut_chunks(model):
         assert np.allclose(np.array(got), np.array(want), atol=2e-5)
     assert sorted(whole.gdn_taps) == [(0, 2), (0, 16), (1, 5)]
     n = len(whole.conv_states)
-    for (row, pos), layers in whole.gdn_taps.items():
-        assert sorted(layers) == list(range(n))
-        got = [np.array(layers[j][0][0]) for j in range(n)] + [np.array(layers[j][1][0]) for j in range(n)]
-        for g, w in zip(got, states[(row, pos)]):
-            assert np.allclose(g, w, atol=2e-5)
+    for key, tap in whole.gdn_taps.items():
+        assert sorted(tap["conv"]) == sorted(tap["rec"]) == list(range(n))
+        got = _tap_state(tap, n)
+        assert [g.shape[0] for g in got] == [1] * (2 * n)
+        for g, w in zip(got, states[key]):
+            assert np.allclose(np.array(g[0]), w, atol=2e-5)
+    with pytest.raises(RuntimeError, match="needs every GDN layer"):
+        _tap_state({"conv": {0: None}, "rec": {}}, n)
+
+
+def test_a_batch_with_verifications_refuses_taps(model):
+    c = model.make_cache(4, 1, 8)
+    lay = SeqLayout([0, 3], [0], [[0]], [0], 8, verify=[True], state_taps=[[1]])
+    with pytest.raises(ValueError, match="takes no state taps"):
+        model.forward_verifying(mx.array([1, 2, 3], dtype=mx.int32), lay, c)
 
 
 def run(model, prompts, **kw):

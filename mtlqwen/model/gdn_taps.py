@@ -10,8 +10,8 @@ in pieces split at the taps:
   - each piece starts from the states the previous piece returned, and those states are the snapshots;
   - the conv state at a tap is the K-1 conv inputs before it (with the step's old conv rows when the tap lies
     fewer than K-1 tokens into the chunk).
-The taps land in cache.gdn_taps[(state row, position)][GDN layer] as (conv [1, K-1, C], rec [1, Hv, dv, dk]),
-for the step's snapshots (runtime/kv_manager.py StepSnapshots) to take.
+The taps land in cache.gdn_taps[(state row, position)] as {"conv": {GDN layer: [1, K-1, C]}, "rec": {GDN
+layer: [1, Hv, dv, dk]}}, for the step's snapshots (runtime/kv_manager.py StepSnapshots) to take.
 """
 
 from __future__ import annotations
@@ -40,10 +40,15 @@ def tapped_gdn(mixer, mixed: mx.array, z: mx.array, a: mx.array, b: mx.array, la
     for i, taps in enumerate(layout.state_taps):
         for t in taps:  # the last K-1 conv inputs before the tap: old rows, then the chunk's own
             src = mx.concatenate([old_conv[i], mixed[qsl[i] + max(0, t - K1) : qsl[i] + t].astype(old_conv.dtype)])
-            entry = cache.gdn_taps.setdefault((layout.state_rows[i], layout.kv_valid[i] + t), {})
-            entry[idx] = (src[-K1:][None], entry[idx][1] if idx in entry else None)
+            _tap(cache, layout, i, t, "conv", idx, src[-K1:][None])
     return gated_rms_norm(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), mixer.norm_w,
                           c.rms_norm_eps).reshape(T, c.value_dim)
+
+
+def _tap(cache, layout: SeqLayout, i: int, t: int, kind: str, idx: int, state: mx.array) -> None:
+    """Sequence i's `kind` state of GDN layer idx after t tokens of its chunk, keyed by (state row, position)."""
+    key = (layout.state_rows[i], layout.kv_valid[i] + t)
+    cache.gdn_taps.setdefault(key, {"conv": {}, "rec": {}})[kind][idx] = state
 
 
 def _delta_in_pieces(mixer, y, a, b, rec_pool, layout: SeqLayout, cache) -> mx.array:
@@ -67,9 +72,7 @@ def _delta_in_pieces(mixer, y, a, b, rec_pool, layout: SeqLayout, cache) -> mx.a
         go_on = [n for n, i in enumerate(members) if j + 2 < len(cuts[i])]  # another piece follows
         done = [n for n, i in enumerate(members) if j + 2 >= len(cuts[i])]
         for n in go_on:
-            i = members[n]
-            entry = cache.gdn_taps.setdefault((layout.state_rows[i], layout.kv_valid[i] + cuts[i][j + 1]), {})
-            entry[mixer.idx] = (entry[mixer.idx][0] if mixer.idx in entry else None, st[n : n + 1])
+            _tap(cache, layout, members[n], cuts[members[n]][j + 1], "rec", mixer.idx, st[n : n + 1])
         if done:
             rec_pool[mx.array([layout.state_rows[members[n]] for n in done], dtype=mx.int32)] = \
                 st[mx.array(done, dtype=mx.int32)]

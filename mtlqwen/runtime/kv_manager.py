@@ -232,7 +232,7 @@ class StepSnapshots:
             for b in self.kv.boundaries_in(s.start, end) if taps else ():  # states the step left inside
                 state = taps.get((s.seq.slot, b))
                 if state is not None:
-                    c = prefix.capture(s.seq, b, self.cache, _tap_state(state))
+                    c = prefix.capture(s.seq, b, self.cache, _tap_state(state, len(self.cache.conv_states)))
                     if c is not None:
                         self.captures.append(c)
             if self.kv.on_boundary(end):
@@ -254,7 +254,9 @@ class StepSnapshots:
         self.captures = []
 
 
-def _tap_state(layers: dict) -> list[mx.array]:
+def _tap_state(tap: dict, n_gdn: int) -> list[mx.array]:
     """A tap's states in the order of the slot rows a snapshot takes: every GDN layer's conv, then its rec."""
-    order = sorted(layers)
-    return [layers[i][0] for i in order] + [layers[i][1] for i in order]
+    if sorted(tap["conv"]) != list(range(n_gdn)) or sorted(tap["rec"]) != list(range(n_gdn)):
+        raise RuntimeError(f"a state tap holds conv layers {sorted(tap['conv'])} and rec layers "
+                           f"{sorted(tap['rec'])} of {n_gdn}: a snapshot needs every GDN layer's")
+    return [tap["conv"][i] for i in range(n_gdn)] + [tap["rec"][i] for i in range(n_gdn)]
