@@ -250,7 +250,8 @@ def test_the_trace_probe_of_a_paged_op_is_concrete_and_small(caplog, monkeypatch
 def test_the_trace_probe_of_a_long_chunk_has_blocks_for_its_tokens(caplog, monkeypatch):
     """A traced write of more rows than one block holds, under a dummy one-block table (the drafter's
     context write builds its layout so: only the arrays are real): the probe's concrete layout gives the
-    sequence a table wide enough for its tokens, so its slot mapping exists (every entry block 0)."""
+    sequence a table wide enough for its tokens, each entry its own block (an in-place write of one block's
+    rows must not land on another's)."""
     from mtlqwen.kernels import SeqLayout, write_kv_inplace  # noqa: PLC0415
 
     monkeypatch.setenv("MTLQWEN_SELF_CHECK", "1")
@@ -273,7 +274,7 @@ def test_the_trace_probe_of_a_long_chunk_has_blocks_for_its_tokens(caplog, monke
     with caplog.at_level(logging.WARNING, logger="mtlqwen.kernels"), dispatch.inject("write_kv_inplace", fake) as op:
         mx.eval(mx.compile(step)(k, pos // bt + 1, pos % bt))
         assert op.failed is None
-    assert seen == [(True, None), (False, [0] * T)]  # the traced call, then its probe over 3 blocks' worth of rows
+    assert seen == [(True, None), (False, [0] * 4 + [1] * 4 + [2] * 3)]  # the traced call, then its probe: 3 blocks
     assert kernel_warnings(caplog) == []
 
 

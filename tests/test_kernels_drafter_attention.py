@@ -122,3 +122,30 @@ def test_a_table_without_room_for_the_block_keeps_the_reference(monkeypatch):
     with pytest.raises(AssertionError, match="in-place write was reached"):  # with room, the write is next
         ops._drafter_kernel(q, k, k, kp, vp, SeqLayout([0, 3], [5], [[2, 1]], [0], 4), 0.5)
 
+
+
+def test_the_trace_probe_of_several_blocks_judges_the_kernel_on_its_own_rows(monkeypatch):
+    """Inside a compiled drafter pass the op is judged at first use on a probe (dispatch.Op._probe: empty
+    contexts). Its in-place write puts every sequence's block at positions 0..B-1, so the probe must give each
+    sequence its own pool blocks; with one shared block the writes landed on each other and a correct kernel
+    was switched off (the H200 spec trace at 8 sequences x 16 rows). On the Metal emulator: exact probe
+    tables, and the kernel path agrees with the reference on them."""
+    from mtlqwen.kernels import metal_emulator  # noqa: PLC0415
+
+    monkeypatch.setenv("MTLQWEN_SELF_CHECK", "1")
+    monkeypatch.setattr(dispatch, "use_kernels", lambda: True)  # the default device stays the CPU here
+    rng = np.random.default_rng(11)
+    bt, nkv, rep, hd, B = 16, 2, 2, 32, 16
+    layout = SeqLayout([0, B, 2 * B, 3 * B], [40, 3, 17], [[4, 1, 6, 0], [2, 0, 0, 0], [5, 3, 0, 0]], [0, 1, 2], bt)
+    kp, vp = (mx.array(rng.standard_normal((8, bt, nkv, hd)).astype(np.float32)) for _ in range(2))
+    q = mx.array(rng.standard_normal((3 * B, nkv * rep, hd)).astype(np.float32))
+    k_blk, v_blk = (mx.array(rng.standard_normal((3 * B, nkv, hd)).astype(np.float32)) for _ in range(2))
+    op = dispatch.OPS["drafter_attention"]
+    args = (q, k_blk, v_blk, kp, vp, traced(layout), hd**-0.5)
+    with metal_emulator.emulating():
+        dispatch.reset("drafter_attention")
+        p_args, p_kw = op._probe(args, {"causal": False})
+        probe = p_args[5]
+        assert not probe.traced and probe.kv_valid == [0, 0, 0]
+        assert probe.block_tables == [[0, 0, 0, 0], [1, 1, 1, 1], [2, 2, 2, 2]]  # one block of 16 rows each
+        assert op._check(op.kernel, p_args, p_kw) == (True, None)

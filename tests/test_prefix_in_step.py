@@ -16,6 +16,16 @@ from mtlqwen.runtime.sequence import Sequence
 from engine_checks import assert_idle, assert_reference, greedy
 from hf_checkpoints import random_token_ids
 
+def close(got, want) -> bool:
+    """fp32 agreement: exact up to summation order on the CPU (2e-5); on a GPU 1% of the largest magnitude,
+    as whole and cut chunks run matmuls of different row counts that its fp32 matmul may compute in TF32
+    (~1e-3 relative, seen on the H200). A state taken at a wrong position differs by O(1)."""
+    got, want = np.asarray(got), np.asarray(want)
+    if mx.default_device() == mx.cpu:
+        return np.allclose(got, want, atol=2e-5)
+    return float(np.max(np.abs(got - want))) <= 1e-2 * max(float(np.max(np.abs(want))), 1e-6)
+
+
 KW = dict(slots=2, step_tokens=16, prefill_step_tokens=64, block_tokens=8, num_blocks=40, prefix_interval=16)
 
 
@@ -54,9 +64,9 @@ def test_the_delta_rule_in_pieces_leaves_the_states_of_cut_chunks(model):
             outs.append(model.forward(mx.array(seq[s:e], dtype=mx.int32), one, cut))
             mx.eval(outs[-1], cut.arrays())
             states[(i, e)] = [np.array(p[i]) for p in (*cut.conv_states, *cut.rec_states)]
-    assert np.allclose(np.array(h), np.array(mx.concatenate(outs)), atol=2e-5)
+    assert close(np.array(h), np.array(mx.concatenate(outs)))
     for got, want in zip((*whole.conv_states, *whole.rec_states), (*cut.conv_states, *cut.rec_states)):
-        assert np.allclose(np.array(got), np.array(want), atol=2e-5)
+        assert close(np.array(got), np.array(want))
     assert sorted(whole.gdn_taps) == [(0, 2), (0, 16), (1, 5)]
     n = len(whole.conv_states)
     for key, tap in whole.gdn_taps.items():
@@ -64,7 +74,7 @@ def test_the_delta_rule_in_pieces_leaves_the_states_of_cut_chunks(model):
         got = _tap_state(tap, n)
         assert [g.shape[0] for g in got] == [1] * (2 * n)
         for g, w in zip(got, states[key]):
-            assert np.allclose(np.array(g[0]), w, atol=2e-5)
+            assert close(np.array(g[0]), w)
     with pytest.raises(RuntimeError, match="needs every GDN layer"):
         _tap_state({"conv": {0: None}, "rec": {}}, n)
 
@@ -99,7 +109,7 @@ def test_outputs_and_entries_match_cut_chunks(model):
     for e in eng.prefix.entries.values():
         if e.kind == "interval":
             for got, want in zip(e.state, by_key[e.key].state):
-                assert np.allclose(np.array(got), np.array(want), atol=2e-5)
+                assert close(np.array(got), np.array(want))
     assert eng.counters["steps"] < cut.counters["steps"]  # the prompt in one prefill step, not four
     hits = eng.stats()["prefix_hits"]
     (again,) = eng.generate([p], greedy(6))

@@ -159,18 +159,24 @@ class Op:
         """A concrete stand-in for a traced call (same shapes, dtypes and layout geometry)."""
         sig = self.signature or inspect.signature(self.fallback)
         bound = sig.bind(*args, **kw)
-        layout = next((v for v in bound.arguments.values() if isinstance(v, SeqLayout)), None)
-        rows = max(1, layout.num_seqs) if layout is not None else 1
+        layout = next((v for v in bound.arguments.values() if isinstance(v, SeqLayout) and v.traced), None)
+        if layout is not None:
+            # empty contexts; each sequence its own blocks for its tokens, so that a kernel writing the pools in
+            # place (the drafter's block rows) writes where the reference reads, not over another sequence's
+            # rows; a table row as wide as the traced one (its dummy table's width is the arrays') or as its
+            # tokens need, the entries past the tokens repeating its first block (never read: no context)
+            lay = layout
+            need = [max(1, -(-lay.q_len(i) // lay.block_tokens)) for i in range(lay.num_seqs)]
+            first = [sum(need[:i]) for i in range(lay.num_seqs)]
+            tables = [list(range(f, f + n)) + [f] * (len(t) - n) for f, n, t in zip(first, need, lay.block_tables)]
+            concrete = SeqLayout(list(lay.query_start_loc), [0] * lay.num_seqs, tables, list(range(lay.num_seqs)),
+                                 lay.block_tokens, verify=lay.verify, max_len=lay.max_len)
         for name, v in bound.arguments.items():
-            if isinstance(v, SeqLayout) and v.traced:
-                # empty contexts, every table entry block 0; a table row at least as wide as its sequence's
-                # tokens need (a traced layout's dummy table may be narrower: only its arrays are real)
-                width = [max(len(t), -(-v.q_len(i) // v.block_tokens)) for i, t in enumerate(v.block_tables)]
-                bound.arguments[name] = SeqLayout(
-                    list(v.query_start_loc), [0] * v.num_seqs, [[0] * w for w in width],
-                    list(range(v.num_seqs)), v.block_tokens, verify=v.verify, max_len=v.max_len)
+            if layout is not None and v is layout:
+                bound.arguments[name] = concrete
             elif isinstance(v, mx.array) and not _concrete((v,), {}):
-                shape = (rows, *v.shape[1:]) if name in self.pools else v.shape
+                # traced pools cut to the blocks the probe's tables name
+                shape = (max(1, sum(need)), *v.shape[1:]) if layout is not None and name in self.pools else v.shape
                 bound.arguments[name] = _random_like(shape, v.dtype)
         return bound.args, bound.kwargs
 
