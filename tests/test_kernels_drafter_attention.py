@@ -48,11 +48,12 @@ def test_decode_form_is_drafter_attention(data, bt, nkv, rep, nseq, causal, trac
     """Writing the blocks at their positions, then decode rows reaching P + B - 1 (causal: P + j), through the
     references == the drafter attention's reference (fp32)."""
     q, k_blk, v_blk, kp, vp, layout = drafter_case(data, bt, nkv, rep, 8, nseq, mx.float32, seed)
-    want = drafter_attention_ref(q, k_blk, v_blk, kp, vp, layout, 8**-0.5, causal)
-    write, rows = decode_form(traced(layout) if trace else layout, causal)
-    assert rows.num_seqs == layout.num_tokens and all(rows.q_len(i) == 1 for i in range(rows.num_seqs))
-    kp2, vp2 = write_kv(kp + 0, vp + 0, k_blk, v_blk, write)
-    got = paged_attention_ref(q, kp2, vp2, rows, 8**-0.5)
+    with mx.stream(mx.cpu):  # exact fp32 (a GPU's fp32 matmuls may run as TF32)
+        want = drafter_attention_ref(q, k_blk, v_blk, kp, vp, layout, 8**-0.5, causal)
+        write, rows = decode_form(traced(layout) if trace else layout, causal)
+        assert rows.num_seqs == layout.num_tokens and all(rows.q_len(i) == 1 for i in range(rows.num_seqs))
+        kp2, vp2 = write_kv(kp + 0, vp + 0, k_blk, v_blk, write)
+        got = paged_attention_ref(q, kp2, vp2, rows, 8**-0.5)
     assert rel_err(got, np.array(want, dtype=np.float64)) < 1e-5
 
 
