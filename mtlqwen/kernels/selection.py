@@ -145,6 +145,13 @@ SELECT: dict[str, int] = {
     # attention over gathered K/V is not used: it would copy each sequence's context out of the pool every
     # layer.
     "prefill_attn_min_queries": 3,
+    # An eager forward of at least `prefill_eval_min_rows` rows (a prefill step) launches its layers in groups
+    # of `prefill_eval_layers` (mx.async_eval) while the host still builds the rest; 0 = one evaluation at the
+    # end. Why: a 512-row 9B prefill step took 42.9 ms wall against 29.8 ms of kernel span (step_trace.py
+    # --prefill 512, benchmarks/prefix_cache.md): the host built its ~800 launches before any ran. Steps whose
+    # tokens are awaited alone (a warm prefix hit's) pay all of it. Off until timed on the H200.
+    "prefill_eval_layers": 0,
+    "prefill_eval_min_rows": 256,
     # Warps a prefill-attention block (16 query rows each, attention/prefill.py): 8 = 128 query rows per 64-key
     # tile, FlashAttention-2's choice at head_dim 256 (128 KiB of shared memory and 248 registers a lane: one
     # block an SM); 4 = 64 rows, two blocks an SM, but each K/V tile copied from L2 serves half the rows.

@@ -34,6 +34,7 @@ from ..kernels import (
     swiglu_linear,
     write_kv,
 )
+from ..kernels.selection import SELECT
 from .cache import GDNStash, ModelCache, VerifyStash
 from .config import Qwen35Config
 from .gdn_taps import has_taps, tapped_gdn
@@ -53,6 +54,13 @@ def _lin(w: dict[str, mx.array], name: str, config) -> LinearParams:
     spec = config.quant_overrides.get(name, config.quantization)
     return LinearParams(weight, w[f"{name}.scales"], w[f"{name}.biases"], spec.bits, spec.group_size)
 
+
+
+def _eval_every(layout: SeqLayout, rows: int) -> int:
+    """Layers per partial evaluation of an eager forward (SELECT "prefill_eval_layers"; 0: none). Never inside
+    an mx.compile trace (a traced layout), where nothing can be evaluated."""
+    every = SELECT["prefill_eval_layers"]
+    return every if every > 0 and not layout.traced and rows >= SELECT["prefill_eval_min_rows"] else 0
 
 class _VerifySplit:
     """A batch with verifying sequences, split once per layout (every GDN layer reuses it): the plain
@@ -334,11 +342,14 @@ class Qwen35Model:
         x = rms_norm(h, self.layers[0].input_norm, self.config.rms_norm_eps)
         captured = []
         n = len(self.layers)
+        every = _eval_every(layout, input_ids.shape[0])
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1].input_norm if i + 1 < n else self.final_norm
             h, x = layer(h, x, layout, cache, nxt, stash)
             if i in taps:
                 captured.append(h)
+            if every and (i + 1) % every == 0 and i + 1 < n:
+                mx.async_eval(h, x)  # these layers run while the host builds the next ones
         return x, captured
 
     def embed_rows(self, ids: mx.array) -> mx.array:

@@ -142,10 +142,10 @@ def _drafter_kernel(q, k_blk, v_blk, k_pool, v_pool, layout, scale, causal=False
     return paged_attention(q, k_pool, v_pool, rows, scale, after=token)
 
 
-# unverified: its GPU test passed on the H200 (benchmarks/results/gpu-tests-drafter-attention-packed-candidates.log),
-# but it has not yet served inside a timed engine (benchmarks/spec.md); until then it checks itself against
-# the reference at first use on CUDA
-@kernel_op("drafter_attention", _drafter_kernel, pools=_POOLS, unverified=("cuda",))
+# its GPU test passed on the H200 (benchmarks/results/gpu-tests-drafter-attention-packed-candidates.log), and it
+# served in the timed speculative engine at 1 and 8 sequences x 8 and 16 rows with its first-use self-checks
+# passing (benchmarks/spec.md, "Where a speculative step's time goes")
+@kernel_op("drafter_attention", _drafter_kernel, pools=_POOLS)
 def drafter_attention(q, k_blk, v_blk, k_pool, v_pool, layout: SeqLayout, scale: float, causal: bool = False,
                       window: int | None = None) -> mx.array:
     """DFlash drafter attention (dflash.md §1.4, §1.5): block queries over the paged context and the block's
