@@ -16,6 +16,8 @@ layer: [1, Hv, dv, dk]}}, for the step's snapshots (runtime/kv_manager.py StepSn
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 
 from ..kernels import SeqLayout, causal_conv1d, gated_delta_packed, gated_rms_norm
@@ -39,8 +41,9 @@ def tapped_gdn(mixer, mixed: mx.array, z: mx.array, a: mx.array, b: mx.array, la
     qsl, K1 = layout.query_start_loc, old_conv.shape[1]
     for i, taps in enumerate(layout.state_taps):
         for t in taps:  # the last K-1 conv inputs before the tap: old rows, then the chunk's own
-            src = mx.concatenate([old_conv[i], mixed[qsl[i] + max(0, t - K1) : qsl[i] + t].astype(old_conv.dtype)])
-            _tap(cache, layout, i, t, "conv", idx, src[-K1:][None])
+            own = mixed[qsl[i] + max(0, t - K1) : qsl[i] + t].astype(old_conv.dtype)
+            src = own if t >= K1 else mx.concatenate([old_conv[i], own])[-K1:]  # a graph node costs host time
+            _tap(cache, layout, i, t, "conv", idx, src[None])
     return gated_rms_norm(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), mixer.norm_w,
                           c.rms_norm_eps).reshape(T, c.value_dim)
 
@@ -51,13 +54,30 @@ def _tap(cache, layout: SeqLayout, i: int, t: int, kind: str, idx: int, state: m
     cache.gdn_taps.setdefault(key, {"conv": {}, "rec": {}})[kind][idx] = state
 
 
-def _delta_in_pieces(mixer, y, a, b, rec_pool, layout: SeqLayout, cache) -> mx.array:
-    """The delta rule over the chunk, one launch per round of pieces: round j runs every sequence's j-th piece
-    from the states of round j - 1 (round 0: the pool rows). -> o [T, Hv, dv]; final states into rec_pool."""
+@dataclass
+class _Round:
+    """Round j of the pieces: which sequences run their j-th piece, the packed rows it reads (a slice when
+    one sequence runs), its layout (state rows: the pool's in round 0, the previous round's outputs after),
+    and which members tap their state (another piece follows) or write it to the pool (their last)."""
+
+    members: list[int]
+    start: int  # the first packed row, when `rows` is None
+    n: int  # rows in the round
+    rows: mx.array | None  # [n] int32 packed rows (several sequences), None: contiguous from `start`
+    layout: SeqLayout
+    go_on: list[int]  # indices into members
+    done: list[int]
+    done_pool_rows: mx.array | None  # [len(done)] int32: the pool rows their final states go to
+    done_idx: mx.array | None  # [len(done)] int32: their rows of the round's state output
+
+
+def _rounds(layout: SeqLayout) -> tuple[list[_Round], mx.array | None]:
+    """The rounds of `layout`'s taps and the gather that puts their outputs back in packed order (None: they
+    are in order). The same for every GDN layer of the forward: built once (a graph node costs host time)."""
     qsl, B = layout.query_start_loc, layout.num_seqs
     cuts = [[0, *layout.state_taps[i], layout.q_len(i)] for i in range(B)]
-    members, src, src_rows, j = list(range(B)), rec_pool, list(layout.state_rows), 0
-    order, outs = [], []  # the packed rows of each round's outputs, in round order
+    members, src_rows, j = list(range(B)), list(layout.state_rows), 0
+    rounds, order = [], []
     while members:
         rows = [qsl[i] + t for i in members for t in range(cuts[i][j], cuts[i][j + 1])]
         q = [0]
@@ -65,19 +85,41 @@ def _delta_in_pieces(mixer, y, a, b, rec_pool, layout: SeqLayout, cache) -> mx.a
             q.append(q[-1] + cuts[i][j + 1] - cuts[i][j])
         lay = SeqLayout(q, [layout.kv_valid[i] + cuts[i][j] for i in members],
                         [layout.block_tables[i] for i in members], src_rows, layout.block_tokens)
-        r = mx.array(rows, dtype=mx.int32)
-        o_j, st = gated_delta_packed(y[r], a[r], b[r], mixer.A_log, mixer.dt_bias, src, lay, mixer.heads)
-        order += rows
-        outs.append(o_j)
         go_on = [n for n, i in enumerate(members) if j + 2 < len(cuts[i])]  # another piece follows
         done = [n for n, i in enumerate(members) if j + 2 >= len(cuts[i])]
-        for n in go_on:
-            _tap(cache, layout, members[n], cuts[members[n]][j + 1], "rec", mixer.idx, st[n : n + 1])
-        if done:
-            rec_pool[mx.array([layout.state_rows[members[n]] for n in done], dtype=mx.int32)] = \
-                st[mx.array(done, dtype=mx.int32)]
-        members, src, src_rows, j = [members[n] for n in go_on], st, go_on, j + 1
+        rounds.append(_Round(
+            list(members), rows[0] if rows else 0, len(rows),
+            None if len(members) == 1 else mx.array(rows, dtype=mx.int32), lay, go_on, done,
+            mx.array([layout.state_rows[members[n]] for n in done], dtype=mx.int32) if done else None,
+            mx.array(done, dtype=mx.int32) if done else None))
+        order += rows
+        members, src_rows, j = [members[n] for n in go_on], go_on, j + 1
+    if order == list(range(len(order))):  # one sequence: the rounds' rows are in packed order already
+        return rounds, None
     inverse = [0] * len(order)
     for k, row in enumerate(order):
         inverse[row] = k
-    return mx.concatenate(outs)[mx.array(inverse, dtype=mx.int32)]
+    return rounds, mx.array(inverse, dtype=mx.int32)
+
+
+def _delta_in_pieces(mixer, y, a, b, rec_pool, layout: SeqLayout, cache) -> mx.array:
+    """The delta rule over the chunk, one launch per round of pieces: round j runs every sequence's j-th piece
+    from the states of round j - 1 (round 0: the pool rows). -> o [T, Hv, dv]; final states into rec_pool."""
+    rounds, inverse = layout.derived("gdn_tap_rounds", lambda: _rounds(layout))
+    cuts_at = [[0, *layout.state_taps[i]] for i in range(layout.num_seqs)]
+    src, outs = rec_pool, []
+    for j, rd in enumerate(rounds):
+        if rd.rows is None:  # one sequence's piece: contiguous rows, read through slices (views)
+            yj, aj, bj = (x[rd.start : rd.start + rd.n] for x in (y, a, b))
+        else:
+            yj, aj, bj = y[rd.rows], a[rd.rows], b[rd.rows]
+        o_j, st = gated_delta_packed(yj, aj, bj, mixer.A_log, mixer.dt_bias, src, rd.layout, mixer.heads)
+        outs.append(o_j)
+        for n in rd.go_on:
+            i = rd.members[n]
+            _tap(cache, layout, i, cuts_at[i][j + 1], "rec", mixer.idx, st[n : n + 1])
+        if rd.done:
+            rec_pool[rd.done_pool_rows] = st[rd.done_idx]
+        src = st
+    o = mx.concatenate(outs) if len(outs) > 1 else outs[0]
+    return o if inverse is None else o[inverse]
