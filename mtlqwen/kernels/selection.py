@@ -184,6 +184,10 @@ SELECT: dict[str, int] = {
     # split-K aims for when N / tile * M / tile blocks are too few.
     "qgemm_rt": 2,
     "qgemm_split_waves": 2,
+    # qgemm's split-K partials reduced by one launch a call (qmatmul/splitk.py) instead of a sum and a cast
+    # per output (~365 graph nodes at 16 verify rows of the 9B, benchmarks/spec.md). Checked on the Metal
+    # emulator; off until its GPU test (test_kernels_qgemm.py) has passed on the H200.
+    "qgemm_reduce_kernel": 0,
     # MoE (moe/): the same portable kernels on Metal and CUDA (Metal: run on the emulator only, check_metal).
     # Routing's softmax + top-k + renormalisation in one launch (moe/kernels.py route) instead of
     # softmax, argpartition, take, sum, divide. Its test (tests/test_kernels_moe.py) passed on the H200.

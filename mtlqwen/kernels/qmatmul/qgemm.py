@@ -12,7 +12,7 @@ Dequantization is exact up to one rounding: w = (OFF + q - OFF) * s + b in bf16x
 dequantize rounds s*q + b once.
 
 Split-K (grid z) fills the SMs when N/TR * M/MB blocks are too few: each split writes fp32 partials
-[S, M, N'] that one MLX sum reduces (deterministic, no atomics). Fused forms: P projections of one x in one
+[S, M, N'] that one MLX sum reduces (deterministic, no atomics), or the reduce launch of splitk.py. Fused forms: P projections of one x in one
 launch (blocks walk the concatenated rows), and SwiGLU (EPI 1, RT 2: tile 0 reads gate rows, tile 1 the same
 up rows, silu(gate) * up in the epilogue). Grouped form (moe/grouped.py, the MoE prefill): the same body over
 stacked experts' weights [E, N, .], each MB-row activation tile reading its expert from `tile_expert`.
@@ -28,6 +28,7 @@ import mlx.core as mx
 from ..backend import gpu_backend
 from ..portable import KernelExample, PortableKernel
 from ..selection import SELECT
+from . import splitk
 from .bodies import MMA_HEADER, proj_select, ptr_select
 from .params import LinearParams
 
@@ -430,6 +431,8 @@ def qgemm(x: mx.array, ps: list[LinearParams], epi: int = 0, cfg: tuple | None =
     )
     if split == 1:
         return list(outs)
+    if SELECT["qgemm_reduce_kernel"] and splitk.covers(list(outs), epi):  # one launch for every output
+        return splitk.reduce("cuda", list(outs), epi, x.dtype, init_value=POISON)
     if epi == 1:
         s = mx.sum(outs[0], axis=0)
         g, u = s[:, :N0], s[:, N0:]
