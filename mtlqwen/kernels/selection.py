@@ -188,6 +188,10 @@ SELECT: dict[str, int] = {
     # per output (~365 graph nodes at 16 verify rows of the 9B, benchmarks/spec.md). Checked on the Metal
     # emulator; off until its GPU test (test_kernels_qgemm.py) has passed on the H200.
     "qgemm_reduce_kernel": 0,
+    # A verification's "candidates" commit in one in-place launch a GDN layer (gdn/commit.py) instead of
+    # eight MLX ops (192 graph nodes a 9B speculative step). Checked on the Metal emulator; off until its GPU
+    # test (test_kernels_gdn_commit.py) has passed on the H200.
+    "gdn_commit_kernel": 0,
     # MoE (moe/): the same portable kernels on Metal and CUDA (Metal: run on the emulator only, check_metal).
     # Routing's softmax + top-k + renormalisation in one launch (moe/kernels.py route) instead of
     # softmax, argpartition, take, sum, divide. Its test (tests/test_kernels_moe.py) passed on the H200.

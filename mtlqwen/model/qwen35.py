@@ -34,6 +34,7 @@ from ..kernels import (
     swiglu_linear,
     write_kv,
 )
+from ..kernels.gdn.commit import pick_inplace
 from ..kernels.selection import SELECT
 from .cache import GDNStash, ModelCache, VerifyStash
 from .config import Qwen35Config
@@ -450,10 +451,17 @@ class Qwen35Model:
                         slots: mx.array) -> None:
         """The "candidates" commit's graph from arrays alone (a compiled trace runs it too): slot slots[j]
         takes the state after row starts[j] + k[j] of every layer's candidates. k, starts, slots: [S] int32."""
-        win = self._conv_window(k, starts, k.shape[0])
-        last = starts + k  # each sequence's kept candidate row, once for every layer (a node costs host time)
+        win = last = None  # built once for every layer, and only if some layer needs them (a node costs host time)
         for idx, part in layers.items():
-            cache.rec_states[idx][slots] = part.rec[last]  # rec: all states [Tv, Hv, dv, dk]
+            rec, conv = cache.rec_states[idx], cache.conv_states[idx]
+            done = pick_inplace(rec, conv, part.rec, part.old_conv, part.raw, k, starts, slots)
+            if done is not None:  # written into the pools' buffers: their handles follow the write
+                cache.rec_states[idx], cache.conv_states[idx] = mx.depends([rec, conv], [done])
+                continue
+            if win is None:
+                win = self._conv_window(k, starts, k.shape[0])
+                last = starts + k  # each sequence's kept candidate row
+            rec[slots] = part.rec[last]  # rec: all states [Tv, Hv, dv, dk]
             self._commit_conv(cache, idx, part, win, slots)
 
     @staticmethod
