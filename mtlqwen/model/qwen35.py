@@ -56,12 +56,12 @@ def _lin(w: dict[str, mx.array], name: str, config) -> LinearParams:
     return LinearParams(weight, w[f"{name}.scales"], w[f"{name}.biases"], spec.bits, spec.group_size)
 
 
-
 def _eval_every(layout: SeqLayout, rows: int) -> int:
     """Layers per partial evaluation of an eager forward (SELECT "prefill_eval_layers"; 0: none). Never inside
     an mx.compile trace (a traced layout), where nothing can be evaluated."""
     every = SELECT["prefill_eval_layers"]
     return every if every > 0 and not layout.traced and rows >= SELECT["prefill_eval_min_rows"] else 0
+
 
 class _VerifySplit:
     """A batch with verifying sequences, split once per layout (every GDN layer reuses it): the plain

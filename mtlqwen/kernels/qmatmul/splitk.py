@@ -23,11 +23,11 @@ MAX_P = 3  # qgemm's fused projections: q | k | v at most
 
 _OUT0 = """
   if (!hit) {
-    const size_t n = (size_t)partP_shape[1] * (size_t)partP_shape[2];
+    const size_t n = (size_t)partPIDX_shape[1] * (size_t)partPIDX_shape[2];
     if (e < n) {
       float acc = 0.0f;
-      for (int s = 0; s < (int)partP_shape[0]; ++s) acc += partP[(size_t)s * n + e];
-      yP[e] = FROM_FLOAT(T, acc);
+      for (int s = 0; s < (int)partPIDX_shape[0]; ++s) acc += partPIDX[(size_t)s * n + e];
+      yPIDX[e] = FROM_FLOAT(T, acc);
       hit = true;
     } else {
       e -= n;
@@ -52,7 +52,7 @@ if (e < M * N) {
 
 
 def _sum_body(P: int) -> str:
-    return "size_t e = (size_t)GID_X;\nbool hit = false;\n" + "".join(_OUT0.replace("P", str(p)) for p in range(P))
+    return "size_t e = (size_t)GID_X;\nbool hit = false;\n" + "".join(_OUT0.replace("PIDX", str(p)) for p in range(P))
 
 
 def _example(P: int, epi: int, dt) -> KernelExample:
