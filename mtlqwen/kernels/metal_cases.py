@@ -455,9 +455,10 @@ def _selection_trials() -> list[Trial]:
 
 def trials(names=None, edges: bool = True) -> list[Trial]:
     """Every trial (edges: with the shapes past the examples), or those launching one of the kernels `names`."""
-    from .moe.metal_cases import moe_trials  # noqa: PLC0415  (it imports this module's helpers)
+    from .metal_cases_spec import spec_trials  # noqa: PLC0415  (both import this module's helpers)
+    from .moe.metal_cases import moe_trials  # noqa: PLC0415
 
     out = (_row_trials() + _conv_trials() + _gdn_trials() + _attn_trials() + _qmv_trials() + _dequant_trials()
-           + _selection_trials() + _prefill_trials() + moe_trials())
+           + _selection_trials() + _prefill_trials() + moe_trials() + spec_trials())
     out += edge_trials() if edges else []
     return out if not names else [t for t in out if set(t.kernels) & set(names)]
