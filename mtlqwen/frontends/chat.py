@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import signal
 import sys
 import time
 
@@ -214,6 +215,9 @@ def cmd_chat(args) -> int:
     except ImportError:
         pass
     print(HELP)
+    # Ctrl-C at the prompt quits: a process started in the background by a non-interactive shell inherits
+    # SIGINT ignored, and Python then installs no KeyboardInterrupt handler (input() would ignore Ctrl-C)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     turn = 0
     try:
         while True:
