@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import itertools
 import json
 import statistics
 import sys
@@ -32,6 +33,7 @@ import time
 import mlx.core as mx
 
 import spec_bench
+from mtlqwen.kernels.selection import parse_rows, selected
 from mtlqwen.runtime import speculative
 from decode_profile import count_primitives
 from step_trace import busy_us, kernel_events, short
@@ -181,8 +183,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=0, help="kernel rows kept per row (0: all)")
+    ap.add_argument("--variants", nargs="*", default=[], metavar="ROW=V[,ROW=V]",
+                    help="selection rows each row is also traced under, back to back with the defaults")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    variants = {"defaults": {}, **{v: parse_rows(v, source="--variants") for v in args.variants}}  # typos fail now
     model = spec_bench.build_target(args.shape, args.bits)
     drafter = spec_bench.random_drafter(args.shape, model, args.draft_bits)
     print(f"device {mx.default_device()}, target {args.shape}, context {args.prompt_len}, accept {args.accept}", flush=True)
@@ -191,22 +196,25 @@ def main(argv=None) -> int:
         for n in args.n_draft:
             # a forced mode equal to the engine's own choice at this n_draft repeats the "auto" row
             modes = [c for c in args.commit if not ("auto" in args.commit and c == speculative.commit_mode_for(n, S))]
-            for pl, cm in [(p, c) for p in args.pipeline for c in modes] if n else [("off", "auto")]:
-                r = trace_row(model, drafter, S, n, pl == "on", args, cm)
+            for (pl, cm), (tag, sel) in itertools.product(
+                    [(p, c) for p in args.pipeline for c in modes] if n else [("off", "auto")], variants.items()):
+                with selected(sel):
+                    r = trace_row(model, drafter, S, n, pl == "on", args, cm)
+                r["variant"] = tag
                 rows.append(r)
                 print(json.dumps(r), flush=True)
                 if args.json:
                     with open(args.json, "w") as f:
                         json.dump({"args": vars(args), "device": str(mx.default_device()), "rows": rows}, f, indent=1)
-    print("\n| seqs | n_draft | pipeline | commit | step ms | device busy ms | kernels | graph nodes | host ms by phase (instrumented) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| seqs | n_draft | pipeline | commit | variant | step ms | device busy ms | kernels | graph nodes | host ms by phase (instrumented) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         h = ", ".join(f"{k} {v:.2f}" for k, v in r["host_ms"].items() if v >= 0.05)
-        print(f"| {r['seqs']} | {r['n_draft']} | {r['pipeline']} | {r['commit']} | {r['step_ms']:.2f} "
+        print(f"| {r['seqs']} | {r['n_draft']} | {r['pipeline']} | {r['commit']} | {r['variant']} | {r['step_ms']:.2f} "
               f"| {r.get('busy_ms', float('nan')):.2f} | {r.get('kernels_per_step', 0):.0f} | {r['graph_nodes']['total']} | {h} |")
     for r in rows:
         if r.get("top"):
-            print(f"\n{r['seqs']} seqs, n_draft {r['n_draft']}, pipeline {r['pipeline']}: "
+            print(f"\n{r['seqs']} seqs, n_draft {r['n_draft']}, pipeline {r['pipeline']}, {r['variant']}: "
                   + "; ".join(f"{t['name']} {t['per_step']:g}x {t['ms_per_step']:.2f} ms" for t in r["top"][:12]))
         g = r["graph_nodes"]
         print(f"  graph: {g['total']} nodes; " + ", ".join(f"{k} {v}" for k, v in list(g.items())[1:16]))

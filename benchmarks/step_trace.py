@@ -199,13 +199,17 @@ def main():
     ap.add_argument("--top", type=int, default=16, help="kernel rows printed per variant")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="9b", help="demo: a CPU smoke run")
     ap.add_argument("--prefill", type=int, default=0, metavar="T",
-                    help="after the decode variants, trace prefill chunks of T tokens (one sequence, empty cache)")
+                    help="after the decode variants, trace prefill chunks of T tokens (one sequence, empty cache) "
+                         "under each variant")
+    ap.add_argument("--prefill-only", action="store_true", help="with --prefill: leave out the decode steps")
     ap.add_argument("--json")
     a = ap.parse_args()
     variants = {"defaults": {}, **{spec: parse_rows(spec, source="--variants") for spec in a.variants}}  # typos fail now
     model = random_model(SHAPES[a.shape](), quantize=QuantSpec(4, 64), dtype=mx.bfloat16)
     res = {"mlx": mx.__version__, "shape": a.shape, "batch": a.batch, "past": a.past, "variants": {}}
     for spec, rows in variants.items():
+        if a.prefill_only:
+            break
         r = res["variants"][spec] = trace_variant(model, a.batch, a.past, a.steps, rows)
         if "error" in r:
             print(spec, r["error"])
@@ -218,9 +222,9 @@ def main():
         print("| kernel | per step | µs each | µs per step | share of busy |\n|---|---|---|---|---|")
         for k in r["kernels"][: a.top]:
             print(f"| {k['name']} | {k['per_step']:g} | {k['us_each']:.1f} | {k['us_per_step']:.0f} | {100 * k['share']:.1f}% |")
-    if a.prefill:
-        r = res["prefill_trace"] = trace_prefill(model, a.prefill, 3, {})
-        print(f"\n## prefill of {a.prefill} tokens: wall {r['wall_us']:.0f} µs ({r['tokens_per_s']:.0f} tok/s)"
+    for spec, rows in (variants.items() if a.prefill else ()):
+        r = res.setdefault("prefill_trace", {})[spec] = trace_prefill(model, a.prefill, 5, rows)
+        print(f"\n## prefill of {a.prefill} tokens, {spec}: wall {r['wall_us']:.0f} µs ({r['tokens_per_s']:.0f} tok/s)"
               + (f", kernels busy {r['busy_us']:.0f} µs, span {r['span_us']:.0f}, {r['kernels_per_step']:.0f} kernels"
                  if "error" not in r else f"; {r['error']}"))
         print("| kernel | per chunk | µs each | µs per chunk | share of busy |\n|---|---|---|---|---|")

@@ -18,7 +18,9 @@ Parts (NAME:SECONDS):
   runtime  benchmarks/runtime_bench.py (1 / 4 / 8 concurrent)
   prefix   benchmarks/prefix_cache_bench.py (off / cold / warm)
   spec     benchmarks/spec_bench.py (speculative step cost)
-Extra arguments for a part: --args PART="..." (split on spaces).
+Extra arguments for a part: --args PART="..." (split on spaces). A part written NAME@ROWS:SECONDS runs under
+those selection rows (ROW=V[,ROW=V], as MTLQWEN_SELECT), its JSON named after them, so one process times
+variants back to back on the same weights: --parts prefix:100 prefix@prefill_eval_layers=4:100
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_common import build_model  # noqa: E402
+from mtlqwen.kernels.selection import parse_rows, selected  # noqa: E402
 from mtlqwen.model.builtin import SHAPES  # noqa: E402
 
 
@@ -50,7 +53,7 @@ def _alarm(signum, frame):
     raise PartTimeout
 
 
-def check(model, argv: list[str], out: str) -> None:
+def check(model, argv: list[str], out: str, tag: str = "") -> None:
     """Compiled decode with the selection table's in-place writes and fused launches vs uncompiled without
     them vs the one-shot forward."""
     from mtlqwen.kernels.selection import selected  # noqa: PLC0415
@@ -90,14 +93,15 @@ def check(model, argv: list[str], out: str) -> None:
               f"{first} (ref top-2 gap there {top2}); uncompiled vs one-shot: "
               f"{report[-1]['uncompiled_vs_one_shot_differ']} of {gen} differ, worst gap {max(gaps):.2e}", flush=True)
     if out:
-        with open(os.path.join(out, "check.json"), "w") as f:
+        with open(os.path.join(out, f"check@{tag}.json" if tag else "check.json"), "w") as f:
             json.dump({"mlx": mx.__version__, "gen": gen, "prompts": report}, f, indent=1)
 
 
 def script_part(module: str, json_name: str):
-    def run(model, argv: list[str], out: str) -> None:
+    def run(model, argv: list[str], out: str, tag: str = "") -> None:
         mod = __import__(module)
-        mod.main(argv + (["--json", os.path.join(out, json_name)] if out else []))
+        name = json_name.replace(".json", f"@{tag}.json") if tag else json_name
+        mod.main(argv + (["--json", os.path.join(out, name)] if out else []))
     return run
 
 
@@ -121,8 +125,10 @@ def main(argv=None) -> int:
         os.makedirs(args.out, exist_ok=True)
     extra = {k: v.split() for k, _, v in (a.partition("=") for a in args.args)}
     for p in args.parts:
-        if p.partition(":")[0] not in PARTS:
+        name, _, rows = p.rpartition(":")[0].partition("@") if ":" in p else p.partition("@")
+        if name not in PARTS:
             ap.error(f"unknown part {p!r}; parts: {', '.join(PARTS)}")
+        parse_rows(rows, source="--parts")  # a typo fails before the weights are built
 
     t = time.perf_counter()
     model, name = build_model(SimpleNamespace(model=None, shape=args.shape, bits=4, group_size=64))
@@ -131,23 +137,29 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGALRM, _alarm)
     status = {}
     for p in args.parts:
-        part, _, secs = p.partition(":")
+        spec, _, secs = p.rpartition(":") if ":" in p else (p, "", "")
+        part, _, tag = spec.partition("@")
         argv_p = (["--shape", args.shape] if part != "check" else []) + extra.get(part, [])
         t = time.perf_counter()
         signal.alarm(int(secs or 0))
         try:
-            PARTS[part](model, argv_p, args.out)
-            status[part] = "ok"
+            with selected(parse_rows(tag, source="--parts")):
+                if tag:
+                    print(f"[suite] {spec}: under {tag}", flush=True)
+                    PARTS[part](model, argv_p, args.out, tag)
+                else:
+                    PARTS[part](model, argv_p, args.out)
+            status[spec] = "ok"
         except PartTimeout:
-            status[part] = f"cut at its {secs} s limit"
+            status[spec] = f"cut at its {secs} s limit"
         except Exception:  # one part's failure must not take the others' numbers with it
             traceback.print_exc()
-            status[part] = "failed"
+            status[spec] = "failed"
         finally:
             signal.alarm(0)
         mx.synchronize()
         mx.clear_cache()
-        print(f"[suite] {part}: {status[part]} after {time.perf_counter() - t:.1f} s", flush=True)
+        print(f"[suite] {spec}: {status[spec]} after {time.perf_counter() - t:.1f} s", flush=True)
     print("[suite] " + ", ".join(f"{k} {v}" for k, v in status.items()))
     return 0 if all(v == "ok" for v in status.values()) else 1
 
