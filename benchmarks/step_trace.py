@@ -161,15 +161,21 @@ def trace_variant(model, B: int, past: int, steps: int, rows: dict) -> dict:
         return out
 
 
-def trace_prefill(model, T: int, steps: int, rows: dict) -> dict:
-    """One prefill chunk of T tokens (one sequence, empty cache, as the engine's first prefill step runs it:
-    eager, logits of the last row): kernels per chunk, and the chunk's wall time without the profiler."""
+def trace_prefill(model, T: int, steps: int, rows: dict, seqs: int = 1, context: int = 0) -> dict:
+    """One prefill chunk of T tokens, split evenly over `seqs` sequences that each have `context` tokens
+    cached already (the pools as allocated: the kernels' time does not depend on the values; a warm prefix
+    hit's step is 8 x 64 over 2048), as the engine runs a prefill step: eager, logits of each sequence's last
+    row. Kernels per chunk, and the chunk's wall time without the profiler."""
     with selected(rows):
-        nb = -(-T // 128)
-        cache = model.make_cache(nb + 1, 1, 128)
-        lay = SeqLayout([0, T], [0], [list(range(nb))], [0], 128)
+        per = T // seqs
+        nb = -(-(context + per) // 128)
+        cache = model.make_cache(seqs * nb + 1, seqs, 128)
+        qsl = [i * per for i in range(seqs + 1)]
+        lay = SeqLayout(qsl, [context] * seqs, [list(range(i * nb, (i + 1) * nb)) for i in range(seqs)],
+                        list(range(seqs)), 128)
+        T = per * seqs
         ids = mx.random.randint(0, model.config.vocab_size, (T,)).astype(mx.int32)
-        last = mx.array([T - 1])
+        last = mx.array([q - 1 for q in qsl[1:]])
 
         def run(n):
             for _ in range(n):
@@ -202,6 +208,8 @@ def main():
                     help="after the decode variants, trace prefill chunks of T tokens (one sequence, empty cache) "
                          "under each variant")
     ap.add_argument("--prefill-only", action="store_true", help="with --prefill: leave out the decode steps")
+    ap.add_argument("--prefill-seqs", type=int, default=1, help="the prefill chunk split over this many sequences")
+    ap.add_argument("--prefill-context", type=int, default=0, help="tokens each of them has cached already")
     ap.add_argument("--json")
     a = ap.parse_args()
     variants = {"defaults": {}, **{spec: parse_rows(spec, source="--variants") for spec in a.variants}}  # typos fail now
@@ -223,8 +231,9 @@ def main():
         for k in r["kernels"][: a.top]:
             print(f"| {k['name']} | {k['per_step']:g} | {k['us_each']:.1f} | {k['us_per_step']:.0f} | {100 * k['share']:.1f}% |")
     for spec, rows in (variants.items() if a.prefill else ()):
-        r = res.setdefault("prefill_trace", {})[spec] = trace_prefill(model, a.prefill, 5, rows)
-        print(f"\n## prefill of {a.prefill} tokens, {spec}: wall {r['wall_us']:.0f} µs ({r['tokens_per_s']:.0f} tok/s)"
+        r = res.setdefault("prefill_trace", {})[spec] = trace_prefill(model, a.prefill, 5, rows, a.prefill_seqs, a.prefill_context)
+        print(f"\n## prefill of {a.prefill} tokens ({a.prefill_seqs} x {a.prefill // a.prefill_seqs} over "
+              f"{a.prefill_context} cached), {spec}: wall {r['wall_us']:.0f} µs ({r['tokens_per_s']:.0f} tok/s)"
               + (f", kernels busy {r['busy_us']:.0f} µs, span {r['span_us']:.0f}, {r['kernels_per_step']:.0f} kernels"
                  if "error" not in r else f"; {r['error']}"))
         print("| kernel | per chunk | µs each | µs per chunk | share of busy |\n|---|---|---|---|---|")

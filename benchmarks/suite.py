@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -93,14 +94,14 @@ def check(model, argv: list[str], out: str, tag: str = "") -> None:
               f"{first} (ref top-2 gap there {top2}); uncompiled vs one-shot: "
               f"{report[-1]['uncompiled_vs_one_shot_differ']} of {gen} differ, worst gap {max(gaps):.2e}", flush=True)
     if out:
-        with open(os.path.join(out, f"check@{tag}.json" if tag else "check.json"), "w") as f:
+        with open(os.path.join(out, "check-" + re.sub(r"[^A-Za-z0-9_]+", "-", tag) + ".json" if tag else "check.json"), "w") as f:
             json.dump({"mlx": mx.__version__, "gen": gen, "prompts": report}, f, indent=1)
 
 
 def script_part(module: str, json_name: str):
     def run(model, argv: list[str], out: str, tag: str = "") -> None:
         mod = __import__(module)
-        name = json_name.replace(".json", f"@{tag}.json") if tag else json_name
+        name = json_name.replace(".json", "-" + re.sub(r"[^A-Za-z0-9_]+", "-", tag) + ".json") if tag else json_name
         mod.main(argv + (["--json", os.path.join(out, name)] if out else []))
     return run
 

@@ -61,6 +61,11 @@ SELECT: dict[str, int] = {
     # B=8 (benchmarks/decode_profile.md). Its property test and the engine's GPU test passed on the H200
     # (benchmarks/kernels_gdn.md); 0 returns to the functional scatter.
     "gdn_state_inplace": 1,
+    # A batch whose longest segment exceeds this many tokens runs the GDN chunk kernel, shorter ones the
+    # token-by-token recurrence (gdn/kernels.py). At one sequence on the H200 the recurrence was faster at
+    # T = 16..64 and the chunk kernel ~10% at 128 (benchmarks/kernels_gdn.md); verification rows
+    # (candidates) always take the recurrence.
+    "gdn_chunk_min_t": 64,
     # New tokens' K/V written into the paged pools in place (attention/kv_write.py) instead of MLX's
     # functional scatter, which copies the whole pool each step while the previous step's attention still
     # holds it (on the H200: +384 MiB peak for 4 x 96 MiB of extra pool). Its GPU test (in-place write, then
@@ -147,10 +152,10 @@ SELECT: dict[str, int] = {
     "prefill_attn_min_queries": 3,
     # An eager forward of at least `prefill_eval_min_rows` rows (a prefill step) launches its layers in groups
     # of `prefill_eval_layers` (mx.async_eval) while the host still builds the rest; 0 = one evaluation at the
-    # end. Why: a 512-row 9B prefill step took 42.9 ms wall against 29.8 ms of kernel span (step_trace.py
-    # --prefill 512, benchmarks/prefix_cache.md): the host built its ~800 launches before any ran. Steps whose
-    # tokens are awaited alone (a warm prefix hit's) pay all of it. Off until timed on the H200.
-    "prefill_eval_layers": 0,
+    # end. H200 (step_trace.py --prefill, benchmarks/prefix_cache.md): a 512-row 9B chunk 42.1 -> 35.9 ms wall
+    # (0 / 8 layers; 2: 36.8, 4: 38.9), a warm prefix hit's step (8 x 64 over 2048) 37.2 -> 30.4, a 1024-row
+    # 35B-A3B chunk 87.3 -> 68.0 (4: 67.0): the host built all ~800-2,500 launches before the first ran.
+    "prefill_eval_layers": 8,
     "prefill_eval_min_rows": 256,
     # Warps a prefill-attention block (16 query rows each, attention/prefill.py): 8 = 128 query rows per 64-key
     # tile, FlashAttention-2's choice at head_dim 256 (128 KiB of shared memory and 248 registers a lane: one
@@ -185,13 +190,13 @@ SELECT: dict[str, int] = {
     "qgemm_rt": 2,
     "qgemm_split_waves": 2,
     # qgemm's split-K partials reduced by one launch a call (qmatmul/splitk.py) instead of a sum and a cast
-    # per output (~365 graph nodes at 16 verify rows of the 9B, benchmarks/spec.md). Checked on the Metal
-    # emulator; off until its GPU test (test_kernels_qgemm.py) has passed on the H200.
-    "qgemm_reduce_kernel": 0,
-    # A verification's "candidates" commit in one in-place launch a GDN layer (gdn/commit.py) instead of
-    # eight MLX ops (192 graph nodes a 9B speculative step). Checked on the Metal emulator; off until its GPU
-    # test (test_kernels_gdn_commit.py) has passed on the H200.
-    "gdn_commit_kernel": 0,
+    # per output (~365 graph nodes at 16 verify rows of the 9B). A verification's "candidates" commit in one
+    # in-place launch a GDN layer (gdn/commit.py) instead of eight MLX ops (192 nodes). Their GPU tests
+    # (test_kernels_splitk.py, test_kernels_gdn_commit.py) passed on the H200; with both a 9B speculative
+    # step at 1 x 15 drafts took 13.15 ms against 15.03 (1,129 graph nodes against 1,642), at 8 x 15 30.77
+    # against 31.77 (spec_trace.py --variants, benchmarks/spec.md).
+    "qgemm_reduce_kernel": 1,
+    "gdn_commit_kernel": 1,
     # MoE (moe/): the same portable kernels on Metal and CUDA (Metal: run on the emulator only, check_metal).
     # Routing's softmax + top-k + renormalisation in one launch (moe/kernels.py route) instead of
     # softmax, argpartition, take, sum, divide. Its test (tests/test_kernels_moe.py) passed on the H200.

@@ -21,10 +21,6 @@ from ..portable import KernelExample, portable_kernel
 from ..selection import SELECT
 from ..seqs import SeqLayout
 
-# A batch whose longest segment exceeds this runs the chunk kernel. H200, Qwen3.5-9B GDN shape, B=1:
-# the recurrence is faster at T = 16..64, the chunk kernel ~10% at T = 128, within 5% at T = 4096
-# (benchmarks/kernels_gdn.md).
-CHUNK_MIN_T = 64
 CHUNK_TPR = 4  # lanes per state row in the chunk kernel (threadgroup = C * CHUNK_TPR)
 _LIMITS = {"cuda": (32, 48 * 1024), "metal": (16, 32 * 1024)}  # (chunk, static shared bytes)
 
@@ -368,7 +364,7 @@ def run_gdn(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, *, can
     a, b, A_log, dt_bias = (x if x.dtype in FLOATS else x.astype(mx.float32) for x in (a, b, A_log, dt_bias))
     longest = max(layout.q_len(i) for i in range(B))
     C = _chunk_fits(backend, dk)
-    use_chunk = (longest > CHUNK_MIN_T if chunk is None else chunk) and C and not candidates
+    use_chunk = (longest > SELECT["gdn_chunk_min_t"] if chunk is None else chunk) and C and not candidates
     if (chunk and not use_chunk) or (inplace and candidates):
         return None
     tpr = tpr or (CHUNK_TPR if use_chunk else _tpr(dk))

@@ -26,7 +26,7 @@ from device memory took exactly 128). The prediction is (S k) / |k| and the outp
 reference's products in another order, so fp32 rounding differs in the last bits. Shapes it does not
 cover return None, and the op then runs the two kernels one after the other.
 
-Only the token-by-token recurrence: a segment longer than kernels.CHUNK_MIN_T goes to the chunk
+Only the token-by-token recurrence: a segment longer than SELECT["gdn_chunk_min_t"] goes to the chunk
 kernel and the separate norm (prefill is not host-bound).
 """
 
@@ -39,7 +39,7 @@ from ..norms.kernels import FLOATS, eps_array
 from ..portable import KernelExample, portable_kernel
 from ..selection import SELECT
 from ..seqs import SeqLayout
-from .kernels import CHUNK_MIN_T, GATES, INPLACE_STORE, INPUT_NAMES, PROLOGUE, reduce_row, store_state
+from .kernels import GATES, INPLACE_STORE, INPUT_NAMES, PROLOGUE, reduce_row, store_state
 
 MAX_THREADS = 512  # threads a threadgroup: 128 registers each on NVIDIA (see the module docstring)
 MAX_NE = 32  # state elements a thread (dk / TPR): TPR = 2 at dk = 128 took 255 registers in gdn_recurrent
@@ -161,7 +161,7 @@ def run_gdn_normed(y, z, norm_w, eps: float, a, b, A_log, dt_bias, state_pool, l
     """y [T, 2*Hk*dk + Hv*dv] (the conv output, q | k | v channels, read where they lie), z [T, Hv*dv]
     (any shape of that size), norm_w [dv] -> (o_normed [T, Hv*dv] in y's dtype, new states [B, Hv, dv, dk]
     fp32), or with inplace (o_normed, done [1]) after writing the states into state_pool's rows. None
-    when not covered: a segment longer than CHUNK_MIN_T, a head shape past the register budget, dtypes."""
+    when not covered: a segment longer than SELECT["gdn_chunk_min_t"], a head shape past the register budget, dtypes."""
     backend = gpu_backend()
     Hk, dk, Hv, dv = heads
     T, B = y.shape[0], layout.num_seqs
@@ -170,7 +170,7 @@ def run_gdn_normed(y, z, norm_w, eps: float, a, b, A_log, dt_bias, state_pool, l
             or y.ndim != 2 or y.shape[1] != 2 * Hk * dk + Hv * dv or y.dtype not in FLOATS
             or z.size != T * Hv * dv or z.dtype not in FLOATS or norm_w.shape != (dv,)):
         return None
-    if max(layout.q_len(i) for i in range(B)) > CHUNK_MIN_T:
+    if max(layout.q_len(i) for i in range(B)) > SELECT["gdn_chunk_min_t"]:
         return None
     a, b, A_log, dt_bias, norm_w = (x if x.dtype in FLOATS else x.astype(mx.float32)
                                     for x in (a, b, A_log, dt_bias, norm_w))
