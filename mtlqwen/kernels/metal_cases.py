@@ -335,6 +335,35 @@ def _linear32(x, p):
     return _cpu(_fn("linear_ref"), x.astype(F32), p32)
 
 
+def _qmv_conv_trials() -> list[Trial]:
+    """The GDN projections with the conv epilogue (qmatmul/conv_epilogue.py) at the examples' template values
+    (2 rows, R 4, U 1, conv K 4), K 512: two one-token sequences in random slots of 5; outputs: the four
+    projections (the first through the conv) and the pool's rows after the launch (batch rows, then the others)."""
+    out = []
+    for dt in (BF16, F32):
+        for bits in (4, 8):
+            rng = np.random.default_rng(60 + bits)
+            x = _rand(rng, 2, 512, dtype=dt)
+            ps = [_linear(rng, n, 512, bits, dt) for n in (96, 64, 8, 8)]
+            w, pool = _rand(rng, 96, 4, dtype=dt), _rand(rng, 5, 3, 96, dtype=dt)
+            layout = _layout([1, 1], 5, rng)
+
+            def run(x=x, ps=ps, w=w, pool=pool, L=layout, pf=bits == 4):
+                p = pool + 0  # a fresh buffer: the kernel writes it in place
+                mx.eval(p)
+                ys = _fn("qmv_conv")(x, ps, w, p, L, cfg=(4, 1, int(pf)))
+                mx.eval(ys)
+                return list(ys) + _pool_rows(p, L.state_rows)
+
+            def ref(x=x, ps=ps, w=w, pool=pool, L=layout):
+                ys = [_linear32(x, p) for p in ps]
+                y, states = _cpu(_fn("causal_conv1d_ref"), ys[0], w, pool, L)
+                return [y] + ys[1:] + [states.astype(F32), _pool_rows(pool, L.state_rows)[1]]
+
+            out.append(Trial(f"mtl_qmv_conv_p4[{_n(dt)} {bits}-bit]", run, ref, [TOL[dt]] * 5 + [0.0]))
+    return out
+
+
 def _qmv_trials() -> list[Trial]:
     out = []
     for dt in (BF16, F32):
@@ -342,9 +371,9 @@ def _qmv_trials() -> list[Trial]:
             pf = bits == 4
             rng = np.random.default_rng(bits)
             x = _rand(rng, 4, 512, dtype=dt)  # M = 4: the examples' MT
-            ps = [_linear(rng, 64, 512, bits, dt) for _ in range(3)]
+            ps = [_linear(rng, 64, 512, bits, dt) for _ in range(4)]
             tag = f"{_n(dt)} {bits}-bit"
-            for P, epi in ((1, 0), (2, 0), (3, 0), (2, 1)):
+            for P, epi in ((1, 0), (2, 0), (3, 0), (4, 0), (2, 1)):
                 name = f"mtl_qmv_p{P}_e{epi}"
 
                 def run(x=x, ps=ps[:P], e=epi, pf=pf):  # the examples' R = 4 rows (SwiGLU: 2 gate + 2 up)
@@ -458,7 +487,8 @@ def trials(names=None, edges: bool = True) -> list[Trial]:
     from .metal_cases_spec import spec_trials  # noqa: PLC0415  (both import this module's helpers)
     from .moe.metal_cases import moe_trials  # noqa: PLC0415
 
-    out = (_row_trials() + _conv_trials() + _gdn_trials() + _attn_trials() + _qmv_trials() + _dequant_trials()
+    out = (_row_trials() + _conv_trials() + _gdn_trials() + _attn_trials() + _qmv_trials() + _qmv_conv_trials()
+           + _dequant_trials()
            + _selection_trials() + _prefill_trials() + moe_trials() + spec_trials())
     out += edge_trials() if edges else []
     return out if not names else [t for t in out if set(t.kernels) & set(names)]

@@ -97,6 +97,10 @@ SELECT: dict[str, int] = {
     # (3,720 against 3,180 us). On: slightly faster where the host bounds, and the epilogue's device cost
     # (~8 us a launch over the plain qmv + add_rms_norm) is what to cut next.
     "qmv_residual_norm": 1,
+    # Decode rows (one token a sequence) of a GDN layer: the input projections' qmv does the causal conv +
+    # SiLU and the conv-state write in its epilogue (qmatmul/conv_epilogue.py), one launch a GDN layer
+    # fewer (24 a 9B step). Off until its GPU test (tests/test_kernels_conv_epilogue.py) passes on the H200.
+    "qmv_conv_epilogue": 0,
     # The residual epilogue's columns a thread takes per pass (qmatmul/residual.py): 0 = all of them in one
     # pass, held in registers; 8 = two passes of 8 at a time, which keeps the whole kernel at 55 registers
     # at M=1 (107 with one pass, the plain qmv 64: ptxas -v, sm_90), so the GEMV keeps its resident SIMD

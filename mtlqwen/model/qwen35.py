@@ -23,6 +23,7 @@ from ..kernels import (
     gated_delta_packed_candidates,
     gated_delta_packed_normed,
     gated_rms_norm,
+    gdn_in_proj_conv,
     linear,
     linear_add_rms_norm,
     linear_multi,
@@ -117,20 +118,24 @@ class GDNMixer:
         part (forward_verifying's)."""
         c, T = self.c, x.shape[0]
         Hk, Hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-        # one launch for the four projections of x at decode sizes
-        mixed, z, b, a = linear_multi(x, [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
-        # mixed [T, conv_dim]: q | k | v channels; z [T, value_dim]; b, a [T, Hv]
-        if has_taps(layout):  # a prefill chunk across snapshot boundaries: the delta rule in pieces
-            if layout.verify is not None and any(layout.verify):
-                raise ValueError("a batch with verifications takes no state taps (the scheduler cuts its chunks)")
-            return tapped_gdn(self, mixed, z, a, b, layout, cache)
-        if layout.verify is not None and any(layout.verify):
+        projs = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+        verifying = layout.verify is not None and any(layout.verify)
+        if has_taps(layout) or verifying:
+            # one launch for the four projections of x at decode sizes; mixed [T, conv_dim]: q | k | v
+            # channels; z [T, value_dim]; b, a [T, Hv]
+            mixed, z, b, a = linear_multi(x, projs)
+            if has_taps(layout):  # a prefill chunk across snapshot boundaries: the delta rule in pieces
+                if verifying:
+                    raise ValueError("a batch with verifications takes no state taps (the scheduler cuts its chunks)")
+                return tapped_gdn(self, mixed, z, a, b, layout, cache)
             o = self._mix_verifying(mixed, a, b, layout, cache, stash)  # [T, Hv, dv]
             # per-head norm on [T * Hv, dv] views, as gated_delta_packed_normed's
             return gated_rms_norm(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), self.norm_w,
                                   c.rms_norm_eps).reshape(T, c.value_dim)
         conv_pool, rec_pool = cache.conv_states[self.idx], cache.rec_states[self.idx]
-        y, conv_new = causal_conv1d(mixed, self.conv_w, conv_pool, layout, write_state=True)  # the delta rule reads y
+        # the projections and the conv (one launch at decode rows where qmv_conv_epilogue allows): y [T,
+        # conv_dim] the conv output the delta rule reads
+        (y, z, b, a), conv_new = gdn_in_proj_conv(x, projs, self.conv_w, conv_pool, layout)
         # the delta rule and the gated RMSNorm (one launch where gdn_fused_norm allows): o [T, value_dim]
         o, rec_new = gated_delta_packed_normed(y, z, self.norm_w, c.rms_norm_eps, a, b, self.A_log, self.dt_bias,
                                                rec_pool, layout, (Hk, dk, Hv, dv), write_state=True)

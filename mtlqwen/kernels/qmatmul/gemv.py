@@ -196,7 +196,7 @@ def _big_m(x2: mx.array, p: LinearParams) -> mx.array:
     return None
 
 
-for _pe in ((1, 0), (2, 0), (3, 0), (2, 1)):  # declared at import so check_metal sees them
+for _pe in ((1, 0), (2, 0), (3, 0), (4, 0), (2, 1)):  # declared at import so check_metal sees them (4: the GDN projections)
     _kernel(*_pe)
     _mma_kernel(*_pe)
 
