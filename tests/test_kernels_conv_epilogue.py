@@ -32,10 +32,11 @@ shapes = dict(M=st.integers(1, 8), P=st.just(4), n0=st.integers(1, 150), kg=st.i
               dtype=st.sampled_from(sorted(DT)), pdtype=st.sampled_from(sorted(DT)), seed=st.integers(0, 2**31 - 1))
 
 
-def case(M, P, n0, kg, bits, gs, K, dtype, pdtype, seed):
+def case(M, P, n0, kg, bits, gs, K, dtype, pdtype, seed, ns=None):
+    """ns: the four projections' widths (default: 2 n0 + 1 channels, then random widths)."""
     rng = np.random.default_rng(seed)
     dt, pt = DT[dtype], DT[pdtype]
-    ns = [2 * n0 + 1] + [int(rng.integers(1, 80)) for _ in range(P - 1)]
+    ns = ns or [2 * n0 + 1] + [int(rng.integers(1, 80)) for _ in range(P - 1)]
     ps = [make_params(rng, n, kg * gs, bits, gs, dt) for n in ns]
     x = mx.array(rng.standard_normal((M, kg * gs)).astype(np.float32)).astype(dt)
     conv_w = mx.array(0.5 * rng.standard_normal((ns[0], K)).astype(np.float32)).astype(dt)
@@ -88,6 +89,16 @@ def test_conv_epilogue_metal_emulated(M, P, n0, kg, bits, gs, K, dtype, pdtype, 
     with metal_emulator.emulating() as launches:  # outputs start as NaN bytes there
         check_against_the_two_launches(*case(M, P, n0, kg, bits, gs, K, dtype, pdtype, seed), "metal")
     assert [ln.kernel for ln in launches][-1] == f"mtl_qmv_conv_p{P}"
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the Metal emulator")
+def test_conv_epilogue_metal_emulated_at_the_9b_shape():
+    """The Qwen3.5-9B GDN layer's projections (K 4096; qkv 8192 channels, z 4096, b and a 32), 4 rows."""
+    from mtlqwen.kernels import metal_emulator  # noqa: PLC0415
+
+    with metal_emulator.emulating():
+        check_against_the_two_launches(*case(4, 4, 0, 64, 4, 64, 4, "bfloat16", "bfloat16", 4, ns=[8192, 4096, 32, 32]),
+                                       "metal")
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the Metal emulator")
@@ -184,6 +195,16 @@ def test_covers_only_decode_layouts():
 @given(**shapes)
 def test_conv_epilogue_matches_the_two_launches(M, P, n0, kg, bits, gs, K, dtype, pdtype, seed):
     check_against_the_two_launches(*case(M, P, n0, kg, bits, gs, K, dtype, pdtype, seed), backend.gpu_backend())
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("M", [1, 4])
+def test_conv_epilogue_at_the_9b_shape(M):
+    """The Qwen3.5-9B GDN layer's projections (K 4096 in 64-groups; qkv 8192 channels, z 4096, b and a 32),
+    conv K 4, bf16 activations and pools: the shapes the hypothesis cases stop short of."""
+    check_against_the_two_launches(*case(M, 4, 0, 64, 4, 64, 4, "bfloat16", "bfloat16", M, ns=[8192, 4096, 32, 32]),
+                                   backend.gpu_backend())
 
 
 @pytest.mark.gpu
