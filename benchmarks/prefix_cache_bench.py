@@ -46,6 +46,32 @@ def run(engine: Engine, prompts: list[list[int]], gen_len: int) -> tuple[dict, l
     return res, [o.token_ids for o in outs]
 
 
+def ttft_phases(engine: Engine, prompts: list[list[int]]) -> dict:
+    """The same prompts once more, one token each, with the host's time per step phase (ms, exclusive of the
+    phases nested in it; spec_trace.Phases): what the time to first token is made of. "read-back" includes
+    waiting for the device; "other" is the rest of the generate loop."""
+    import spec_trace  # noqa: PLC0415
+    from mtlqwen.runtime import engine as engine_mod  # noqa: PLC0415
+
+    phases = spec_trace.Phases()
+    undo = spec_trace.instrument(engine, phases)
+    for obj, attr, name in ((engine.scheduler, "schedule", "schedule"), (engine.kv, "step_snapshots", "restores"),
+                            (engine.model, "forward", "forward (eager: building it)"), (engine_mod, "pack", "pack"),
+                            (engine_mod, "sample_isolating", "sampling")):
+        undo.append((obj, attr, getattr(obj, attr), attr in vars(obj)))
+        setattr(obj, attr, phases.wrap(name, getattr(obj, attr)))
+    steps = engine.counters["steps"]
+    mx.synchronize()
+    t0 = time.perf_counter()
+    try:
+        phases.wrap("other", engine.generate)(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
+    finally:
+        spec_trace.restore(undo)
+    wall = 1e3 * (time.perf_counter() - t0)
+    return {"wall_ms": round(wall, 2), "steps": engine.counters["steps"] - steps,
+            **{k: round(1e3 * v, 2) for k, v in sorted(phases.total.items(), key=lambda kv: -kv[1])}}
+
+
 def chat(engine: Engine, vocab: int, args, seed: int) -> tuple[dict, list[list[int]]]:
     """One conversation, turn by turn: (TTFT and cached tokens per turn, each turn's reply)."""
     rng = np.random.default_rng(seed)
@@ -104,6 +130,8 @@ def main(argv=None):
     ap.add_argument("--chat-turns", type=int, default=10)
     ap.add_argument("--turn-len", type=int, default=200, help="new tokens in each chat turn's prompt")
     ap.add_argument("--turn-gen", type=int, default=128, help="tokens generated in each chat turn")
+    ap.add_argument("--phases", action="store_true",
+                    help="after each shared-prompt mode's repeats, one more run with one token each, its host time by step phase")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
 
@@ -147,6 +175,13 @@ def main(argv=None):
             runs.append(res)
             answers.append(toks)
         med = {k: statistics.median(x[k] for x in runs) for k in runs[0]}
+        if args.phases:
+            engine.clear_prefix_cache()
+            if mode == "warm":
+                engine.generate([system + tokens(np.random.default_rng(999), args.question_len, vocab)],
+                                SamplingParams(max_tokens=1))
+            med["phases"] = ttft_phases(engine, prompts)
+            print(f"{mode} phases (host ms, one token each): {med['phases']}", flush=True)
         outputs[mode] = answers  # every mode sees the same prompts (the question seeds repeat)
         if mode != "off" and "off" in outputs:  # greedy: the cache must not change an answer (bf16 near-ties aside)
             pairs = [(a, b) for ra, rb in zip(outputs["off"], answers) for a, b in zip(ra, rb)]
