@@ -73,3 +73,35 @@ def test_engine_outputs_are_the_models_own_with_grouped_prefill(model):
     for p, o in zip(prompts, outs):
         assert_reference(model, p, o, 5)
     assert_idle(eng)
+
+
+def test_a_device_error_in_an_early_group_fails_the_step_and_nothing_else(model, monkeypatch, caplog):
+    """A layer of the first group (evaluated early by mx.async_eval) whose output fails to evaluate. The error
+    surfaces while the step is still being built (a later group's evaluation waits on it), so the engine fails
+    the step's requests as a build failure, without a cache reset, although part of the step ran. What that
+    part wrote is the failed sequences' own (their slot's states, their new blocks' K/V): the next request
+    gets its own greedy tokens, and nothing leaks."""
+    layer = model.layers[0]
+    real = type(layer).__call__
+    armed = []
+
+    def faulty(self, h, *args, **kw):
+        h2, x2 = real(self, h, *args, **kw)
+        if self is layer and armed:  # once: the next step's first layer output fails to evaluate
+            armed.clear()
+            bad = mx.linalg.inv(mx.zeros((2, 2)), stream=mx.cpu).sum() * 0
+            return h2 + bad.astype(h2.dtype), x2
+        return h2, x2
+
+    monkeypatch.setattr(type(layer), "__call__", faulty)
+    with selected({"prefill_eval_layers": 2, "prefill_eval_min_rows": 16}):
+        eng = Engine(model, slots=2, step_tokens=32, block_tokens=8, num_blocks=40)
+        armed.append(1)
+        (out,) = eng.generate([random_token_ids(30, 500, seed=4)], greedy(4))
+        assert out.finish_reason == "error" and "LU factorization failed" in out.error
+        assert "failed while it was built" in caplog.text
+        nxt = random_token_ids(25, 500, seed=5)
+        (ok,) = eng.generate([nxt], greedy(5))
+    assert ok.finish_reason == "length"
+    assert_reference(model, nxt, ok, 5)
+    assert_idle(eng)

@@ -46,7 +46,10 @@ class Failures:
         self.finish, self.cache, self.kv = finish, cache, kv
 
     def step(self, scheduled, e: Exception) -> list[Delta]:
-        """A step raised while it was built: its scheduled sequences (ScheduledSeq) still running fail."""
+        """A step raised while it was built: its scheduled sequences (ScheduledSeq) still running fail. With
+        grouped prefill launches (SELECT "prefill_eval_layers") part of the step may have run; what it wrote
+        is these sequences' own (their slots' states, zeroed when a slot is reused; K/V past their kv_valid in
+        their own blocks), so the cache needs no reset."""
         log.error("a step failed while it was built; failing its %d requests", len(scheduled), exc_info=e)
         msg, now = reason(e), time.perf_counter()
         return [self.finish(s.seq, "error", [], now, msg) for s in scheduled if s.seq.status is SeqStatus.RUNNING]
