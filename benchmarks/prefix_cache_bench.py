@@ -46,6 +46,12 @@ def run(engine: Engine, prompts: list[list[int]], gen_len: int) -> tuple[dict, l
     return res, [o.token_ids for o in outs]
 
 
+def earlier_request(engine: Engine, system: list[int], question_len: int, vocab: int, seed: int) -> None:
+    """Warm mode: an earlier request with the same system prompt (another question) puts its snapshots in;
+    its own generator, so the measured requests' questions stay those of the off mode."""
+    engine.generate([system + tokens(np.random.default_rng(seed), question_len, vocab)], SamplingParams(max_tokens=1))
+
+
 def ttft_phases(engine: Engine, prompts: list[list[int]]) -> dict:
     """The same prompts once more, one token each, with the host's time per step phase (ms, exclusive of the
     phases nested in it; spec_trace.Phases): what the time to first token is made of. "read-back" includes
@@ -167,9 +173,8 @@ def main(argv=None):
         for r in range(args.repeats):
             engine.clear_prefix_cache()
             qrng = np.random.default_rng(1 + r)
-            if mode == "warm":  # an earlier request with the same system prompt
-                other = tokens(np.random.default_rng(1000 + r), args.question_len, vocab)  # qrng stays as in off
-                engine.generate([system + other], SamplingParams(max_tokens=1))
+            if mode == "warm":
+                earlier_request(engine, system, args.question_len, vocab, 1000 + r)
             prompts = [system + tokens(qrng, args.question_len, vocab) for _ in range(n)]
             res, toks = run(engine, prompts, args.gen_len)
             runs.append(res)
@@ -178,8 +183,7 @@ def main(argv=None):
         if args.phases:
             engine.clear_prefix_cache()
             if mode == "warm":
-                engine.generate([system + tokens(np.random.default_rng(999), args.question_len, vocab)],
-                                SamplingParams(max_tokens=1))
+                earlier_request(engine, system, args.question_len, vocab, 999)
             med["phases"] = ttft_phases(engine, prompts)
             print(f"{mode} phases (host ms, one token each): {med['phases']}", flush=True)
         outputs[mode] = answers  # every mode sees the same prompts (the question seeds repeat)

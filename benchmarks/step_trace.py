@@ -173,7 +173,6 @@ def trace_prefill(model, T: int, steps: int, rows: dict, seqs: int = 1, context:
         qsl = [i * per for i in range(seqs + 1)]
         lay = SeqLayout(qsl, [context] * seqs, [list(range(i * nb, (i + 1) * nb)) for i in range(seqs)],
                         list(range(seqs)), 128)
-        T = per * seqs
         ids = mx.random.randint(0, model.config.vocab_size, (T,)).astype(mx.int32)
         last = mx.array([q - 1 for q in qsl[1:]])
 
@@ -212,6 +211,9 @@ def main():
     ap.add_argument("--prefill-context", type=int, default=0, help="tokens each of them has cached already")
     ap.add_argument("--json")
     a = ap.parse_args()
+    if a.prefill and (a.prefill_seqs < 1 or a.prefill % a.prefill_seqs or a.prefill_context < 0):
+        ap.error(f"--prefill {a.prefill} must split evenly over --prefill-seqs {a.prefill_seqs} (>= 1), "
+                 f"and --prefill-context must be >= 0")
     variants = {"defaults": {}, **{spec: parse_rows(spec, source="--variants") for spec in a.variants}}  # typos fail now
     model = random_model(SHAPES[a.shape](), quantize=QuantSpec(4, 64), dtype=mx.bfloat16)
     res = {"mlx": mx.__version__, "shape": a.shape, "batch": a.batch, "past": a.past, "variants": {}}

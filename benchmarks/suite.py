@@ -54,10 +54,21 @@ def _alarm(signum, frame):
     raise PartTimeout
 
 
+def split_part(p: str) -> tuple[str, str, str]:
+    """"NAME[@ROWS][:SECONDS]" -> (NAME, ROWS, SECONDS); ROWS may hold ':'-free "ROW=V,ROW=V"."""
+    spec, _, secs = p.rpartition(":") if ":" in p else (p, "", "")
+    name, _, rows = spec.partition("@")
+    return name, rows, secs
+
+
+def json_name(base: str, tag: str) -> str:
+    """A part's JSON file, named after its selection rows when it ran under some (file-name-safe)."""
+    return base.replace(".json", "-" + re.sub(r"[^A-Za-z0-9_]+", "-", tag) + ".json") if tag else base
+
+
 def check(model, argv: list[str], out: str, tag: str = "") -> None:
     """Compiled decode with the selection table's in-place writes and fused launches vs uncompiled without
     them vs the one-shot forward."""
-    from mtlqwen.kernels.selection import selected  # noqa: PLC0415
     from mtlqwen.runtime import Engine, SamplingParams  # noqa: PLC0415
 
     vocab, gen = model.config.vocab_size, 48
@@ -94,15 +105,14 @@ def check(model, argv: list[str], out: str, tag: str = "") -> None:
               f"{first} (ref top-2 gap there {top2}); uncompiled vs one-shot: "
               f"{report[-1]['uncompiled_vs_one_shot_differ']} of {gen} differ, worst gap {max(gaps):.2e}", flush=True)
     if out:
-        with open(os.path.join(out, "check-" + re.sub(r"[^A-Za-z0-9_]+", "-", tag) + ".json" if tag else "check.json"), "w") as f:
+        with open(os.path.join(out, json_name("check.json", tag)), "w") as f:
             json.dump({"mlx": mx.__version__, "gen": gen, "prompts": report}, f, indent=1)
 
 
-def script_part(module: str, json_name: str):
+def script_part(module: str, base: str):
     def run(model, argv: list[str], out: str, tag: str = "") -> None:
         mod = __import__(module)
-        name = json_name.replace(".json", "-" + re.sub(r"[^A-Za-z0-9_]+", "-", tag) + ".json") if tag else json_name
-        mod.main(argv + (["--json", os.path.join(out, name)] if out else []))
+        mod.main(argv + (["--json", os.path.join(out, json_name(base, tag))] if out else []))
     return run
 
 
@@ -126,10 +136,15 @@ def main(argv=None) -> int:
         os.makedirs(args.out, exist_ok=True)
     extra = {k: v.split() for k, _, v in (a.partition("=") for a in args.args)}
     for p in args.parts:
-        name, _, rows = p.rpartition(":")[0].partition("@") if ":" in p else p.partition("@")
+        name, rows, secs = split_part(p)
         if name not in PARTS:
             ap.error(f"unknown part {p!r}; parts: {', '.join(PARTS)}")
-        parse_rows(rows, source="--parts")  # a typo fails before the weights are built
+        if secs and not secs.isdigit():
+            ap.error(f"part {p!r}: the time limit {secs!r} is not a whole number of seconds")
+        try:
+            parse_rows(rows, source="--parts")  # a typo fails before the weights are built
+        except ValueError as e:
+            ap.error(str(e))
 
     t = time.perf_counter()
     model, name = build_model(SimpleNamespace(model=None, shape=args.shape, bits=4, group_size=64))
@@ -138,8 +153,8 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGALRM, _alarm)
     status = {}
     for p in args.parts:
-        spec, _, secs = p.rpartition(":") if ":" in p else (p, "", "")
-        part, _, tag = spec.partition("@")
+        part, tag, secs = split_part(p)
+        spec = f"{part}@{tag}" if tag else part
         argv_p = (["--shape", args.shape] if part != "check" else []) + extra.get(part, [])
         t = time.perf_counter()
         signal.alarm(int(secs or 0))
@@ -147,9 +162,7 @@ def main(argv=None) -> int:
             with selected(parse_rows(tag, source="--parts")):
                 if tag:
                     print(f"[suite] {spec}: under {tag}", flush=True)
-                    PARTS[part](model, argv_p, args.out, tag)
-                else:
-                    PARTS[part](model, argv_p, args.out)
+                PARTS[part](model, argv_p, args.out, tag)
             status[spec] = "ok"
         except PartTimeout:
             status[spec] = f"cut at its {secs} s limit"

@@ -224,6 +224,24 @@ def test_gdn_chunk_kernel_metal_emulated(seed, lens, geom, dtype, inplace):
     _check([out[0], states], ref, dtype, f"emulated chunk, inplace={inplace}")
 
 
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the Metal emulator")
+def test_gdn_chunk_min_t_picks_the_kernel_by_the_longest_segment():
+    """SELECT["gdn_chunk_min_t"]: a batch whose longest segment exceeds it runs the chunk scan, otherwise the
+    recurrence; candidates always the recurrence. Segments of 20 and 33 tokens against thresholds 32 / 33 / 16."""
+    from mtlqwen.kernels import metal_emulator  # noqa: PLC0415
+    from mtlqwen.kernels.gdn.kernels import run_gdn  # noqa: PLC0415
+    from mtlqwen.kernels.selection import selected  # noqa: PLC0415
+
+    args, layout = make_case(3, [20, 33], 1, 2, 16, 16)
+    picked = {}
+    with metal_emulator.emulating() as launches:
+        for row, cand in ((32, False), (33, False), (16, True)):
+            with selected({"gdn_chunk_min_t": row}):
+                mx.eval(run_gdn(**args, layout=layout, candidates=cand))
+            picked[(row, cand)] = launches[-1].kernel
+    assert picked == {(32, False): "gdn_chunk", (33, False): "gdn_recurrent", (16, True): "gdn_recurrent_cand"}
+
+
 def packed_case(args: dict) -> tuple[mx.array, tuple]:
     """The conv-output layout of a case: y [T, 2*Hk*dk + Hv*dv] = q | k | v channels, and its heads."""
     q, k, v = args["q"], args["k"], args["v"]

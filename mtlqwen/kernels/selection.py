@@ -158,7 +158,8 @@ SELECT: dict[str, int] = {
     # of `prefill_eval_layers` (mx.async_eval) while the host still builds the rest; 0 = one evaluation at the
     # end. H200 (step_trace.py --prefill, benchmarks/prefix_cache.md): a 512-row 9B chunk 42.1 -> 35.9 ms wall
     # (0 / 8 layers; 2: 36.8, 4: 38.9), a warm prefix hit's step (8 x 64 over 2048) 37.2 -> 30.4, a 1024-row
-    # 35B-A3B chunk 87.3 -> 68.0 (4: 67.0): the host built all ~800-2,500 launches before the first ran.
+    # 35B-A3B chunk 87.3 -> 67.0 / 68.0 (groups of 4 / 10; 8 not traced there, its prefill e2e ran with 8):
+    # the host built all ~800-2,500 launches before the first ran.
     "prefill_eval_layers": 8,
     "prefill_eval_min_rows": 256,
     # Warps a prefill-attention block (16 query rows each, attention/prefill.py): 8 = 128 query rows per 64-key

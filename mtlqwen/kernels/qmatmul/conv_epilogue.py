@@ -3,7 +3,7 @@
     mixed = x @ W_0^T                          (rounded to x's dtype, as `linear` returns it)
     y_0   = silu(sum_j w[:, j] * concat(old conv rows, mixed)[j])   the conv output the delta rule reads
     new conv rows = (old rows 1.., mixed)      written into the conv pool's rows in place
-    y_p   = x @ W_p^T for p = 1..P-1           (z, b, a)
+    y_p   = x @ W_p^T for p = 1, 2, 3          (z, b, a)
 
 Why: at decode the conv is its own launch after the projections, one a GDN layer (24 a 9B step, 30 a
 35B-A3B step), each ~10-15 us of MLX host time in a host-bound step (benchmarks/decode_profile.md). The conv
@@ -51,32 +51,25 @@ CONV_STORE = r"""if (n < N) {
           }
         }"""
 
-_KERNELS: dict[int, object] = {}
+PROJECTIONS = 4  # the GDN layer's qkv, z, b, a
 
 
-def _example(P: int, dt, bits: int) -> KernelExample:
+def _example(dt, bits: int) -> KernelExample:
     """The Qwen3.5-9B GDN projections (K 4096; qkv 8192, z 4096, b and a 32 rows, g64), conv K 4, for the
     compile checks (check_metal's trial runs these template values at a smaller K and N)."""
-    ns = [8192, 4096, 32, 32][:P]
-    wq = [[(mx.uint32, (n, 4096 * bits // 32)), (dt, (n, 64)), (dt, (n, 64))] for n in ns]
+    wq = [[(mx.uint32, (n, 4096 * bits // 32)), (dt, (n, 64)), (dt, (n, 64))] for n in (8192, 4096, 32, 32)]
     ins = [(dt, (2, 4096))] + [a for w in wq for a in w] + [(dt, (8192, 4)), (dt, (5, 3, 8192)), (mx.int32, (2,))]
-    tmpl = [("T", dt), ("XK", XKIND[dt]), ("BITS", bits), ("GS", 64), ("MT", 2), ("R", 4), ("U", 1), ("P", P),
-            ("EPI", 0), ("PF", bits == 4), ("NP", bits == 4), ("PT", dt), ("KC", 4)]
-    return KernelExample(inputs=ins, outputs=[dt] * P, template=tmpl)
+    tmpl = [("T", dt), ("XK", XKIND[dt]), ("BITS", bits), ("GS", 64), ("MT", 2), ("R", 4), ("U", 1),
+            ("P", PROJECTIONS), ("EPI", 0), ("PF", bits == 4), ("NP", bits == 4), ("PT", dt), ("KC", 4)]
+    return KernelExample(inputs=ins, outputs=[dt] * PROJECTIONS, template=tmpl)
 
 
-def kernel(P: int):
-    if P not in _KERNELS:
-        store = CONV_STORE.replace("YSEL", ptr_select("y", P))
-        _KERNELS[P] = portable_kernel(
-            name=f"mtl_qmv_conv_p{P}", input_names=["x"] + [f"{a}{i}" for i in range(P) for a in ("w", "s", "b")]
-            + ["convw", "pool", "rows"], output_names=[f"y{i}" for i in range(P)], body=fma_body(P, 0, store=store),
-            header=HEADER, examples=[_example(P, dt, bits) for dt in (mx.bfloat16, mx.float32) for bits in (4, 8)])
-    return _KERNELS[P]
-
-
-PROJECTIONS = 4  # the GDN layer's qkv, z, b, a: the one instantiation (declared at import for check_metal)
-kernel(PROJECTIONS)
+QMV_CONV = portable_kernel(
+    name=f"mtl_qmv_conv_p{PROJECTIONS}",
+    input_names=["x"] + [f"{a}{i}" for i in range(PROJECTIONS) for a in ("w", "s", "b")] + ["convw", "pool", "rows"],
+    output_names=[f"y{i}" for i in range(PROJECTIONS)],
+    body=fma_body(PROJECTIONS, 0, store=CONV_STORE.replace("YSEL", ptr_select("y", PROJECTIONS))),
+    header=HEADER, examples=[_example(dt, bits) for dt in (mx.bfloat16, mx.float32) for bits in (4, 8)])
 
 
 def one_token_each(layout: SeqLayout) -> bool:
@@ -88,11 +81,9 @@ def one_token_each(layout: SeqLayout) -> bool:
 
 def covers(x: mx.array, ps: list[LinearParams], conv_w: mx.array, conv_pool: mx.array, layout: SeqLayout) -> bool:
     M = x.shape[0] if x.ndim == 2 else 0
-    mma_from = SELECT["qmv_mma_min_rows"]
     N0 = ps[0].out_features if ps else 0
     return (SELECT["qmv_conv_epilogue"] == 1 and gpu_backend() is not None and len(ps) == PROJECTIONS
-            and 1 <= M <= SELECT["qmv_max_rows"] and not (0 < mma_from <= M and gpu_backend() == "cuda")
-            and M == layout.num_seqs and one_token_each(layout) and x.dtype in FLOATS
+            and gemv.fma_serves(M) and M == layout.num_seqs and one_token_each(layout) and x.dtype in FLOATS
             and conv_w.ndim == 2 and conv_w.shape[0] == N0 and 2 <= conv_w.shape[1] <= 8 and conv_w.dtype in FLOATS
             and conv_pool.ndim == 3 and conv_pool.shape[1:] == (conv_w.shape[1] - 1, N0) and conv_pool.dtype in FLOATS
             and gemv.qmv_supported(x, ps))
@@ -100,21 +91,24 @@ def covers(x: mx.array, ps: list[LinearParams], conv_w: mx.array, conv_pool: mx.
 
 def qmv_conv(x: mx.array, ps: list[LinearParams], conv_w: mx.array, conv_pool: mx.array, layout: SeqLayout,
              init_value: float | None = None, cfg: tuple[int, int, int] | None = None) -> list[mx.array]:
-    """The launch: x [M, K] (row m = sequence m) -> [silu(conv) [M, N0], x W_1^T, ...]; conv_pool's rows
+    """The launch: x [M, K] (row m = sequence m), the four projections -> [silu(conv) [M, N0], z, b, a]; conv_pool's rows
     state_rows[m] hold the new conv states afterwards (the caller makes later readers depend on y0).
     cfg = (R, U, PF) overrides the qmv's blocking and prefetch (check_metal's trials)."""
+    if len(ps) != PROJECTIONS:
+        raise ValueError(f"qmv_conv takes the GDN layer's {PROJECTIONS} projections (qkv, z, b, a), got {len(ps)}")
     M, K = x.shape
     p0 = ps[0]
     R, U = cfg[:2] if cfg is not None else qmv_config(gemv.row_bucket(M), K, p0.bits, N=p0.out_features)
     nblocks = sum((p.out_features + 4 * R - 1) // (4 * R) for p in ps)
-    return kernel(len(ps))(
+    return QMV_CONV(
         gpu_backend(),
         inputs=gemv.fma_inputs(x, ps) + [conv_w, conv_pool, layout.array("state_rows")],
         output_shapes=[(M, p.out_features) for p in ps],
         output_dtypes=[x.dtype] * len(ps),
         grid=(nblocks * 128, 1, 1),
         threadgroup=(128, 1, 1),
-        template=gemv.fma_template(x, p0, R, U, len(ps), 0, cfg[2] if cfg is not None else None) + [("PT", conv_pool.dtype), ("KC", conv_w.shape[1])],
+        template=gemv.fma_template(x, p0, R, U, PROJECTIONS, 0, cfg[2] if cfg is not None else None)
+        + [("PT", conv_pool.dtype), ("KC", conv_w.shape[1])],
         init_value=gemv.POISON if init_value is None else init_value,
     )
 

@@ -162,6 +162,13 @@ def _use_qgemm(x2: mx.array, ps: list[LinearParams]) -> bool:
             and qgemm.supported(x2, ps))
 
 
+def fma_serves(M: int) -> bool:
+    """The FMA qmv (not the tensor-core variant) serves M rows: the rows its epilogues (residual.py,
+    conv_epilogue.py) can fuse into, as the tensor-core variant has none."""
+    mma_from = SELECT["qmv_mma_min_rows"]
+    return 1 <= M <= SELECT["qmv_max_rows"] and not (0 < mma_from <= M and gpu_backend() == "cuda")
+
+
 def qmv_rows_exceeded(x2: mx.array) -> bool:
     return x2.shape[0] > SELECT["qmv_max_rows"]
 

@@ -143,9 +143,7 @@ def covers(x: mx.array, p: LinearParams, h: mx.array) -> bool:
     """The FMA qmv's shapes (the tensor-core variant has no epilogue: from its row threshold on, the
     caller runs the projection and `add_rms_norm` apart), a residual of the output's shape and dtype."""
     M = x.shape[0] if x.ndim == 2 else 0
-    mma_from = SELECT["qmv_mma_min_rows"]
-    return (SELECT["qmv_residual_norm"] == 1 and gpu_backend() is not None and x.ndim == 2
-            and 1 <= M <= SELECT["qmv_max_rows"] and not (0 < mma_from <= M and gpu_backend() == "cuda")
+    return (SELECT["qmv_residual_norm"] == 1 and gpu_backend() is not None and x.ndim == 2 and gemv.fma_serves(M)
             and h.shape == (M, p.out_features) and h.dtype == x.dtype and x.dtype in FLOATS
             and p.out_features <= 128 * MAX_EPT
             and gemv.qmv_supported(x, [p]))
