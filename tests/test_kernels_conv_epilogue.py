@@ -229,6 +229,10 @@ def test_decode_logits_with_the_epilogue_match_without():
             cache = model.make_cache(B + 1, B + 1, 128)
             tables = [[i] for i in range(B)]
             model.hidden(prompt, SeqLayout([i * L for i in range(B + 1)], [0] * B, tables, list(range(1, B + 1)), 128), cache)
+            # the prefill in its own evaluation, as the engine runs every step: within one evaluation MLX's CUDA
+            # graphs order kernels by the buffers they declare as outputs, so the decode step's conv (either
+            # form) could read the pool before the prefill's in-place write (docs/design.md, in-place writes)
+            mx.eval(cache.arrays())
             outs = []
             for s, tok in enumerate(toks):
                 lay = SeqLayout(list(range(B + 1)), [L + s] * B, tables, list(range(1, B + 1)), 128)

@@ -99,8 +99,10 @@ SELECT: dict[str, int] = {
     "qmv_residual_norm": 1,
     # Decode rows (one token a sequence) of a GDN layer: the input projections' qmv does the causal conv +
     # SiLU and the conv-state write in its epilogue (qmatmul/conv_epilogue.py), one launch a GDN layer
-    # fewer (24 a 9B step). Off until its GPU test (tests/test_kernels_conv_epilogue.py) passes on the H200.
-    "qmv_conv_epilogue": 0,
+    # fewer (24 a 9B step). Its GPU tests pass on the H200, the model's decode logits bit for bit those of the
+    # two launches; same process A/B (suite.py e2e@): 9B batch-1 decode 228.7 -> 274.0 tok/s, batch 8 1,579
+    # -> 1,594; 35B-A3B 200.9 -> 206.0 and 1,136 -> 1,188 (benchmarks/decode_profile.md).
+    "qmv_conv_epilogue": 1,
     # The residual epilogue's columns a thread takes per pass (qmatmul/residual.py): 0 = all of them in one
     # pass, held in registers; 8 = two passes of 8 at a time, which keeps the whole kernel at 55 registers
     # at M=1 (107 with one pass, the plain qmv 64: ptxas -v, sm_90), so the GEMV keeps its resident SIMD

@@ -144,16 +144,17 @@ H200_9B_COSTS = StepCosts(
 
 # The same pair, compiled steps (Engine(compile_decode=True): decode-with-taps, all-verify steps, the drafter
 # pass and its context write through mx.compile), forced acceptance of min(6, N) drafts, the engine's commit
-# mode. The engine's default table when it compiles. Rows 1 and 8: spec_trace.py with the packed verification
-# path (benchmarks/spec.md "Where a speculative step's time goes", results/spec-trace-9b-b1-b8-packed-verify.json;
-# 1 x 15 with candidates, the engine's mode now); row 32: the earlier compiled run
-# (results/spec-compiled-b1-b8-b32.json), where drafting cannot pay either way.
+# mode, at every draft length the engine sends (draft_lengths: 1, 3, 7, 15), so that no cost is interpolated
+# across the fixed cost of a speculative step. Column 0: the engine with the drafter loaded and nobody drafting.
+# The engine's default table when it compiles (benchmarks/spec.md "End to end"; results/spec-costs-buckets.json):
+#   source .device/env.sh && python benchmarks/spec_bench.py --seqs 1 8 32 --n-draft 0 1 3 7 15 --commit auto \
+#     --accept 6 --compile on --no-parts --steps 10 --warmup 2
 H200_9B_COMPILED_COSTS = StepCosts(
     seqs=(1, 8, 32),
-    drafts=(0, 7, 15),
-    ms=((4.42, 13.92, 13.15),
-        (5.86, 35.39, 53.16),
-        (9.58, 87.45, 103.67)),
+    drafts=(0, 1, 3, 7, 15),
+    ms=((4.84, 12.71, 14.05, 10.01, 12.03),
+        (6.42, 15.54, 16.48, 20.50, 34.75),
+        (10.85, 21.35, 40.30, 44.79, 56.75)),
 )
 
 

@@ -1,0 +1,116 @@
+"""Speculative decoding end to end: the engine's decode rate with a drafter against without, per batch size.
+
+    python benchmarks/spec_e2e_bench.py --seqs 1 8 32 --accept 5        # Qwen3.5-9B shape + the 9B drafter shape
+    python benchmarks/spec_e2e_bench.py --shape demo --seqs 1 2 --prompt-len 32 --gen 24   # CPU smoke run
+
+spec_bench.py times one step of each kind; this runs the engine as `Engine.generate` does and counts tokens.
+S requests of --prompt-len random tokens are submitted together (EOS ignored, --gen tokens each); once every
+one of them is decoding, the engine steps until all finish, and the decode rate is the generated tokens over
+that time (every host cost of a step included: scheduling, the draft policy, read-back, commit).
+
+Weights are random (spec_bench.py's target and drafter), so the drafter's own proposals are almost never
+accepted: --accept K makes every verification accept min(K, its drafts) drafts (spec_bench.forced_acceptance),
+so a step that drafts n >= K yields tau = K + 1 tokens. The adaptive policy (the engine's default on the GPU
+kernels; --policy) sees that acceptance and picks each step's draft length from its step-cost table, or no
+drafting where the table says a plain step yields more (large batches). Reported per batch size: plain and
+speculative tok/s, their ratio, tau (mean_acceptance_length) and the share of steps that verified.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import mlx.core as mx
+
+from mtlqwen.runtime import Engine, SamplingParams
+from mtlqwen.runtime.block_pool import BlockPool
+
+from spec_bench import build_target, forced_acceptance, random_drafter
+
+
+def decode_rate(eng: Engine, prompts: list[list[int]], gen: int, speculative: bool) -> tuple[float, int]:
+    """(generated tok/s from the step where every request decodes to the last finish, tokens counted)."""
+    for p in prompts:
+        eng.submit(p, SamplingParams(max_tokens=gen, ignore_eos=True, speculative=speculative))
+    running = eng.scheduler.running
+    while len(running) < len(prompts) or any(len(s.tokens) <= s.prompt_len for s in running):
+        eng.step()
+        if not eng.has_work():
+            raise RuntimeError("requests finished before every one of them was decoding")
+    mx.synchronize()
+    g0, t0 = eng.counters["generated_tokens"], time.perf_counter()
+    while eng.has_work():
+        eng.step()
+    mx.synchronize()
+    n = eng.counters["generated_tokens"] - g0
+    return n / (time.perf_counter() - t0), n
+
+
+def engine_for(model, drafter, S: int, args) -> Engine:
+    need = BlockPool.blocks_for(args.prompt_len + args.gen + 32, 128)
+    spec = dict(draft=drafter, draft_policy=args.policy, n_draft=args.n_draft,
+                **({"draft_costs": args.costs} if args.costs else {})) if drafter is not None else {}
+    return Engine(model, slots=S, block_tokens=128, num_blocks=S * need + 1, prefix_interval=0, **spec)
+
+
+def run(model, drafter, S: int, args) -> dict:
+    """One batch size: a warm-up pass of each engine (compiles its traces), then the measured pass."""
+    prompts = mx.random.randint(0, model.config.vocab_size, (S, args.prompt_len), key=mx.random.key(S)).tolist()
+    plain, spec = engine_for(model, None, S, args), engine_for(model, drafter, S, args)
+    with forced_acceptance(args.accept):
+        for _ in range(2):  # the first pass meets every trace of the workload; the second is timed
+            plain_rate, plain_n = decode_rate(plain, prompts, args.gen, False)
+            s0 = {k: spec.stats()[k] for k in ("spec_steps", "plain_steps", "accepted_tokens", "spec_verifications")}
+            spec_rate, spec_n = decode_rate(spec, prompts, args.gen, True)
+    st = spec.stats()
+    d = {k: st[k] - s0[k] for k in s0}
+    steps = d["spec_steps"] + d["plain_steps"]
+    return {"seqs": S, "accept": args.accept, "policy": st["draft_policy"],
+            "plain_tok_s": plain_rate, "spec_tok_s": spec_rate, "speedup": spec_rate / plain_rate,
+            "tau": 1 + d["accepted_tokens"] / max(1, d["spec_verifications"]),
+            "verifying_step_share": d["spec_steps"] / max(1, steps), "steps": steps,
+            "tokens": [plain_n, spec_n]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=["9b", "demo"], default="9b")
+    ap.add_argument("--bits", type=int, default=4, help="target quantization bits (0 = bf16)")
+    ap.add_argument("--draft-bits", type=int, default=0, help="drafter quantization bits (0 = bf16, as published)")
+    ap.add_argument("--seqs", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--accept", type=int, default=5, help="drafts each verification accepts (tau = K + 1)")
+    ap.add_argument("--policy", choices=["adaptive", "fixed"], default="adaptive")
+    ap.add_argument("--n-draft", type=int, default=None, help="Engine(n_draft=...): fixed drafts, adaptive's cap")
+    ap.add_argument("--costs", default=None, help="the adaptive policy's step-cost table: spec_bench.py --json output "
+                                                  "(default: the engine's own)")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--gen", type=int, default=256, help="tokens generated per request")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+    if args.accept < 0:
+        ap.error("--accept must be >= 0")
+    model = build_target(args.shape, args.bits)
+    drafter = random_drafter(args.shape, model, args.draft_bits)
+    print(f"device {mx.default_device()}, target {args.shape}, drafter {drafter.config.num_hidden_layers} layers, "
+          f"{args.policy} policy, accept {args.accept} (tau {args.accept + 1} when drafting >= {args.accept})",
+          flush=True)
+    rows = []
+    for S in args.seqs:
+        rows.append(run(model, drafter, S, args))
+        print(json.dumps(rows[-1]), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "device": str(mx.default_device()), "rows": rows}, f, indent=1)
+    print("\n| seqs | plain tok/s | with drafter tok/s | speed-up | tau | steps that verified |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['seqs']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {r['tau']:.2f} "
+              f"| {r['verifying_step_share']:.0%} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
