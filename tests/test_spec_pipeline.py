@@ -1,6 +1,6 @@
 """The pipelined speculative step (Engine(spec_pipeline=True), runtime/spec_pipeline.py) on the tiny random
 target and drafter (CPU, compiled traces): greedy outputs equal the synchronous engine's and plain
-decoding's under random acceptance, max_tokens / a stop token / a cancel mid-run, at 1, 3 and 4 sequences;
+decoding's under random acceptance, max_tokens / a stop token / a cancel mid-run, at 1, 3, 4 and 8 sequences;
 pipelined steps are counted; nothing leaks."""
 
 from __future__ import annotations
@@ -84,15 +84,15 @@ def plain(model, prompts, sps, slots):
     return Engine(model, slots=slots, num_blocks=48, **{k: v for k, v in KW.items() if k != "n_draft"}).generate(prompts, sps)
 
 
-@pytest.mark.parametrize("slots", [1, 3, 4])
+@pytest.mark.parametrize("slots", [1, 3, 4, 8])
 @pytest.mark.parametrize("noise", [0.0, 0.35])
 def test_pipelined_equals_synchronous_and_plain(model, drafter, slots, noise):
     """max_tokens differ per request (each hits its limit mid-run of the others); one request stops on a
     stop token inside a verification's run. Same tokens as plain decoding and as the synchronous engine,
     the same drafts and acceptances (the pipelined step repeats the draft counts the synchronous rule would
     choose), fewer synchronous read-backs; the pool, slots and scheduler are empty afterwards."""
-    prompts = [random_token_ids(n, 500, seed=300 + n + slots) for n in (11, 26, 5, 17)][:slots]
-    sps = [greedy(mt, ignore_eos=True) for mt in (37, 23, 30, 41)][:slots]
+    prompts = [random_token_ids(n, 500, seed=300 + n + slots) for n in (11, 26, 5, 17, 8, 20, 14, 29)][:slots]
+    sps = [greedy(mt, ignore_eos=True) for mt in (37, 23, 30, 41, 19, 33, 27, 45)][:slots]
     base = plain(model, prompts, sps, slots)
     if slots > 1:  # a stop token that plain decoding emits mid-run of request 1
         stop = base[1].token_ids[12]
