@@ -28,7 +28,7 @@ import mlx.core as mx
 from mtlqwen.runtime import Engine, SamplingParams
 from mtlqwen.runtime.block_pool import BlockPool
 
-from spec_bench import build_target, forced_acceptance, random_drafter
+from spec_bench import build_target, forced_acceptance, random_drafter, write_json
 
 
 def decode_rate(eng: Engine, prompts: list[list[int]], gen: int, speculative: bool) -> tuple[float, int]:
@@ -101,9 +101,7 @@ def main(argv=None) -> int:
     for S in args.seqs:
         rows.append(run(model, drafter, S, args))
         print(json.dumps(rows[-1]), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"args": vars(args), "device": str(mx.default_device()), "rows": rows}, f, indent=1)
+        write_json(args, rows)  # after every row: a run cut short keeps what it measured
     print("\n| seqs | plain tok/s | with drafter tok/s | speed-up | tau | steps that verified |")
     print("|---|---|---|---|---|---|")
     for r in rows:
