@@ -27,8 +27,18 @@ from mtlqwen.model.config import QuantSpec
 B, L, STEPS = 4, 40, 3
 
 
-def run(model, prompt: mx.array, toks: list[mx.array], row: int, eval_prefill: bool) -> np.ndarray:
-    """Logits [STEPS, B, vocab] of the decode steps after the prefill (each decode step evaluated)."""
+def toy_model():
+    """The Qwen3.5-9B layer geometry at 4 layers (3 GDN, 1 attention), 4-bit, a 4096-token vocabulary."""
+    c = qwen35_9b_config()
+    c.num_hidden_layers, c.layer_types, c.vocab_size = 4, c.layer_types[:4], 4096
+    return random_model(config=c, quantize=QuantSpec(4, 64))
+
+
+def run(model, prompt: mx.array, toks: list[mx.array], row: int, eval_prefill: bool) -> list[np.ndarray]:
+    """A prefill of B sequences of L tokens (prompt [B * L]), then one decode step per token array in toks
+    ([B] each, every step evaluated), with SELECT["qmv_conv_epilogue"] = row -> each step's logits [B, vocab],
+    then every GDN layer's conv pool, as float32. eval_prefill: the prefill in its own evaluation, as the
+    engine runs steps; else built lazily into the first decode step's evaluation."""
     with selected({"qmv_conv_epilogue": row}):
         cache = model.make_cache(B + 1, B + 1, 128)
         tables = [[i] for i in range(B)]
@@ -40,20 +50,20 @@ def run(model, prompt: mx.array, toks: list[mx.array], row: int, eval_prefill: b
             lay = SeqLayout(list(range(B + 1)), [L + s] * B, tables, list(range(1, B + 1)), 128)
             outs.append(model.forward(tok, lay, cache, logits_rows=mx.arange(B)))
             mx.eval(outs, cache.arrays())
-        return np.stack([np.array(o.astype(mx.float32)) for o in outs])
+        return [np.array(a.astype(mx.float32)) for a in (*outs, *cache.conv_states)]
 
 
-def rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+def rel(a: list[np.ndarray], b: list[np.ndarray], steps: int = STEPS) -> float:
+    """The largest logit difference over the largest logit, across the decode steps."""
+    x, y = np.stack(a[:steps]), np.stack(b[:steps])
+    return float(np.max(np.abs(x - y)) / np.max(np.abs(y)))
 
 
 def main() -> None:
-    c = qwen35_9b_config()
-    c.num_hidden_layers, c.layer_types, c.vocab_size = 4, c.layer_types[:4], 4096
-    model = random_model(config=c, quantize=QuantSpec(4, 64))
+    model = toy_model()
     rng = np.random.default_rng(0)
-    prompt = mx.array(rng.integers(0, c.vocab_size, B * L).astype(np.int32))
-    toks = [mx.array(rng.integers(0, c.vocab_size, B).astype(np.int32)) for _ in range(STEPS)]
+    prompt = mx.array(rng.integers(0, model.config.vocab_size, B * L).astype(np.int32))
+    toks = [mx.array(rng.integers(0, model.config.vocab_size, B).astype(np.int32)) for _ in range(STEPS)]
     for trial in range(3):
         ref = run(model, prompt, toks, 0, True)
         print(f"trial {trial}: one evaluation (prefill+decode), row off, vs prefill evaluated first: rel "

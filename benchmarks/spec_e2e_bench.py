@@ -1,7 +1,7 @@
 """Speculative decoding end to end: the engine's decode rate with a drafter against without, per batch size.
 
     python benchmarks/spec_e2e_bench.py --seqs 1 8 32 --accept 5        # Qwen3.5-9B shape + the 9B drafter shape
-    python benchmarks/spec_e2e_bench.py --shape demo --seqs 1 2 --prompt-len 32 --gen 24   # CPU smoke run
+    python benchmarks/spec_e2e_bench.py --shape demo --seqs 2 --prompt-len 32 --gen 24 --accept 3 --policy fixed --n-draft 3   # CPU smoke
 
 spec_bench.py times one step of each kind; this runs the engine as `Engine.generate` does and counts tokens.
 S requests of --prompt-len random tokens are submitted together (EOS ignored, --gen tokens each); once every

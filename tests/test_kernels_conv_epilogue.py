@@ -7,7 +7,9 @@ rendering on a GPU (skipped on the CPU)."""
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +25,16 @@ from mtlqwen.kernels.selection import selected
 
 from gpu_checks import GPU_SETTINGS, n_examples, needs_gpu
 from test_kernels_qmatmul import make_params, ref32, rel_err
+
+
+def _inplace_order_check():
+    """benchmarks/inplace_order_check.py as a module (its model and decode driver)."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "inplace_order_check.py"
+    spec = importlib.util.spec_from_file_location("inplace_order_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
 
 DT = {"bfloat16": mx.bfloat16, "float32": mx.float32}
 TOL = {mx.float32: 2e-5, mx.bfloat16: 2e-2}
@@ -212,34 +224,15 @@ def test_conv_epilogue_at_the_9b_shape(M):
 def test_decode_logits_with_the_epilogue_match_without():
     """Qwen3.5-9B layer geometry (4 layers, 4-bit, smaller vocab): a prefill, then 6 decode steps of 4 sequences
     (the FMA qmv's rows) with the row on and off, fed the same tokens (an argmax-fed run turns one near-tie flip
-    into different inputs from then on) -> logits and conv pools within bf16 rounding of each other."""
-    from mtlqwen.model.builtin import qwen35_9b_config, random_model  # noqa: PLC0415
-    from mtlqwen.model.config import QuantSpec  # noqa: PLC0415
-
-    c = qwen35_9b_config()
-    c.num_hidden_layers, c.layer_types, c.vocab_size = 4, c.layer_types[:4], 4096
-    model = random_model(config=c, quantize=QuantSpec(4, 64))
+    into different inputs from then on) -> logits and conv pools within bf16 rounding of each other. The prefill
+    is its own evaluation, as the engine runs every step: within one evaluation MLX's CUDA graphs order kernels
+    by the buffers they declare as outputs, so the decode step's conv (either form) could read the pool before
+    the prefill's in-place write (docs/design.md, "In-place writes"; benchmarks/inplace_order_check.py)."""
+    check = _inplace_order_check()
+    model = check.toy_model()
     rng = np.random.default_rng(0)
-    B, L, steps = 4, 40, 6
-    prompt = mx.array(rng.integers(0, c.vocab_size, B * L).astype(np.int32))
-    toks = [mx.array(rng.integers(0, c.vocab_size, B).astype(np.int32)) for _ in range(steps)]
-
-    def run(row: int):
-        with selected({"qmv_conv_epilogue": row}):
-            cache = model.make_cache(B + 1, B + 1, 128)
-            tables = [[i] for i in range(B)]
-            model.hidden(prompt, SeqLayout([i * L for i in range(B + 1)], [0] * B, tables, list(range(1, B + 1)), 128), cache)
-            # the prefill in its own evaluation, as the engine runs every step: within one evaluation MLX's CUDA
-            # graphs order kernels by the buffers they declare as outputs, so the decode step's conv (either
-            # form) could read the pool before the prefill's in-place write (docs/design.md, in-place writes)
-            mx.eval(cache.arrays())
-            outs = []
-            for s, tok in enumerate(toks):
-                lay = SeqLayout(list(range(B + 1)), [L + s] * B, tables, list(range(1, B + 1)), 128)
-                outs.append(model.forward(tok, lay, cache, logits_rows=mx.arange(B)))
-                mx.eval(outs, cache.arrays())
-            return [np.array(o.astype(mx.float32)) for o in outs] + [np.array(a.astype(mx.float32)) for a in cache.conv_states]
-
-    want, got = run(0), run(1)
+    prompt = mx.array(rng.integers(0, model.config.vocab_size, check.B * check.L).astype(np.int32))
+    toks = [mx.array(rng.integers(0, model.config.vocab_size, check.B).astype(np.int32)) for _ in range(6)]
+    want, got = (check.run(model, prompt, toks, row, eval_prefill=True) for row in (0, 1))
     for g, w in zip(got, want):
         assert np.max(np.abs(g - w)) <= 2e-2 * np.max(np.abs(w))
