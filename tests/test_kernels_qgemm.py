@@ -151,3 +151,24 @@ def test_dequantize_kernel_matches_mlx(n, kg, bits, gs, dtype, seed):
     with mx.stream(mx.cpu):
         twin = np.array(mx.dequantize(p.weight, p.scales, p.biases, group_size=gs, bits=bits).astype(mx.float32))
     assert np.all(np.abs(got - twin) <= 4 * half_ulp * (np.abs(sc * q) + np.abs(bi)) + 1e-30)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@settings(max_examples=n_examples(16), **GPU_SETTINGS)
+@given(ns=st.lists(st.integers(1, 300), min_size=1, max_size=4), kg=st.integers(1, 12), bits=st.sampled_from([4, 8]),
+       gs=st.sampled_from([32, 64, 128]), dtype=st.sampled_from(["bfloat16", "float16", "float32"]),
+       seed=st.integers(0, 2**31 - 1))
+def test_dequantize_stack_is_the_matrices_stacked(ns, kg, bits, gs, dtype, seed):
+    """One launch over 1-4 matrices of different heights (outputs poisoned): bit for bit the single-matrix
+    kernel's outputs stacked by rows, which the test above holds to one rounding of s*q + b."""
+    from mtlqwen.kernels.qmatmul import dequant  # noqa: PLC0415
+
+    dequant.POISON = float("nan")
+    dt = DTYPES[dtype]
+    rng = np.random.default_rng(seed)
+    ps = [make_params(rng, n, kg * gs, bits, gs, dt) for n in ns]
+    got = np.array(dequant.dequantize_stack(ps, dt).astype(mx.float32))
+    want = np.concatenate([np.array(dequant.dequantize(p, dt).astype(mx.float32)) for p in ps])
+    assert got.shape == (sum(ns), kg * gs) and np.isfinite(got).all()
+    assert np.array_equal(got, want)

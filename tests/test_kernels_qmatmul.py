@@ -159,6 +159,48 @@ def test_small_k_rows_go_to_dequantize_not_mlx_qmm_on_cuda(monkeypatch):
     assert gemv.linear_kernel(x, p) is None
 
 
+def test_projection_groups_dequantize_in_one_launch(monkeypatch):
+    """Prefill rows (dequant_gemm_min_rows+) on the dequantize + GEMM path: linear_multi's projections dequantize
+    in one stacked launch with every matrix in order, gate+up too (then one GEMM and the SwiGLU over its
+    halves); outputs as the reference's. Fewer rows, mixed bits, or the row off: no stack."""
+    from mtlqwen.kernels.qmatmul import dequant, gemv  # noqa: PLC0415
+
+    calls = []
+
+    def stack_on_cpu(ps, dtype):  # the kernel's result, computed by MLX on the CPU; records each launch
+        calls.append([p.out_features for p in ps])
+        return mx.concatenate([mx.dequantize(p.weight, p.scales, p.biases, group_size=p.group_size, bits=p.bits)
+                               for p in ps]).astype(dtype)
+
+    monkeypatch.setattr(gemv, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(gemv.qgemm, "available", lambda: False)
+    monkeypatch.setattr(dequant, "dequantize_stack", stack_on_cpu)
+    rng = np.random.default_rng(5)
+    bf = mx.bfloat16
+    ps = [make_params(rng, n, 256, 4, 64, bf) for n in (256, 128, 32, 32)]  # a GDN layer's four, scaled down
+    gate, up = (make_params(rng, 128, 256, 4, 64, bf) for _ in range(2))
+    rows = selection.SELECT["dequant_gemm_min_rows"]
+    x = mx.array(rng.standard_normal((rows, 256)).astype(np.float32)).astype(bf)
+    ys = gemv.linear_multi_kernel(x, ps)
+    assert calls == [[256, 128, 32, 32]]
+    for y, p in zip(ys, ps):
+        want = x @ p.dequantized().T
+        assert y.shape == (rows, p.out_features)
+        np.testing.assert_allclose(np.array(y.astype(mx.float32)), np.array(want.astype(mx.float32)), rtol=2e-2, atol=2e-2)
+    y = gemv.swiglu_linear_kernel(x, gate, up)
+    assert calls[1:] == [[128, 128]] and y.shape == (rows, 128)
+    g, u = ((x @ q.dequantized().T).astype(mx.float32) for q in (gate, up))
+    np.testing.assert_allclose(np.array(y.astype(mx.float32)), np.array(g * mx.sigmoid(g) * u), rtol=3e-2, atol=3e-2)
+    calls.clear()
+    # dequantize + GEMM per matrix, no stack: one row fewer (MLX's GEMM: declined), mixed bits, the row off
+    assert gemv.linear_multi_kernel(x[:rows - 1], ps) is None and gemv.swiglu_linear_kernel(x[:rows - 1], gate, up) is None
+    mixed = [ps[0], make_params(rng, 128, 256, 8, 64, bf)]
+    assert gemv.linear_multi_kernel(x, mixed) is None
+    monkeypatch.setitem(selection.SELECT, "dequant_stack", 0)
+    assert gemv.linear_multi_kernel(x, ps) is None and gemv.swiglu_linear_kernel(x, gate, up) is None
+    assert calls == []
+
+
 # ---------------------------------------------------------------- GPU: kernels against references
 def _poisoned(npair: int | None = None):
     """The qmatmul module with outputs poisoned; npair sets the 4-bit nibble-pair unpack for this example."""

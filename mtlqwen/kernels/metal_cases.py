@@ -422,22 +422,26 @@ def _qmv_trials() -> list[Trial]:
 
 
 def _dequant_trials() -> list[Trial]:
-    """The dequantize kernel at the examples' dtypes and bits (K = 512: 8 groups of 64)."""
+    """The dequantize kernel at the examples' dtypes and bits (K = 512: 8 groups of 64), alone and stacking
+    four matrices of different heights (a GDN layer's projections, scaled down)."""
     out = []
     tol = {**TOL, mx.float16: 3e-3}
     for dt in (BF16, mx.float16, F32):
         for bits in (4, 8):
             rng = np.random.default_rng(30 + bits)
-            p = _linear(rng, 48, 512, bits, dt)
+            ps = [_linear(rng, n, 512, bits, dt) for n in (48, 40, 8, 24)]
 
-            def run(p=p, dt=dt):
-                return [_fn("dequantize")(p, dt)]
+            def ref(ps=ps, dt=dt):
+                return [_cpu(lambda: mx.concatenate([
+                    mx.dequantize(p.weight, p.scales.astype(F32), p.biases.astype(F32), group_size=64,
+                                  bits=p.bits) for p in ps]).astype(dt))]
 
-            def ref(p=p, dt=dt):
-                return [_cpu(lambda: mx.dequantize(p.weight, p.scales.astype(F32), p.biases.astype(F32),
-                                                   group_size=64, bits=p.bits).astype(dt))]
-
-            out.append(Trial(f"mtl_dequantize[{_n(dt)} {bits}-bit]", run, ref, [tol[dt]], kernels=("mtl_dequantize",)))
+            out.append(Trial(f"mtl_dequantize_x1[{_n(dt)} {bits}-bit]", lambda p=ps[0], dt=dt: [_fn("dequantize")(p, dt)],
+                             lambda ps=ps, dt=dt: ref(ps[:1], dt), [tol[dt]]))
+            for n in (2, 3, 4) if (dt, bits) == (BF16, 4) else (4,):
+                out.append(Trial(f"mtl_dequantize_x{n}[{_n(dt)} {bits}-bit]",
+                                 lambda ps=ps[:n], dt=dt: [_fn("dequantize_stack")(ps, dt)],
+                                 lambda ps=ps[:n], dt=dt: ref(ps, dt), [tol[dt]]))
     return out
 
 
@@ -475,11 +479,28 @@ def _selection_trials() -> list[Trial]:
     """Ops at the selection table's defaults, at shapes where CUDA would take a CUDA-only variant (the
     tensor-core qmv from SELECT["qmv_mma_min_rows"] rows): on Metal the portable kernel must run instead
     (a CUDA-only launch is a limit violation)."""
+    from .selection import SELECT  # noqa: PLC0415
+
     rng = np.random.default_rng(21)
     x = _rand(rng, 6, 512, dtype=BF16)
     p = _linear(rng, 64, 512, 4, BF16)
+    rows = SELECT["dequant_gemm_min_rows"] + 3  # prefill rows: the stacked dequantize + GEMM
+    xp = _rand(rng, rows, 512, dtype=BF16)
+    ps = [_linear(rng, n, 512, 4, BF16) for n in (256, 128, 32, 32)]
+    gate, up = (_linear(rng, 128, 512, 4, BF16) for _ in range(2))
+
+    def swiglu_ref():
+        g, u = _linear32(xp, gate), _linear32(xp, up)
+        return [_cpu(lambda: (g * mx.sigmoid(g) * u).astype(BF16))]
+
     return [Trial("linear[bfloat16 4-bit M=6, default selection]", lambda: [_fn("linear_kernel")(x, p)],
-                  lambda: [_linear32(x, p).astype(BF16)], [TOL[BF16]], kernels=("mtl_qmv_p1_e0",))]
+                  lambda: [_linear32(x, p).astype(BF16)], [TOL[BF16]], kernels=("mtl_qmv_p1_e0",)),
+            Trial(f"linear_multi[bfloat16 4-bit M={rows}, 4 projections, default selection]",
+                  lambda: list(_fn("linear_multi_kernel")(xp, ps)),
+                  lambda: [_linear32(xp, p).astype(BF16) for p in ps], [TOL[BF16]] * 4, kernels=("mtl_dequantize_x4",)),
+            Trial(f"swiglu_linear[bfloat16 4-bit M={rows}, default selection]",
+                  lambda: [_fn("swiglu_linear_kernel")(xp, gate, up)], swiglu_ref, [TOL[BF16]],
+                  kernels=("mtl_dequantize_x2",))]
 
 
 def trials(names=None, edges: bool = True) -> list[Trial]:

@@ -191,6 +191,11 @@ SELECT: dict[str, int] = {
     # The dequantize + GEMM path dequantizes with our kernel (qmatmul/dequant.py) instead of mx.dequantize, which
     # took ~100 us per 12288x4096 4-bit matrix (benchmarks/qgemm.md).
     "dequant_kernel": 1,
+    # Several projections of one input on that path (a GDN layer's four, attention's q/k/v, gate+up) dequantize
+    # in one launch into one stacked matrix; gate+up then run as one GEMM [M, 2I] and one fused SwiGLU
+    # (qmatmul/gemv.py): 216 launches fewer in a 9B prefill step of 784 (the host builds and encodes each at
+    # ~40 us there: benchmarks/prefix_cache.md). 0 = one dequantize + GEMM a projection.
+    "dequant_stack": 1,
     # qgemm: 16-row weight tiles per warp (1 or 2; SwiGLU always pairs 2): 2 was faster at 35 of the 42
     # (matrix, rows) points of the 9B sweep (benchmarks/qgemm.md); how many waves of blocks over the SMs
     # split-K aims for when N / tile * M / tile blocks are too few.

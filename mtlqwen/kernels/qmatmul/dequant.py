@@ -44,30 +44,47 @@ inline void dq_store(device T* out, thread const float (&v)[EPW]) {
 #endif
 """
 
-# Template: T (output / scale dtype), BITS, GS. One thread per packed word of w [N, K*BITS/32].
+# Template: T (output / scale dtype), BITS, GS. One thread per packed word of the stacked matrices
+# [sum N_j, K*BITS/32]: row r of the stack is row r - (N_0 + ... + N_{j-1}) of matrix j (`_pick`).
 _BODY = r"""
   constexpr int EPW = 32 / BITS;
-  const int KW = w_shape[1];
-  const int NG = s_shape[1];
-  const uint32_t total = (uint32_t)w_shape[0] * (uint32_t)KW;
+  const int KW = w0_shape[1];
+  const int NG = s0_shape[1];
   const uint32_t i = GID_X;
-  if (i >= total) return;
+  if (i >= (uint32_t)(ROWS) * (uint32_t)KW) return;
   const uint32_t row = i / (uint32_t)KW, col = i - row * (uint32_t)KW;
-  const uint32_t word = w[i];
-  const uint32_t gi = row * (uint32_t)NG + (col * EPW) / GS;
-  const float sc = TO_FLOAT(s[gi]);
-  const float bi = TO_FLOAT(b[gi]);
+  uint32_t r = row, word;
+  float sc, bi;
+  PICK
   float v[EPW];
   for (int e = 0; e < EPW; ++e) v[e] = fma(sc, (float)((word >> (e * BITS)) & ((1u << BITS) - 1u)), bi);
   dq_store<T, EPW>(out + (size_t)i * EPW, v);
 """
 
-KERNEL = portable_kernel(
-    name="mtl_dequantize", input_names=["w", "s", "b"], output_names=["out"], body=_BODY, header=_HEADER,
-    examples=[KernelExample(inputs=[(mx.uint32, (4096, 4096 * bits // 32)), (dt, (4096, 64)), (dt, (4096, 64))],
-                            outputs=[dt], template=[("T", dt), ("BITS", bits), ("GS", 64)])
-              for dt in (mx.bfloat16, mx.float16, mx.float32) for bits in (4, 8)],
-)
+
+def _pick(n: int) -> str:
+    """The branch that finds row r's matrix j among n and loads its word, scale and bias."""
+    def load(j: int) -> str:
+        return (f"{{ const uint32_t gi = r * (uint32_t)NG + (col * EPW) / GS; word = w{j}[r * (uint32_t)KW + col]; "
+                f"sc = TO_FLOAT(s{j}[gi]); bi = TO_FLOAT(b{j}[gi]); }}")
+    code = load(n - 1)
+    for j in range(n - 2, -1, -1):
+        code = f"if (r < (uint32_t)w{j}_shape[0]) {load(j)} else {{ r -= (uint32_t)w{j}_shape[0]; {code} }}"
+    return code
+
+
+MAX_STACK = 4  # the most matrices one launch dequantizes (a GDN layer's four input projections)
+_KERNELS = {
+    n: portable_kernel(
+        name=f"mtl_dequantize_x{n}", input_names=[f"{a}{j}" for j in range(n) for a in ("w", "s", "b")],
+        output_names=["out"], body=_BODY.replace("PICK", _pick(n)).replace("ROWS", " + ".join(f"w{j}_shape[0]" for j in range(n))), header=_HEADER,
+        examples=[KernelExample(inputs=[(t, shp) for _ in range(n) for t, shp in
+                                        ((mx.uint32, (1024, 4096 * bits // 32)), (dt, (1024, 64)), (dt, (1024, 64)))],
+                                outputs=[dt], template=[("T", dt), ("BITS", bits), ("GS", 64)])
+                  for dt in (mx.bfloat16, mx.float16, mx.float32) for bits in (4, 8)],
+    )
+    for n in range(1, MAX_STACK + 1)
+}
 
 
 def supported(p: LinearParams, dtype) -> bool:
@@ -75,12 +92,25 @@ def supported(p: LinearParams, dtype) -> bool:
             and p.biases.dtype == dtype and dtype in (mx.bfloat16, mx.float16, mx.float32))
 
 
+def stackable(ps: list[LinearParams], dtype) -> bool:
+    """One launch can dequantize ps into one [sum N, K] matrix: each supported, with one K, bits and group."""
+    return (1 <= len(ps) <= MAX_STACK and all(supported(p, dtype) for p in ps)
+            and len({(p.weight.shape[1], p.bits, p.group_size) for p in ps}) == 1)
+
+
 def dequantize(p: LinearParams, dtype) -> mx.array:
     """p's weights as a dense [out, in] matrix of `dtype` (the scales' dtype), on the kernel."""
-    N, KW = p.weight.shape
+    return dequantize_stack([p], dtype)
+
+
+def dequantize_stack(ps: list[LinearParams], dtype) -> mx.array:
+    """ps's weights stacked by rows, [sum_j N_j, in] of `dtype`, in one launch (`stackable(ps, dtype)`):
+    row slices of it are the matrices, contiguous, so each feeds a GEMM without a copy."""
+    p0 = ps[0]
+    N, KW = sum(p.weight.shape[0] for p in ps), p0.weight.shape[1]
     total = N * KW
-    return KERNEL(
-        gpu_backend(), inputs=[p.weight, p.scales, p.biases], output_shapes=[(N, KW * 32 // p.bits)],
-        output_dtypes=[dtype], grid=(total, 1, 1), threadgroup=(256, 1, 1),
-        template=[("T", dtype), ("BITS", p.bits), ("GS", p.group_size)], init_value=POISON,
+    return _KERNELS[len(ps)](
+        gpu_backend(), inputs=[a for p in ps for a in (p.weight, p.scales, p.biases)],
+        output_shapes=[(N, KW * 32 // p0.bits)], output_dtypes=[dtype], grid=(total, 1, 1), threadgroup=(256, 1, 1),
+        template=[("T", dtype), ("BITS", p0.bits), ("GS", p0.group_size)], init_value=POISON,
     )[0]

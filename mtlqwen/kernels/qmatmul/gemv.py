@@ -187,20 +187,52 @@ def dequant_linear(x2: mx.array, p: LinearParams) -> mx.array:
     return x2 @ p.dequantized().astype(x2.dtype).T
 
 
+def _dequant_route(x2: mx.array, p: LinearParams) -> bool:
+    """More rows than qmv takes and not the tensor-core GEMM's: the table sends p to dequantize + GEMM."""
+    if small_k_rows(x2, [p]):
+        return True
+    small_n = SELECT["small_n_dequant"] and p.out_features % 128 != 0  # any dtype: see the row
+    return small_n or (SELECT["dequant_gemm_min_rows"] <= x2.shape[0] and x2.dtype in (mx.bfloat16, mx.float16))
+
+
 def _big_m(x2: mx.array, p: LinearParams) -> mx.array:
     """More rows than qmv takes: the tensor-core GEMM (CUDA), else MLX's quantized GEMM (None: the
     reference) or dequantize + GEMM."""
     M = x2.shape[0]
     if _use_qgemm(x2, [p]):
         return qgemm.qgemm(x2, [p])[0]
-    if small_k_rows(x2, [p]):
-        return dequant_linear(x2, p)
-    small_n = SELECT["small_n_dequant"] and p.out_features % 128 != 0  # any dtype: see the row
-    if small_n or (SELECT["dequant_gemm_min_rows"] <= M and x2.dtype in (mx.bfloat16, mx.float16)):
+    if _dequant_route(x2, p):
         return dequant_linear(x2, p)
     if M <= SELECT["qmv_loop_max_rows"]:  # a few qmv launches beat MLX's GEMM for small M
         return mx.concatenate([qmv(x2[i:i + 8], [p])[0] for i in range(0, M, 8)], axis=0)
     return None
+
+
+def _stacked(x2: mx.array, ps: list[LinearParams]) -> mx.array | None:
+    """Several projections of one input that all go to dequantize + GEMM: their weights dequantized in one
+    launch (SELECT["dequant_stack"]) as one [sum N_p, K] matrix; None where they cannot."""
+    if not (SELECT["dequant_stack"] and SELECT["dequant_kernel"] and len(ps) > 1 and qmv_rows_exceeded(x2)
+            and not _use_qgemm(x2, ps) and dequant.stackable(ps, x2.dtype)
+            and all(_dequant_route(x2, p) for p in ps)):
+        return None
+    return dequant.dequantize_stack(ps, x2.dtype)
+
+
+def _row_slices(w: mx.array, ps: list[LinearParams]) -> list[mx.array]:
+    """The stacked matrix's row ranges, one [N_p, K] a projection: contiguous, so no GEMM copies them."""
+    out, r = [], 0
+    for p in ps:
+        out.append(w[r:r + p.out_features])
+        r += p.out_features
+    return out
+
+
+def _silu_mul_ops(g: mx.array, u: mx.array) -> mx.array:
+    return (g * mx.sigmoid(g)) * u
+
+
+# shapeless: one trace serves every chunk length (a retrace costs milliseconds of host time)
+_silu_mul = mx.compile(_silu_mul_ops, shapeless=True)
 
 
 for _pe in ((1, 0), (2, 0), (3, 0), (4, 0), (2, 1)):  # declared at import so check_metal sees them (4: the GDN projections)
@@ -234,6 +266,9 @@ def linear_multi_kernel(x: mx.array, ps: list[LinearParams]):
     x2, lead = _flat(x)
     if len(ps) <= 4 and _use_qgemm(x2, ps):
         return [y.reshape(*lead, p.out_features) for y, p in zip(qgemm.qgemm(x2, ps), ps)]
+    w = _stacked(x2, ps)
+    if w is not None:  # one dequantize launch, then a GEMM per projection on its rows of the stack
+        return [(x2 @ wp.T).reshape(*lead, p.out_features) for wp, p in zip(_row_slices(w, ps), ps)]
     if small_k_rows(x2, ps):
         return [dequant_linear(x2, p).reshape(*lead, p.out_features) for p in ps]
     if (x2.shape[0] > SELECT["qmv_max_rows"] or len(ps) > 4 or mma_rows_to_mlx(x2.shape[0])
@@ -246,6 +281,13 @@ def swiglu_linear_kernel(x: mx.array, gate: LinearParams, up: LinearParams):
     x2, lead = _flat(x)
     if gate.out_features == up.out_features and _use_qgemm(x2, [gate, up]):
         return qgemm.qgemm(x2, [gate, up], epi=1)[0].reshape(*lead, gate.out_features)
+    w = _stacked(x2, [gate, up]) if gate.out_features == up.out_features else None
+    if w is not None:
+        # one dequantize, one GEMM gu [M, 2I], one fused SwiGLU reading its halves in place (MLX's
+        # compiler): 3 launches instead of 7
+        inter = gate.out_features
+        gu = x2 @ w.T
+        return _silu_mul(gu[:, :inter], gu[:, inter:]).reshape(*lead, inter)
     if small_k_rows(x2, [gate, up]):
         g, u = dequant_linear(x2, gate), dequant_linear(x2, up)
         return ((g * mx.sigmoid(g)) * u).reshape(*lead, gate.out_features)
