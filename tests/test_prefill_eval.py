@@ -8,7 +8,7 @@ import pytest
 
 from mtlqwen.kernels import SeqLayout
 from mtlqwen.kernels.selection import selected
-from mtlqwen.model.qwen35 import _eval_every
+from mtlqwen.model.qwen35 import _eval_points
 from mtlqwen.runtime import Engine
 
 from engine_checks import assert_idle, assert_reference, greedy
@@ -39,17 +39,17 @@ def forward(model, ids, lens):
     return np.array(out), [np.array(a) for a in cache.arrays()]
 
 
-@pytest.mark.parametrize("every", [1, 3, 8])
-def test_grouped_launches_give_the_same_logits_and_states(model, monkeypatch, every):
-    """8 layers, 2 sequences of 13 + 6 rows (threshold 16): (8 - 1) // every partial evaluations of two arrays
-    (the residual stream and the normed input), then logits and cache contents equal to one evaluation's."""
+@pytest.mark.parametrize("every, tail, evals", [(1, 0, 7), (3, 0, 2), (8, 0, 0), (3, 1, 3), (8, 1, 3)])
+def test_grouped_launches_give_the_same_logits_and_states(model, monkeypatch, every, tail, evals):
+    """8 layers, 2 sequences of 13 + 6 rows (threshold 16): `evals` partial evaluations of two arrays (the
+    residual stream and the normed input; with the halved tail at 3, 6, 7 or 4, 6, 7), then logits and
+    cache contents equal to one evaluation's."""
     ids = random_token_ids(19, 500, seed=2)
     want, want_cache = forward(model, ids, [13, 6])
     calls = counting(monkeypatch)
-    with selected({"prefill_eval_layers": every, "prefill_eval_min_rows": 16}):
+    with selected({"prefill_eval_layers": every, "prefill_eval_min_rows": 16, "prefill_eval_tail": tail}):
         got, got_cache = forward(model, ids, [13, 6])
-    n = len(model.layers)
-    assert n == 8 and calls == [2] * ((n - 1) // every)
+    assert len(model.layers) == 8 and calls == [2] * evals
     assert np.array_equal(got, want)
     assert all(np.array_equal(g, w) for g, w in zip(got_cache, want_cache))
 
@@ -57,10 +57,21 @@ def test_grouped_launches_give_the_same_logits_and_states(model, monkeypatch, ev
 def test_no_early_evaluation_below_the_rows_inside_a_trace_or_when_off():
     host = SeqLayout([0, 20], [0], [[0, 1, 2]], [0], 8)
     traced = SeqLayout.for_trace([0, 20], {"block_tables": mx.zeros((1, 3), dtype=mx.int32)}, 8)
-    with selected({"prefill_eval_layers": 4, "prefill_eval_min_rows": 16}):
-        assert _eval_every(host, 20) == 4 and _eval_every(host, 15) == 0 and _eval_every(traced, 20) == 0
+    with selected({"prefill_eval_layers": 4, "prefill_eval_min_rows": 16, "prefill_eval_tail": 0}):
+        assert _eval_points(host, 20, 12) == {4, 8} and _eval_points(host, 15, 12) == set()
+        assert _eval_points(traced, 20, 12) == set()
     with selected({"prefill_eval_layers": 0, "prefill_eval_min_rows": 16}):
-        assert _eval_every(host, 20) == 0
+        assert _eval_points(host, 20, 12) == set()
+
+
+@pytest.mark.parametrize("every, n, want", [(8, 32, {8, 16, 24, 28, 30, 31}), (8, 40, {8, 16, 24, 32, 36, 38, 39}),
+                                            (8, 8, {4, 6, 7}), (8, 12, {8, 10, 11}), (3, 8, {3, 6, 7}),
+                                            (1, 4, {1, 2, 3}), (8, 1, set())])
+def test_the_last_group_is_halved_down_to_one_layer(every, n, want):
+    """prefill_eval_tail: groups of `every` while more than `every` layers remain, then halves of what is left."""
+    host = SeqLayout([0, 20], [0], [[0, 1, 2]], [0], 8)
+    with selected({"prefill_eval_layers": every, "prefill_eval_min_rows": 16, "prefill_eval_tail": 1}):
+        assert _eval_points(host, 20, n) == want
 
 
 def test_engine_outputs_are_the_models_own_with_grouped_prefill(model):

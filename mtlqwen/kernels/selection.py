@@ -164,6 +164,11 @@ SELECT: dict[str, int] = {
     # the host built all ~800-2,500 launches before the first ran.
     "prefill_eval_layers": 8,
     "prefill_eval_min_rows": 256,
+    # 1 = the last group of layers halved down to one layer (8, 8, 8, 4, 2, 1, 1 of 32): a step ends when the
+    # device has run the group the host built last, and with the host the slower of the two that group is
+    # all that remains after the last launch (~7 ms of a 9B warm prefix hit's 8 x 64-row step as 8 layers).
+    # Not yet measured on the H200.
+    "prefill_eval_tail": 0,
     # Warps a prefill-attention block (16 query rows each, attention/prefill.py): 8 = 128 query rows per 64-key
     # tile, FlashAttention-2's choice at head_dim 256 (128 KiB of shared memory and 248 registers a lane: one
     # block an SM); 4 = 64 rows, two blocks an SM, but each K/V tile copied from L2 serves half the rows.

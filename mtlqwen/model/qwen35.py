@@ -57,11 +57,25 @@ def _lin(w: dict[str, mx.array], name: str, config) -> LinearParams:
     return LinearParams(weight, w[f"{name}.scales"], w[f"{name}.biases"], spec.bits, spec.group_size)
 
 
-def _eval_every(layout: SeqLayout, rows: int) -> int:
-    """Layers per partial evaluation of an eager forward (SELECT "prefill_eval_layers"; 0: none). Never inside
-    an mx.compile trace (a traced layout), where nothing can be evaluated."""
+def _eval_points(layout: SeqLayout, rows: int, n: int) -> frozenset[int]:
+    """Layer counts after which an eager forward of n layers evaluates what it built so far (mx.async_eval):
+    every SELECT "prefill_eval_layers" layers, and with "prefill_eval_tail" the last group halved down to one
+    layer (8 + 8 + 8 + 4 + 2 + 1 + 1 for 32 layers), since the step ends when the device finishes the group
+    the host built last. Empty when off, below "prefill_eval_min_rows", or in an mx.compile trace (a traced
+    layout), where nothing can be evaluated."""
     every = SELECT["prefill_eval_layers"]
-    return every if every > 0 and not layout.traced and rows >= SELECT["prefill_eval_min_rows"] else 0
+    if every <= 0 or layout.traced or rows < SELECT["prefill_eval_min_rows"]:
+        return frozenset()
+    if not SELECT["prefill_eval_tail"]:
+        return frozenset(range(every, n, every))
+    points, k = [], 0
+    while n - k > every:
+        k += every
+        points.append(k)
+    while n - k > 1:  # the last group halved: the host builds it while the device runs the one before
+        k += (n - k) // 2
+        points.append(k)
+    return frozenset(p for p in points if 0 < p < n)
 
 
 class _VerifySplit:
@@ -348,13 +362,13 @@ class Qwen35Model:
         x = rms_norm(h, self.layers[0].input_norm, self.config.rms_norm_eps)
         captured = []
         n = len(self.layers)
-        every = _eval_every(layout, input_ids.shape[0])
+        points = _eval_points(layout, input_ids.shape[0], n)
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1].input_norm if i + 1 < n else self.final_norm
             h, x = layer(h, x, layout, cache, nxt, stash)
             if i in taps:
                 captured.append(h)
-            if every and (i + 1) % every == 0 and i + 1 < n:
+            if i + 1 in points:
                 mx.async_eval(h, x)  # these layers run while the host builds the next ones
         return x, captured
 
