@@ -58,7 +58,7 @@ def test_str_lists_every_field_marking_the_changed_ones():
     text = str(EngineConfig(slots=3, prefix_interval=0))
     lines = text.splitlines()
     assert len(lines) == len(vars(EngineConfig()))
-    assert "* slots=3" in lines and "* prefix_interval=0" in lines and "  step_tokens=128" in lines
+    assert "* slots=3" in lines and "* prefix_interval=0" in lines and "  step_tokens=None" in lines
 
 
 def test_memory_plan_sizes_the_pool_and_the_prefix_share(model):
@@ -97,3 +97,13 @@ def test_device_sized_pool_leaves_the_snapshot_share_out_before_the_full_context
     assert avail // per_block == 200 and plan.num_blocks == (avail - 50 * per_block) // per_block == 150
     off = plan_memory(c, dt, EngineConfig(block_tokens=16, slots=2, prefix_interval=0), 4096)
     assert off.num_blocks == 200  # no prefix cache: nothing left out
+
+
+def test_step_budget_default_grows_with_the_slots_times_the_draft_length():
+    """step_tokens None: 128, or slots x (drafts + 1) when that is more (every slot verifies its drafts in one
+    step); a given step_tokens is kept."""
+    assert EngineConfig().step_budget() == 128 and EngineConfig(slots=32).step_budget(0) == 128
+    assert EngineConfig(slots=8).step_budget(15) == 128 and EngineConfig(slots=32).step_budget(15) == 512
+    assert EngineConfig(slots=32).step_budget(3) == 128 and EngineConfig(slots=40).step_budget(3) == 160
+    assert EngineConfig(slots=32, step_tokens=64).step_budget(15) == 64
+    assert EngineConfig(slots=200).prefill_budget == 1024 and EngineConfig(slots=2000).prefill_budget == 2000

@@ -427,6 +427,13 @@ def test_knobs_opt_out_stats_and_memory(model, drafter, draft_dir):
             resolve_n_draft(16, bad, 8, 128)
     with pytest.raises(ValueError, match="exceeds step_tokens"):
         resolve_n_draft(16, 15, 8, 64)
+    # no step_tokens given: the drafter's length, uncapped; the engine's step budget grows to fit it
+    assert resolve_n_draft(16, None, 32, None) == 15 and resolve_n_draft(16, None, 32, None, default=7) == 7
+    big = Engine(model, slots=12, block_tokens=16, num_blocks=30, draft=drafter, prefix_interval=0)
+    assert big.spec.n_draft == 15 and big.step_tokens == 12 * 16 and big.scheduler.step_tokens == 192
+    small = Engine(model, slots=12, step_tokens=64, block_tokens=16, num_blocks=30, draft=drafter, prefix_interval=0)
+    assert small.spec.n_draft == 4 and small.step_tokens == 64
+    assert Engine(model, slots=12, block_tokens=16, num_blocks=30).step_tokens == 128  # no drafter: the default
     with pytest.raises(ValueError, match="needs a drafter"):
         Engine(model, num_blocks=8, n_draft=3)
     with pytest.raises(ValueError, match="speculative"):

@@ -44,7 +44,9 @@ def register(subparsers) -> None:
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests allowed to wait for a slot; beyond it the server answers 429 (default 64)")
     s.add_argument("--slots", type=int, default=8, help="sequences decoded together (default 8)")
-    s.add_argument("--step-tokens", type=int, default=128, help="tokens per engine step, shared by all slots (default 128)")
+    s.add_argument("--step-tokens", type=int, default=None,
+                   help="tokens per engine step, shared by all slots (default 128; with a drafter at least "
+                        "slots x (n_draft + 1), so every slot can verify its drafts)")
     s.add_argument("--prefill-step-tokens", type=int, default=None,
                    help="tokens a step may take when no request is decoding (default 1024, never below "
                         "--step-tokens): long prompts prefill in bigger steps when nobody waits on a token")

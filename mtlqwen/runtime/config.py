@@ -27,6 +27,8 @@ def _int(name: str, v, lo: int, optional: bool = False) -> None:
 # tok/s with 1024-token steps against 5.9k with 128 on the H200 (9B shape, benchmarks/qgemm.md); with
 # decoders in the batch the budget stays step_tokens, so their latency does not change.
 DEFAULT_PREFILL_STEP = 1024
+# Tokens a step takes while sequences decode, unless the engine is told otherwise (EngineConfig.step_budget).
+DEFAULT_STEP_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class EngineConfig:
     """The fields are Engine's keyword arguments (its docstring says what each one does)."""
 
     slots: int = 8
-    step_tokens: int = 128
+    step_tokens: int | None = None  # None: step_budget's default
     # a step in which nobody decodes may take up to this many prompt tokens (None: DEFAULT_PREFILL_STEP)
     prefill_step_tokens: int | None = None
     block_tokens: int = 128
@@ -66,8 +68,8 @@ class EngineConfig:
     def validate(self) -> None:
         """ValueError naming the offending field."""
         _int("slots", self.slots, 1)
-        _int("step_tokens", self.step_tokens, 1)
-        if self.step_tokens < self.slots:  # otherwise some live sequence could not advance in a step
+        _int("step_tokens", self.step_tokens, 1, optional=True)
+        if self.step_tokens is not None and self.step_tokens < self.slots:  # otherwise some live sequence could not advance in a step
             raise ValueError(f"step_tokens ({self.step_tokens}) must be >= slots x tokens per decode "
                              f"({self.slots} x 1)")
         _int("prefill_step_tokens", self.prefill_step_tokens, 1, optional=True)
@@ -105,11 +107,19 @@ class EngineConfig:
             if getattr(self, name) not in (None, False) and self.draft is None:
                 raise ValueError(f"{name} needs a drafter (draft=...)")
 
+    def step_budget(self, drafts: int = 0) -> int:
+        """Tokens a step takes: step_tokens, or by default DEFAULT_STEP_TOKENS raised to slots x (drafts + 1), so
+        that with a drafter every slot can verify `drafts` (the default draft length) in one step: at 32 slots
+        and 128 tokens only 3 drafts would fit, where a speculative step costs 3.7 plain ones (benchmarks/spec.md)."""
+        if self.step_tokens is not None:
+            return self.step_tokens
+        return max(DEFAULT_STEP_TOKENS, self.slots * (drafts + 1))
+
     @property
     def prefill_budget(self) -> int:
-        """Tokens a step takes when nobody decodes (never below step_tokens)."""
+        """Tokens a step takes when nobody decodes (never below the step budget without drafts)."""
         v = DEFAULT_PREFILL_STEP if self.prefill_step_tokens is None else self.prefill_step_tokens
-        return max(self.step_tokens, v)
+        return max(self.step_budget(), v)
 
     @classmethod
     def build(cls, config: EngineConfig | None = None, **options) -> EngineConfig:

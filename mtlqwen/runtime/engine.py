@@ -93,7 +93,8 @@ class Engine(Generation):
     step (model/gdn_taps.py), instead of every chunk stopping at the next boundary (default off).
 
     draft: a DFlash drafter (Drafter, directory or repo id) for speculative decoding; n_draft: drafts per
-    step (default the drafter's block_size - 1, capped so every slot can verify within step_tokens);
+    step (default the drafter's block_size - 1; with step_tokens given, capped so every slot can verify within
+    it; without, the step budget grows from 128 to slots x (n_draft + 1) where that is more);
     a request opts out with SamplingParams(speculative=False) (speculative.py). verify_commit: how verified GDN
     states are committed, "candidates" or "replay" (see Qwen35Model); default: chosen per step by
     the step's verify rows, from the H200 measurement (speculative.REPLAY_MIN_ROWS).
@@ -154,9 +155,9 @@ class Engine(Generation):
         self.model, self.config, self.tokenizer = model, model.config, tokenizer
         ctx = self.config.max_position_embeddings
         self.max_model_len = min(ctx, cfg.max_model_len) if cfg.max_model_len else ctx
-        self.block_tokens, self.step_tokens, self.slots = block_tokens, step_tokens, slots = (
-            cfg.block_tokens, cfg.step_tokens, cfg.slots)
-        drafter, n_draft = load_draft(model, cfg.draft, cfg.n_draft, slots, step_tokens, cfg.draft_bits)
+        self.block_tokens, self.slots = block_tokens, slots = cfg.block_tokens, cfg.slots
+        drafter, n_draft = load_draft(model, cfg.draft, cfg.n_draft, slots, cfg.step_tokens, cfg.draft_bits)
+        self.step_tokens = step_tokens = cfg.step_budget(n_draft)  # the default grows so every slot can verify
         mem = plan_memory(self.config, model.dtype, cfg, self.max_model_len,
                           Speculator.bytes_per_block(drafter, block_tokens, model.dtype))  # drafter K/V share the bundles
         self.num_blocks = mem.num_blocks

@@ -44,12 +44,13 @@ from .sampling import sample_isolating
 from .scheduler import ScheduledSeq, StepPlan
 
 
-def resolve_n_draft(block_size: int, n_draft: int | None, slots: int, step_tokens: int,
+def resolve_n_draft(block_size: int, n_draft: int | None, slots: int, step_tokens: int | None,
                     default: int | None = None) -> int:
     """Drafts per speculative step: `default` (the drafter's own, else its block_size - 1) when n_draft is
-    None, capped so that every slot can verify (slots x (n_draft + 1) <= step_tokens); a given value is
-    checked against both."""
-    cap = step_tokens // slots - 1
+    None, capped so that every slot can verify (slots x (n_draft + 1) <= step_tokens) when step_tokens is
+    given (None: the engine sizes its step budget after this draft length); a given value is checked
+    against both."""
+    cap = block_size - 1 if step_tokens is None else step_tokens // slots - 1
     if n_draft is None:
         n = min(min(default, block_size - 1) if default else block_size - 1, cap)
         if n < 1:
@@ -63,7 +64,7 @@ def resolve_n_draft(block_size: int, n_draft: int | None, slots: int, step_token
     return n_draft
 
 
-def load_draft(model, draft, n_draft, slots: int, step_tokens: int, bits: int | None = None) -> tuple[Drafter | None, int]:
+def load_draft(model, draft, n_draft, slots: int, step_tokens: int | None, bits: int | None = None) -> tuple[Drafter | None, int]:
     """(drafter, n_draft) for Engine(draft=..., n_draft=..., draft_bits=...): draft is a Drafter, a directory
     or a repo id; bits (8 or 4) quantizes its projections (a loaded Drafter: into a new one)."""
     if draft is None:
