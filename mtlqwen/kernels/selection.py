@@ -166,8 +166,8 @@ SELECT: dict[str, int] = {
     "prefill_eval_min_rows": 256,
     # 1 = the last group of layers halved down to one layer (8, 8, 8, 4, 2, 1, 1 of 32): a step ends when the
     # device has run the group the host built last, and with the host the slower of the two that group is
-    # all that remains after the last launch (~7 ms of a 9B warm prefix hit's 8 x 64-row step as 8 layers).
-    # Not yet measured on the H200.
+    # all that remains after the last launch. H200, 9B warm prefix TTFT in one process: 43.7 ms against 41.3
+    # with it off (benchmarks/prefix_cache.md): off.
     "prefill_eval_tail": 0,
     # Warps a prefill-attention block (16 query rows each, attention/prefill.py): 8 = 128 query rows per 64-key
     # tile, FlashAttention-2's choice at head_dim 256 (128 KiB of shared memory and 248 registers a lane: one
@@ -198,8 +198,9 @@ SELECT: dict[str, int] = {
     "dequant_kernel": 1,
     # Several projections of one input on that path (a GDN layer's four, attention's q/k/v, gate+up) dequantize
     # in one launch into one stacked matrix; gate+up then run as one GEMM [M, 2I] and one fused SwiGLU
-    # (qmatmul/gemv.py): 216 launches fewer in a 9B prefill step of 784 (the host builds and encodes each at
-    # ~40 us there: benchmarks/prefix_cache.md). 0 = one dequantize + GEMM a projection.
+    # (qmatmul/gemv.py). H200, the 9B warm prefix hit's step (8 x 64 rows over 2,048): 568 kernels against 784,
+    # 31.3 against 35.2 ms (step_trace.py); warm TTFT 35.7 against 45.6 ms in one process (benchmarks/
+    # prefix_cache.md). Its GPU tests passed on the H200. 0 = one dequantize + GEMM a projection.
     "dequant_stack": 1,
     # qgemm: 16-row weight tiles per warp (1 or 2; SwiGLU always pairs 2): 2 was faster at 35 of the 42
     # (matrix, rows) points of the 9B sweep (benchmarks/qgemm.md); how many waves of blocks over the SMs
