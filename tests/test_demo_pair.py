@@ -119,19 +119,21 @@ def test_greedy_continuations_equal_across_schedules(pair32):
 def test_gpu_compiled_speculation_keeps_greedy_output_at_1_4_8(pair32):
     """On the GPU kernels the engine compiles decode, verification, the drafter pass and the commit by default:
     whole greedy continuations with the drafter (fixed policy, every eligible step speculates) equal those
-    without it at 1, 4 and 8 concurrent sequences (fp32: no rounding ties to excuse)."""
+    without it at 1, 4 and 8 concurrent sequences (fp32: no rounding ties to excuse), synchronous and with
+    each all-verify step launched while the previous one is in flight (spec_pipeline)."""
     pair = pair32
     sp = SamplingParams(temperature=0.0, max_tokens=40)
     ids = pair.tokenizer.encode(pair.heldout_text)
     prompts = _heldout_prompts(pair) + [ids[450 + 260 * i : 450 + 260 * i + 50 + 9 * i] for i in range(4)]
     plain = [o.token_ids for o in Engine(pair.model, tokenizer=pair.tokenizer, slots=8, prefix_interval=0)
              .generate(prompts, sp)]
-    for slots in (1, 4, 8):
+    for slots, pipelined in [(n, p) for n in (1, 4, 8) for p in (False, True)]:
         engine = Engine(pair.model, tokenizer=pair.tokenizer, slots=slots, draft=pair.drafter, n_draft=7,
-                        draft_policy="fixed", prefix_interval=0)
+                        draft_policy="fixed", prefix_interval=0, spec_pipeline=pipelined)
         assert engine.compiled is not None  # the default where the kernels run
         outs = engine.generate(prompts, sp)
-        assert [o.token_ids for o in outs] == plain, f"{slots} slots"
+        assert [o.token_ids for o in outs] == plain, f"{slots} slots, pipelined {pipelined}"
         st = engine.stats()
         assert st["spec_steps"] > 0 and st["mean_acceptance_length"] > 1.2
+        assert (st.get("spec_pipelined_steps", 0) > 0) == pipelined
         assert engine.pool.num_free == engine.pool.num_blocks  # nothing leaked
