@@ -13,7 +13,8 @@ accepted: --accept K makes every verification accept min(K, its drafts) drafts (
 so a step that drafts n >= K yields tau = K + 1 tokens. The adaptive policy (the engine's default on the GPU
 kernels; --policy) sees that acceptance and picks each step's draft length from its step-cost table, or no
 drafting where the table says a plain step yields more (large batches). Reported per batch size: plain and
-speculative tok/s, their ratio, tau (mean_acceptance_length) and the share of steps that verified.
+speculative tok/s, their ratio, tau (mean_acceptance_length) and the share of steps that verified (of
+every step of the measured pass, its prefill steps included).
 """
 
 from __future__ import annotations
