@@ -69,7 +69,8 @@ class EngineConfig:
         """ValueError naming the offending field."""
         _int("slots", self.slots, 1)
         _int("step_tokens", self.step_tokens, 1, optional=True)
-        if self.step_tokens is not None and self.step_tokens < self.slots:  # otherwise some live sequence could not advance in a step
+        # otherwise some live sequence could not advance in a step
+        if self.step_tokens is not None and self.step_tokens < self.slots:
             raise ValueError(f"step_tokens ({self.step_tokens}) must be >= slots x tokens per decode "
                              f"({self.slots} x 1)")
         _int("prefill_step_tokens", self.prefill_step_tokens, 1, optional=True)

@@ -73,18 +73,24 @@ def _pick(n: int) -> str:
     return code
 
 
-MAX_STACK = 4  # the most matrices one launch dequantizes (a GDN layer's four input projections)
-_KERNELS = {
-    n: portable_kernel(
+def _declare(n: int):
+    """The kernel over n stacked matrices (inputs w0, s0, b0, w1, ...)."""
+    rows = " + ".join(f"w{j}_shape[0]" for j in range(n))
+
+    def one(bits, dt):  # one matrix's (w, s, b) of an example: 1024 x 4096, groups of 64
+        return ((mx.uint32, (1024, 4096 * bits // 32)), (dt, (1024, 64)), (dt, (1024, 64)))
+
+    return portable_kernel(
         name=f"mtl_dequantize_x{n}", input_names=[f"{a}{j}" for j in range(n) for a in ("w", "s", "b")],
-        output_names=["out"], body=_BODY.replace("PICK", _pick(n)).replace("ROWS", " + ".join(f"w{j}_shape[0]" for j in range(n))), header=_HEADER,
-        examples=[KernelExample(inputs=[(t, shp) for _ in range(n) for t, shp in
-                                        ((mx.uint32, (1024, 4096 * bits // 32)), (dt, (1024, 64)), (dt, (1024, 64)))],
-                                outputs=[dt], template=[("T", dt), ("BITS", bits), ("GS", 64)])
+        output_names=["out"], body=_BODY.replace("PICK", _pick(n)).replace("ROWS", rows), header=_HEADER,
+        examples=[KernelExample(inputs=[a for _ in range(n) for a in one(bits, dt)], outputs=[dt],
+                                template=[("T", dt), ("BITS", bits), ("GS", 64)])
                   for dt in (mx.bfloat16, mx.float16, mx.float32) for bits in (4, 8)],
     )
-    for n in range(1, MAX_STACK + 1)
-}
+
+
+MAX_STACK = 4  # the most matrices one launch dequantizes (a GDN layer's four input projections)
+_KERNELS = {n: _declare(n) for n in range(1, MAX_STACK + 1)}
 
 
 def supported(p: LinearParams, dtype) -> bool:
