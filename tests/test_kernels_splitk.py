@@ -21,8 +21,8 @@ from gpu_checks import GPU_SETTINGS, n_examples, needs_gpu
 DT = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 TOL = {mx.float32: 1e-6, mx.float16: 1e-3, mx.bfloat16: 8e-3}  # max |err| / max |ref|: one output rounding
 
-shapes = dict(S=st.sampled_from([2, 3, 4, 8]), M=st.integers(1, 40), P=st.integers(1, 3), epi=st.integers(0, 1),
-              ns=st.lists(st.integers(1, 300), min_size=3, max_size=3), seed=st.integers(0, 2**31 - 1),
+shapes = dict(S=st.sampled_from([2, 3, 4, 8]), M=st.integers(1, 40), P=st.integers(1, 4), epi=st.integers(0, 1),
+              ns=st.lists(st.integers(1, 300), min_size=4, max_size=4), seed=st.integers(0, 2**31 - 1),
               dtype=st.sampled_from(sorted(DT)))
 
 
@@ -51,8 +51,8 @@ def check(got, want, dt):
 
 def test_covers():
     p = mx.zeros((2, 5, 8))
-    assert splitk.covers([p], 0) and splitk.covers([p, p, p], 0) and splitk.covers([p], 1)
-    assert not splitk.covers([p] * 4, 0) and not splitk.covers([p, p], 1) and not splitk.covers([mx.zeros((2, 5, 7))], 1)
+    assert splitk.covers([p], 0) and splitk.covers([p] * 4, 0) and splitk.covers([p], 1)
+    assert not splitk.covers([p] * 5, 0) and not splitk.covers([p, p], 1) and not splitk.covers([mx.zeros((2, 5, 7))], 1)
     assert not splitk.covers([p, mx.zeros((2, 6, 8))], 0) and not splitk.covers([p.astype(mx.bfloat16)], 0)
 
 
@@ -84,16 +84,16 @@ def test_reduce_matches_reference(S, M, P, epi, ns, seed, dtype):
 @pytest.mark.gpu
 @needs_gpu
 @settings(max_examples=n_examples(12), **GPU_SETTINGS)
-@given(M=st.integers(9, 40), epi=st.integers(0, 1), seed=st.integers(0, 2**31 - 1))
-def test_qgemm_with_the_reduce_launch_equals_the_mlx_reduction(M, epi, seed):
-    """CUDA: a split qgemm call (the 9B's 4096 x 4096, or gate|up for SwiGLU) with the row on == with it off
-    (the same partials; the reductions' orders differ, so up to one output rounding)."""
+@given(M=st.integers(9, 40), epi=st.integers(0, 1), P=st.integers(1, 4), seed=st.integers(0, 2**31 - 1))
+def test_qgemm_with_the_reduce_launch_equals_the_mlx_reduction(M, epi, P, seed):
+    """CUDA: a split qgemm call (1-4 of the 9B's 4096 x 4096 projections of one x, or gate|up for SwiGLU) with the
+    row on == with it off (the same partials; the reductions' orders differ, so up to one output rounding)."""
     from mtlqwen.kernels.qmatmul import qgemm  # noqa: PLC0415
     from mtlqwen.kernels.selection import selected  # noqa: PLC0415
     from test_kernels_qmatmul import make_params  # noqa: PLC0415
 
     rng = np.random.default_rng(seed)
-    ps = [make_params(rng, 4096, 4096, 4, 64, mx.bfloat16) for _ in range(2 if epi else 1)]
+    ps = [make_params(rng, 4096, 4096, 4, 64, mx.bfloat16) for _ in range(2 if epi else P)]
     x = mx.array(rng.standard_normal((M, 4096)).astype(np.float32)).astype(mx.bfloat16)
     cfg = (*qgemm.config(M, 4096, 4096, 4, epi)[:5], 4)  # force 4 splits
     with selected({"qgemm_reduce_kernel": 0}):

@@ -1,5 +1,5 @@
 """check_metal --run's trials of the speculative step's launch cuts (kernels/metal_cases.py collects them):
-qgemm's split-K reduce (qmatmul/splitk.py) for 1-3 outputs and SwiGLU, and the in-place candidates commit
+qgemm's split-K reduce (qmatmul/splitk.py) for 1-4 outputs and SwiGLU, and the in-place candidates commit
 (gdn/commit.py), at the registered examples' template values, against MLX ops on the CPU."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _splitk_trials() -> list[Trial]:
     for (P, epi) in splitk.REDUCE:
         for dt in (BF16, mx.float16):  # the examples' output dtypes
             rng = np.random.default_rng(40 + P + 10 * epi)
-            parts = [_rand(rng, 4, 9, n) for n in ([2 * 37] if epi else [37, 16, 5][:P])]
+            parts = [_rand(rng, 4, 9, n) for n in ([2 * 37] if epi else [37, 16, 5, 3][:P])]
             out.append(Trial(f"mtl_splitk_reduce_p{P}_e{epi}[{_n(dt)}]",
                              lambda parts=parts, epi=epi, dt=dt: list(splitk.reduce("metal", parts, epi, dt)),
                              lambda parts=parts, epi=epi, dt=dt: _reduce_ref(parts, epi, dt), [tol[dt]] * len(parts)))

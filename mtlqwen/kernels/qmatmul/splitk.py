@@ -19,7 +19,7 @@ import mlx.core as mx
 from ..portable import KernelExample, portable_kernel
 
 _TG = 256
-MAX_P = 3  # qgemm's fused projections: q | k | v at most
+MAX_P = 4  # qgemm's fused projections: a GDN layer's four (qkv | z | b | a) at most
 
 _OUT0 = """
   if (!hit) {
@@ -56,8 +56,8 @@ def _sum_body(P: int) -> str:
 
 
 def _example(P: int, epi: int, dt) -> KernelExample:
-    """A 16-row verification of the 9B: q|k|v-like outputs (epi 0) or gate|up (epi 1), 4 splits."""
-    ns = [4096, 1024, 1024][:P] if epi == 0 else [2 * 12288]
+    """A 16-row verification of the 9B: q|k|v- or GDN-input-like outputs (epi 0) or gate|up (epi 1), 4 splits."""
+    ns = [8192, 4096, 32, 32][:P] if epi == 0 else [2 * 12288]
     return KernelExample(inputs=[(mx.float32, (4, 16, n)) for n in ns], outputs=[dt] * len(ns),
                          template=[("T", dt)])
 
