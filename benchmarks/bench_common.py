@@ -55,3 +55,17 @@ def write_json(path: str | None, name: str, args, results) -> None:
     if path:
         with open(path, "w") as f:
             json.dump({"model": name, "args": vars(args), "results": results}, f, indent=2)
+
+
+def host_profile(fn, top: int = 25) -> list[dict]:
+    """Run fn() under cProfile: the host's Python time by function (ms, self and cumulative), the `top` with
+    the most self time. What a host-bound step spends outside MLX's encoding shows up here by name."""
+    import cProfile  # noqa: PLC0415
+    import pstats  # noqa: PLC0415
+
+    prof = cProfile.Profile()
+    prof.runcall(fn)
+    st = pstats.Stats(prof).stats  # {(file, line, name): (calls, prim calls, self s, cumulative s, callers)}
+    rows = sorted(st.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"fn": f"{'/'.join(file.rsplit('/', 2)[-2:])}:{line}({name})", "calls": c,
+             "self_ms": round(1e3 * s, 3), "cum_ms": round(1e3 * cum, 3)} for (file, line, name), (_, c, s, cum, _) in rows]

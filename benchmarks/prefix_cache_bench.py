@@ -33,7 +33,7 @@ import numpy as np
 from mtlqwen.runtime import Engine, SamplingParams
 from mtlqwen.runtime.block_pool import BlockPool
 
-from bench_common import add_model_args, build_model, timed_generate, ttft_ms, write_json
+from bench_common import add_model_args, build_model, host_profile, timed_generate, ttft_ms, write_json
 
 
 def tokens(rng, n: int, vocab: int) -> list[int]:
@@ -136,6 +136,9 @@ def main(argv=None):
     ap.add_argument("--chat-turns", type=int, default=10)
     ap.add_argument("--turn-len", type=int, default=200, help="new tokens in each chat turn's prompt")
     ap.add_argument("--turn-gen", type=int, default=128, help="tokens generated in each chat turn")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also run each mode's prompts once (one token each) under cProfile; keep the N Python "
+                         "functions with the most self time")
     ap.add_argument("--phases", action="store_true",
                     help="after each shared-prompt mode's repeats, one more run with one token each, its host time by step phase")
     ap.add_argument("--json", help="also write the results to this file")
@@ -186,6 +189,15 @@ def main(argv=None):
                 earlier_request(engine, system, args.question_len, vocab, 999)
             med["phases"] = ttft_phases(engine, prompts)
             print(f"{mode} phases (host ms, one token each): {med['phases']}", flush=True)
+        if args.profile:  # the same once more under cProfile: the host's Python by function
+            engine.clear_prefix_cache()
+            if mode == "warm":
+                earlier_request(engine, system, args.question_len, vocab, 999)
+            med["host_profile"] = host_profile(
+                lambda: engine.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True)), args.profile)
+            for p in med["host_profile"][:15]:
+                print(f"{mode} host {p['self_ms']:8.3f} ms self {p['cum_ms']:8.3f} cum {p['calls']:6d} calls  {p['fn']}",
+                      flush=True)
         outputs[mode] = answers  # every mode sees the same prompts (the question seeds repeat)
         if mode != "off" and "off" in outputs:  # greedy: the cache must not change an answer (bf16 near-ties aside)
             pairs = [(a, b) for ra, rb in zip(outputs["off"], answers) for a, b in zip(ra, rb)]

@@ -35,6 +35,7 @@ import mlx.core as mx
 import spec_bench
 from mtlqwen.kernels.selection import parse_rows, selected
 from mtlqwen.runtime import speculative
+from bench_common import host_profile
 from decode_profile import count_primitives
 from step_trace import busy_us, kernel_events, short
 
@@ -134,7 +135,7 @@ def graph_of_step(eng) -> dict:
 
 def trace_row(model, drafter, S: int, n: int, pipeline: bool, args, commit: str = "auto") -> dict:
     a = copy.copy(args)
-    a.steps = 3 * args.steps + 2  # room for the timed runs and the graph count
+    a.steps = 4 * args.steps + 2  # room for the timed runs, the profile and the graph count
     with spec_bench.forced_acceptance(args.accept if n else None):
         eng = spec_bench.warm_engine(model, drafter if n else None, S, n, a, None if commit == "auto" else commit,
                                      True, pipeline)
@@ -155,6 +156,7 @@ def trace_row(model, drafter, S: int, n: int, pipeline: bool, args, commit: str 
         host["other"] = host.pop("step", 0.0)
         ks = kernel_events(lambda: run_steps(eng, args.steps))
         graph = graph_of_step(eng)
+        prof = host_profile(lambda: run_steps(eng, args.steps), args.profile) if args.profile else None
         spec_bench.cancel_all(eng)
     per = collections.defaultdict(list)
     for s, e, name in ks:
@@ -162,6 +164,9 @@ def trace_row(model, drafter, S: int, n: int, pipeline: bool, args, commit: str 
     top = sorted(((k, len(d) / args.steps, sum(d) / args.steps) for k, d in per.items()), key=lambda t: -t[2])
     row = {"seqs": S, "n_draft": n, "pipeline": "on" if pipeline else "off", "commit": commit, "step_ms": round(wall, 3),
            "step_ms_instrumented": round(wall_inst, 3), "host_ms": host, "graph_nodes": graph}
+    if prof:
+        row["host_profile"] = [dict(p, self_ms=round(p["self_ms"] / args.steps, 3), cum_ms=round(p["cum_ms"] / args.steps, 3))
+                               for p in prof]  # per step
     if ks:
         row.update(busy_ms=round(busy_us(ks) / 1e3 / args.steps, 3), kernels_per_step=round(len(ks) / args.steps, 1),
                    top=[{"name": k, "per_step": round(c, 1), "ms_per_step": round(t / 1e3, 3)} for k, c, t in (top[: args.top] if args.top else top)])
@@ -183,6 +188,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=0, help="kernel rows kept per row (0: all)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also run --steps steps under cProfile and keep the N Python functions with the most self time")
     ap.add_argument("--variants", nargs="*", default=[], metavar="ROW=V[,ROW=V]",
                     help="selection rows each row is also traced under, back to back with the defaults")
     ap.add_argument("--json", default=None)
@@ -216,6 +223,8 @@ def main(argv=None) -> int:
         if r.get("top"):
             print(f"\n{r['seqs']} seqs, n_draft {r['n_draft']}, pipeline {r['pipeline']}, {r['variant']}: "
                   + "; ".join(f"{t['name']} {t['per_step']:g}x {t['ms_per_step']:.2f} ms" for t in r["top"][:12]))
+        for p in r.get("host_profile", [])[:15]:
+            print(f"  host {p['self_ms']:7.3f} ms self {p['cum_ms']:7.3f} cum {p['calls']:6d} calls  {p['fn']}")
         g = r["graph_nodes"]
         print(f"  graph: {g['total']} nodes; " + ", ".join(f"{k} {v}" for k, v in list(g.items())[1:16]))
     return 0
