@@ -1,5 +1,5 @@
 """The in-place "candidates" commit (gdn/commit.py) against the commit's rule computed in NumPy: the kept
-candidate state and the last K-1 conv inputs land in the verifying slots' pool rows, and every other row is
+candidate state and the last K-1 conv inputs (from the slot's own old rows and the raw verify rows) land in the verifying slots' pool rows, and every other row is
 untouched. Random slot subsets, verification lengths 1..6 with k from 0 (anchor only: old conv rows
 survive) to all drafts, odd channel counts, bf16 / fp32 conv pools. Metal emulator on the CPU; the CUDA
 rendering on a GPU (skipped on the CPU)."""
@@ -34,14 +34,14 @@ def case(data, S, Hv, dv, dk, C, K1, dtype, seed):
     starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int32)
     Tv = sum(lens)
     f32 = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
-    rec, conv, cand, old, raw = f32(n_slots, Hv, dv, dk), f32(n_slots, K1, C), f32(Tv, Hv, dv, dk), f32(S, K1, C), f32(Tv, C)
-    conv, old, raw = (np.array(mx.array(a).astype(dt).astype(mx.float32)) for a in (conv, old, raw))  # representable
+    rec, conv, cand, raw = f32(n_slots, Hv, dv, dk), f32(n_slots, K1, C), f32(Tv, Hv, dv, dk), f32(Tv, C)
+    conv, raw = (np.array(mx.array(a).astype(dt).astype(mx.float32)) for a in (conv, raw))  # representable
     want_rec, want_conv = rec.copy(), conv.copy()
     for s in range(S):
         want_rec[slots[s]] = cand[starts[s] + ks[s]]
-        window = np.concatenate([old[s], raw[starts[s] : starts[s] + lens[s]]])  # [K-1 + len, C]
+        window = np.concatenate([conv[slots[s]], raw[starts[s] : starts[s] + lens[s]]])  # [K-1 + len, C]
         want_conv[slots[s]] = window[ks[s] + 1 : ks[s] + 1 + K1]
-    arrays = [mx.array(rec), mx.array(conv).astype(dt), mx.array(cand), mx.array(old).astype(dt), mx.array(raw).astype(dt),
+    arrays = [mx.array(rec), mx.array(conv).astype(dt), mx.array(cand), mx.array(raw).astype(dt),
               mx.array(ks, dtype=mx.int32), mx.array(starts), mx.array(slots.astype(np.int32))]
     mx.eval(arrays)
     return arrays, want_rec, want_conv
@@ -71,7 +71,7 @@ def test_commit_metal_emulated(data, S, Hv, dv, dk, C, K1, dtype, seed):
 def test_off_by_row_or_without_gpu_kernels():
     """The row is off, or the CPU runs the references: None, and the caller commits with MLX ops."""
     z = mx.zeros((2, 1, 2, 4))
-    args = (z, mx.zeros((2, 3, 5)), mx.zeros((3, 1, 2, 4)), mx.zeros((1, 3, 5)), mx.zeros((3, 5)),
+    args = (z, mx.zeros((2, 3, 5)), mx.zeros((3, 1, 2, 4)), mx.zeros((3, 5)),
             mx.zeros((1,), dtype=mx.int32), mx.zeros((1,), dtype=mx.int32), mx.zeros((1,), dtype=mx.int32))
     if backend.gpu_backend() is None:
         assert pick_inplace(*args) is None

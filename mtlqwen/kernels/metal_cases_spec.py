@@ -45,21 +45,21 @@ def _commit_trials() -> list[Trial]:
         rng = np.random.default_rng(45)
         Hv, d, C, K1 = 4, 16, 96, 3
         rec, conv = _rand(rng, 5, Hv, d, d), _rand(rng, 5, K1, C, dtype=dt)
-        cand, old, raw = _rand(rng, 6, Hv, d, d), _rand(rng, 2, K1, C, dtype=dt), _rand(rng, 6, C, dtype=dt)
+        cand, raw = _rand(rng, 6, Hv, d, d), _rand(rng, 6, C, dtype=dt)
         k, starts, slots = (mx.array(v, dtype=mx.int32) for v in ([0, 2], [0, 3], [3, 1]))
-        mx.eval(rec, conv, cand, old, raw)
+        mx.eval(rec, conv, cand, raw)
 
-        def run(rec=rec, conv=conv, cand=cand, old=old, raw=raw, k=k, starts=starts, slots=slots):
+        def run(rec=rec, conv=conv, cand=cand, raw=raw, k=k, starts=starts, slots=slots):
             r, c = rec + 0, conv + 0  # fresh buffers: the kernel writes them in place
             mx.eval(r, c)
-            done = pick_inplace(r, c, cand, old, raw, k, starts, slots, backend="metal")
+            done = pick_inplace(r, c, cand, raw, k, starts, slots, backend="metal")
             mx.eval(done)
             return [r, c]
 
-        def ref(rec=rec, conv=conv, cand=cand, old=old, raw=raw):
+        def ref(rec=rec, conv=conv, cand=cand, raw=raw):
             r, c = np.array(rec), np.array(conv.astype(F32))
             r[[3, 1]] = np.array(cand)[[0, 5]]
-            c[3] = np.array(old.astype(F32))[0][1:].tolist() + [np.array(raw.astype(F32))[0].tolist()]
+            c[3] = c[3][1:].tolist() + [np.array(raw.astype(F32))[0].tolist()]  # k = 0: slot 3's own rows shift
             c[1] = np.array(raw.astype(F32))[3:6]
             return [mx.array(r), mx.array(c).astype(conv.dtype)]
 

@@ -19,22 +19,21 @@ from .config import Qwen35Config
 class GDNStash:
     """One GDN layer's part of a verification. rec: the state after every verify row [Tv, Hv, dv, dk]
     ("candidates" mode) or the verify rows' delta-rule inputs (y, a, b) ("replay" mode; y: the packed conv
-    output q | k | v [Tv, 2*Hk*dk + Hv*dv]);
-    old_conv: the verifying slots' conv rows before the step [Sv, K-1, C]; raw: the verify rows' conv
-    inputs [Tv, C]."""
+    output q | k | v [Tv, 2*Hk*dk + Hv*dv]); raw: the verify rows' conv inputs [Tv, C]. The verifying slots'
+    old conv rows stay in the pool, where the commit reads them: nothing writes a verifying slot between
+    its verification and its commit."""
 
     rec: mx.array | tuple[mx.array, ...]
-    old_conv: mx.array
     raw: mx.array
 
     def tree(self) -> tuple:
         """The arrays as a nested tuple (what an `mx.compile` trace returns); from_tree inverts it."""
-        return (self.rec, self.old_conv, self.raw)
+        return (self.rec, self.raw)
 
     @classmethod
     def from_tree(cls, t) -> GDNStash:
-        rec, old_conv, raw = t
-        return cls(tuple(rec) if isinstance(rec, (list, tuple)) else rec, old_conv, raw)
+        rec, raw = t
+        return cls(tuple(rec) if isinstance(rec, (list, tuple)) else rec, raw)
 
 
 @dataclass

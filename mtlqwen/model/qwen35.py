@@ -87,15 +87,13 @@ class _VerifySplit:
     def __init__(self, layout: SeqLayout):
         ver = [i for i, v in enumerate(layout.verify) if v]
         plain = [i for i, v in enumerate(layout.verify) if not v]
-        # every sequence verifying (the steady state): the batch is its own verify layout, no row gathers,
-        # and the state rows come from the layout's array (a compiled trace's lists are dummies)
+        # every sequence verifying (the steady state): the batch is its own verify layout, no row gathers
         self.all = not plain
         if self.all:
-            self.verify, self.verify_slots, self.plain = layout, layout.array("state_rows"), None
+            self.verify, self.plain = layout, None
             return
         self.verify, vrows = layout.subset(ver)
         self.verify_rows = mx.array(vrows, dtype=mx.int32)
-        self.verify_slots = mx.array(self.verify.state_rows, dtype=mx.int32)
         self.plain, prows = layout.subset(plain) if plain else (None, [])
         if plain:
             self.plain_rows = mx.array(prows, dtype=mx.int32)
@@ -175,9 +173,9 @@ class GDNMixer:
 
     def _mix_verifying(self, mixed, a, b, layout: SeqLayout, cache: ModelCache, stash: VerifyStash) -> mx.array:
         """The conv + delta rule of a batch holding verifications -> o [T, Hv, dv]. Plain sequences commit
-        their new state; verifying ones leave the pools alone and put (rec, old conv rows [Sv, K-1, C],
-        raw verify rows [Tv, C]) in `stash` for `Qwen35Model.commit_candidates`, where rec is all states
-        [Tv, Hv, dv, dk] ("candidates") or the verify rows' (q, k, v, a, b) ("replay")."""
+        their new state; verifying ones leave the pools alone and put (rec, raw verify rows [Tv, C]) in
+        `stash` for `Qwen35Model.commit_candidates`, where rec is all states [Tv, Hv, dv, dk] ("candidates")
+        or the verify rows' (y, a, b) ("replay"); the commit reads their old conv rows from the pool."""
         sp = _VerifySplit.of(layout)
         conv_pool, rec_pool = cache.conv_states[self.idx], cache.rec_states[self.idx]
         y, conv_new = causal_conv1d(mixed, self.conv_w, conv_pool, layout)  # every row's conv output is final
@@ -194,8 +192,7 @@ class GDNMixer:
             rec = ins
         else:
             o_v, _, rec = gated_delta_packed_candidates(*ins, self.A_log, self.dt_bias, rec_pool, sp.verify, heads)
-        # read the verifying slots' old conv rows before the plain rows' writes below
-        stash.layers[self.idx] = GDNStash(rec, conv_pool[sp.verify_slots], raw)
+        stash.layers[self.idx] = GDNStash(rec, raw)  # the old conv rows stay in the pool until the commit
         stash.layout = sp.verify
         if sp.plain is None:
             return o_v
@@ -473,7 +470,7 @@ class Qwen35Model:
         win = last = None  # built once for every layer, and only if some layer needs them (a node costs host time)
         for idx, part in layers.items():
             rec, conv = cache.rec_states[idx], cache.conv_states[idx]
-            done = pick_inplace(rec, conv, part.rec, part.old_conv, part.raw, k, starts, slots)
+            done = pick_inplace(rec, conv, part.rec, part.raw, k, starts, slots)
             if done is not None:  # written into the pools' buffers: their handles follow the write
                 cache.rec_states[idx], cache.conv_states[idx] = mx.depends([rec, conv], [done])
                 continue
@@ -485,9 +482,11 @@ class Qwen35Model:
 
     @staticmethod
     def _commit_conv(cache, idx: int, part: GDNStash, win: mx.array, slots: mx.array) -> None:
-        S, K1 = part.old_conv.shape[:2]
-        flat = mx.concatenate([part.old_conv.reshape(S * K1, -1), part.raw.astype(part.old_conv.dtype)])
-        cache.conv_states[idx][slots] = flat[win].reshape(S, K1, -1)
+        pool = cache.conv_states[idx]
+        old = pool[slots]  # [S, K-1, C]: the verifying slots' rows as they were before the verification
+        S, K1 = old.shape[:2]
+        flat = mx.concatenate([old.reshape(S * K1, -1), part.raw.astype(old.dtype)])
+        pool[slots] = flat[win].reshape(S, K1, -1)
 
     def _conv_window(self, k: mx.array, starts: mx.array, S: int) -> mx.array:
         """Rows of [all old conv rows (S x (K-1)) ; all raw verify rows] that hold each sequence's last K-1
