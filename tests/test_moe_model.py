@@ -123,11 +123,11 @@ def test_kernels_match_fp32(model, monkeypatch):
     rel = compare(np.asarray(model.logits(prompt).astype(mx.float32)), ref)
     toks, rows = greedy_steps(model, prompt[:40], 6)  # decode rows after the first: T = 1, the fused kernels
     row_refs = [cpu_logits(ref_model, prompt[:40] + toks[:i])[-1] for i in range(1, 6)]  # on the kernels' tokens
-    monkeypatch.setenv("MTLQWEN_FORCE_REFERENCE", "1")
+    monkeypatch.setattr(backend, "FORCE_REFERENCE", True)
     base = compare(np.asarray(model.logits(prompt).astype(mx.float32)), ref)
     base = max([base] + [compare(np.asarray(model.logits(prompt[:40] + toks[:i])[-1].astype(mx.float32)), r)
                          for i, r in zip(range(1, 6), row_refs)])
-    monkeypatch.delenv("MTLQWEN_FORCE_REFERENCE")
+    monkeypatch.setattr(backend, "FORCE_REFERENCE", False)
     budget = max(TOLERANCE, BF16_MARGIN * base)
     print(f"kernels vs fp32 reference (prefill): {rel:.2e}; MLX's bf16 ops: {base:.2e}; budget {budget:.2e}")
     assert base <= BF16_CEILING

@@ -74,6 +74,18 @@ def test_the_last_group_is_halved_down_to_one_layer(every, n, want):
         assert _eval_points(host, 20, n) == want
 
 
+@pytest.mark.parametrize("every, first, tail, n, want", [(8, 1, 0, 32, {1, 8, 16, 24}), (8, 2, 0, 32, {2, 8, 16, 24}),
+                                                   (8, 8, 0, 32, {8, 16, 24}), (8, 1, 1, 32, {1, 8, 16, 24, 28, 30, 31}),
+                                                   (8, 40, 0, 32, {8, 16, 24}), (8, 1, 0, 1, set()), (0, 1, 0, 32, set())])
+def test_a_first_small_group_starts_the_device_early(every, first, tail, n, want):
+    """prefill_eval_first: one more evaluation after that many layers, inside the forward's layers only; none
+    when grouping is off."""
+    host = SeqLayout([0, 20], [0], [[0, 1, 2]], [0], 8)
+    rows = {"prefill_eval_layers": every, "prefill_eval_first": first, "prefill_eval_min_rows": 16, "prefill_eval_tail": tail}
+    with selected(rows):
+        assert _eval_points(host, 20, n) == want
+
+
 def test_engine_outputs_are_the_models_own_with_grouped_prefill(model):
     """Greedy generations through an engine whose prefill steps launch in groups of 2 layers equal the
     single-request reference, and nothing leaks."""

@@ -1,6 +1,7 @@
 """Which back-end runs the ops: custom kernels on Metal / CUDA, plain-MLX references on CPU.
 
-`MTLQWEN_FORCE_REFERENCE=1` forces the references everywhere (debugging a kernel against its twin).
+`MTLQWEN_FORCE_REFERENCE=1` forces the references everywhere (debugging a kernel against its twin); it is read
+when the module is imported.
 """
 
 from __future__ import annotations
@@ -22,8 +23,13 @@ def gpu_backend() -> str | None:
     return None
 
 
+# read once: every op's dispatch asks, several hundred times a prefill step, and an environment lookup
+# costs microseconds of host time (benchmarks/host_build.py); tests flip the flag itself
+FORCE_REFERENCE = os.environ.get("MTLQWEN_FORCE_REFERENCE", "0") not in ("", "0", "false", "False")
+
+
 def force_reference() -> bool:
-    return os.environ.get("MTLQWEN_FORCE_REFERENCE", "0") not in ("", "0", "false", "False")
+    return FORCE_REFERENCE
 
 
 def use_kernels() -> bool:

@@ -164,6 +164,9 @@ SELECT: dict[str, int] = {
     # the host built all ~800-2,500 launches before the first ran.
     "prefill_eval_layers": 8,
     "prefill_eval_min_rows": 256,
+    # The first evaluation after this many layers as well (0 = none): until the host's first async_eval the
+    # device is idle, 5.4 ms of a 9B warm prefix hit's step with groups of 8 (step_trace.py, benchmarks/prefix_cache.md).
+    "prefill_eval_first": 0,
     # 1 = the last group of layers halved down to one layer (8, 8, 8, 4, 2, 1, 1 of 32): a step ends when the
     # device has run the group the host built last, and with the host the slower of the two that group is
     # all that remains after the last launch. H200, 9B warm prefix TTFT in one process: 43.7 ms against 41.3

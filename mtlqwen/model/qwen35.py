@@ -59,15 +59,17 @@ def _lin(w: dict[str, mx.array], name: str, config) -> LinearParams:
 
 def _eval_points(layout: SeqLayout, rows: int, n: int) -> frozenset[int]:
     """Layer counts after which an eager forward of n layers evaluates what it built so far (mx.async_eval):
-    every SELECT "prefill_eval_layers" layers, and with "prefill_eval_tail" the last group halved down to one
-    layer (8 + 8 + 8 + 4 + 2 + 1 + 1 for 32 layers), since the step ends when the device finishes the group
-    the host built last. Empty when off, below "prefill_eval_min_rows", or in an mx.compile trace (a traced
-    layout), where nothing can be evaluated."""
+    every SELECT "prefill_eval_layers" layers; with "prefill_eval_first" also after that many layers, so the
+    device starts while the host builds the rest of the first group; with "prefill_eval_tail" the last group
+    halved down to one layer (8 + 8 + 8 + 4 + 2 + 1 + 1 for 32 layers), since the step ends when the device
+    finishes the group the host built last. Empty when off, below "prefill_eval_min_rows", or in an
+    mx.compile trace (a traced layout), where nothing can be evaluated."""
     every = SELECT["prefill_eval_layers"]
     if every <= 0 or layout.traced or rows < SELECT["prefill_eval_min_rows"]:
         return frozenset()
+    first = {SELECT["prefill_eval_first"]} - {0}
     if not SELECT["prefill_eval_tail"]:
-        return frozenset(range(every, n, every))
+        return frozenset(p for p in first.union(range(every, n, every)) if 0 < p < n)
     points, k = [], 0
     while n - k > every:
         k += every
@@ -75,7 +77,7 @@ def _eval_points(layout: SeqLayout, rows: int, n: int) -> frozenset[int]:
     while n - k > 1:  # the last group halved: the host builds it while the device runs the one before
         k += (n - k) // 2
         points.append(k)
-    return frozenset(p for p in points if 0 < p < n)
+    return frozenset(p for p in first.union(points) if 0 < p < n)
 
 
 class _VerifySplit:

@@ -1,0 +1,98 @@
+"""The host's Python cost of building one eager step's graph on the GPU code path, on any machine.
+
+A host-bound step's wall time is the Python that builds its graph plus MLX's encoding of the launches
+(benchmarks/prefix_cache.md: 13.6 + 18.9 ms for the 9B warm prefix hit). The second needs the GPU; the first
+does not. Here the GPU dispatch runs on the CPU with nothing evaluated: the back-end reports CUDA, every
+custom kernel is a stand-in that returns lazy zeros of its output shapes (one MLX op per output, no launch),
+and mx.async_eval does nothing. The model, its random weights and the cache stay lazy, so the 9B shape
+builds in seconds. What is timed is Qwen35Model.forward's Python, the ops' dispatch and the kernels'
+argument building, for a fresh layout each step (the engine packs one per step). It is not a device
+measurement: MLX's own per-op cost differs between back-ends, and the stand-ins cost less than a real
+kernel call's node. Use it to find and cut Python overhead; confirm on the device (step_trace.py).
+
+    python benchmarks/host_build.py                                # 9B warm prefix hit: 8 x 64 over 2,048
+    python benchmarks/host_build.py --seqs 1 --tokens 1024 --context 0 --profile 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+import mlx.core as mx
+
+from bench_common import host_profile
+from mtlqwen.kernels import SeqLayout, backend, dispatch, portable
+from mtlqwen.model import QuantSpec, builtin
+
+
+def _stand_in(**kw):
+    return [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+
+
+def pretend_cuda() -> None:
+    """The CUDA dispatch on the CPU, nothing evaluated (this process only: it never restores)."""
+    mx.set_default_device(mx.cpu)
+    gpu = SimpleNamespace(type=mx.DeviceType.gpu)
+    backend.gpu_backend.cache_clear()
+    backend.gpu_backend = lambda: "cuda"
+    backend.use_kernels.__globals__["gpu_backend"] = backend.gpu_backend
+    for mod in list(sys.modules.values()):  # modules that imported the functions by name
+        if getattr(mod, "__name__", "").startswith("mtlqwen") and getattr(mod, "gpu_backend", None) is not None:
+            mod.gpu_backend = backend.gpu_backend
+    backend.use_kernels.__globals__["mx"] = SimpleNamespace(default_device=lambda: gpu, DeviceType=mx.DeviceType)
+    portable.PortableKernel.build = lambda self, b: _stand_in
+    dispatch.Op._first_use = lambda self, new, kern, out, args, kw: out  # no self-check: nothing runs
+    mx.async_eval = lambda *a, **k: None
+
+
+def warm_layout(S: int, T: int, context: int, bt: int) -> SeqLayout:
+    """S sequences of T new tokens over `context` cached ones each, own blocks and slots."""
+    per = -(-(context + T) // bt)
+    return SeqLayout([i * T for i in range(S + 1)], [context] * S,
+                     [list(range(i * per, (i + 1) * per)) for i in range(S)], list(range(S)), bt)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(builtin.SHAPES), default="9b")
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--seqs", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens per sequence")
+    ap.add_argument("--context", type=int, default=2048, help="cached tokens per sequence")
+    ap.add_argument("--block-tokens", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="keep the N functions with the most self time")
+    args = ap.parse_args(argv)
+    pretend_cuda()
+    model = builtin.random_model(config=builtin.SHAPES[args.shape](), seed=0,
+                                 quantize=QuantSpec(args.bits, 64) if args.bits else None)
+    S, T, bt = args.seqs, args.tokens, args.block_tokens
+    per = -(-(args.context + T) // bt)
+    cache = model.make_cache(num_blocks=S * per + 1, num_slots=S, block_tokens=bt)
+    ids = mx.zeros((S * T,), dtype=mx.int32)
+    rows = mx.array([(i + 1) * T - 1 for i in range(S)], dtype=mx.int32)
+
+    def step():
+        model.forward(ids, warm_layout(S, T, args.context, bt), cache, rows)
+
+    step()  # first calls build the ops' tables
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(1e3 * (time.perf_counter() - t0))
+    print(f"{args.shape}, {S} x {T} tokens over {args.context}: Python build of one eager step "
+          f"{statistics.median(times):.2f} ms (median of {args.steps}; min {min(times):.2f})")
+    if args.profile:
+        for p in host_profile(lambda: [step() for _ in range(args.steps)], args.profile):
+            print(f"  {p['self_ms'] / args.steps:7.3f} ms self {p['cum_ms'] / args.steps:7.3f} cum "
+                  f"{p['calls'] / args.steps:7.1f} calls  {p['fn']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
