@@ -165,7 +165,9 @@ SELECT: dict[str, int] = {
     "prefill_eval_layers": 8,
     "prefill_eval_min_rows": 256,
     # The first evaluation after this many layers as well (0 = none): until the host's first async_eval the
-    # device is idle, 5.4 ms of a 9B warm prefix hit's step with groups of 8 (step_trace.py, benchmarks/prefix_cache.md).
+    # device is idle, 5.4 ms of a 9B warm prefix hit's step with groups of 8 (step_trace.py). With 1, the warm
+    # prefix TTFT was 36.1 / 679.1 ms = 5.32% of the cache-off run, against 5.38% and 5.48% for the defaults in
+    # two processes of other leases (benchmarks/prefix_cache.md): no difference above the spread: off.
     "prefill_eval_first": 0,
     # 1 = the last group of layers halved down to one layer (8, 8, 8, 4, 2, 1, 1 of 32): a step ends when the
     # device has run the group the host built last, and with the host the slower of the two that group is
