@@ -35,8 +35,8 @@ import time
 import mlx.core as mx
 
 from decode_profile import count_primitives, set_pools, step_fn
+from host_build import warm_layout
 from mtlqwen.kernels.selection import parse_rows, selected
-from mtlqwen.kernels.seqs import SeqLayout
 from mtlqwen.model.builtin import SHAPES, random_model
 from mtlqwen.model.config import QuantSpec
 
@@ -170,9 +170,8 @@ def trace_prefill(model, T: int, steps: int, rows: dict, seqs: int = 1, context:
         per = T // seqs
         nb = -(-(context + per) // 128)
         cache = model.make_cache(seqs * nb + 1, seqs, 128)
-        qsl = [i * per for i in range(seqs + 1)]
-        lay = SeqLayout(qsl, [context] * seqs, [list(range(i * nb, (i + 1) * nb)) for i in range(seqs)],
-                        list(range(seqs)), 128)
+        lay = warm_layout(seqs, per, context, 128)
+        qsl = lay.query_start_loc
         ids = mx.random.randint(0, model.config.vocab_size, (T,)).astype(mx.int32)
         last = mx.array([q - 1 for q in qsl[1:]])
 
