@@ -4,7 +4,7 @@
 `examples`, write the source MLX 0.32 generates (`build_kernel` in mlx/backend/cuda/custom_kernel.cpp: the
 header, `__global__ void name(const T* in, [Shape in_shape,] ..., T* out)` with shape / strides / ndim
 parameters only where the body names them, template arguments as `constexpr` / `using` lines), with MLX's
-device header replaced by the two types the bodies use, and compile it for sm_90 with `ptxas -v`. Exit
+device header replaced by the two types the bodies use, and compile it for sm_90a (MLX's JIT target on an H200) with `ptxas -v`. Exit
 status 1 on any failure; `--regs` prints each instantiation's registers and spills.
 
 Why: a CUDA compile error otherwise shows up only on the lent GPU, after the call's setup time (one
@@ -72,7 +72,7 @@ def cuda_source(kern: PortableKernel, ex: KernelExample) -> str:
             + "\n".join(consts) + "\n" + body + "\n}\n}}}\n")
 
 
-def compile_source(src: str, arch: str = "sm_90") -> tuple[bool, str]:
+def compile_source(src: str, arch: str = "sm_90a") -> tuple[bool, str]:
     with tempfile.TemporaryDirectory() as d:
         f = os.path.join(d, "kernel.cu")
         with open(f, "w") as fh:
@@ -91,13 +91,13 @@ def _usage(msg: str) -> str:
 
 def cuda_only_jobs() -> list[tuple[str, PortableKernel, KernelExample]]:
     """The CUDA-only kernels outside the portable registry (no Metal rendering: Metal runs MLX's op), each
-    instantiation as the kernel module declares it: the tensor-core quantized GEMM (dense and grouped by
-    expert) and prefill attention."""
+    instantiation as the kernel module declares it: the tensor-core quantized GEMM (dense, its warpgroup-MMA
+    form, and grouped by expert) and prefill attention."""
     from .attention import prefill  # noqa: PLC0415
     from .moe import grouped  # noqa: PLC0415
-    from .qmatmul import qgemm  # noqa: PLC0415
+    from .qmatmul import qgemm, wgmma  # noqa: PLC0415
 
-    return [(f"{kern.name}[{i}]", kern, ex) for mod in (qgemm, grouped, prefill)
+    return [(f"{kern.name}[{i}]", kern, ex) for mod in (qgemm, wgmma, grouped, prefill)
             for i, (kern, ex) in enumerate(mod.examples())]
 
 

@@ -212,6 +212,13 @@ SELECT: dict[str, int] = {
     # split-K aims for when N / tile * M / tile blocks are too few.
     "qgemm_rt": 2,
     "qgemm_split_waves": 2,
+    # On Hopper (CUDA, compute capability 9), qgemm's 4-bit projections from this many rows on the warpgroup MMA
+    # (qmatmul/wgmma.py; 0 = never): the tensor cores read the activation tile from shared memory, so no warp
+    # builds B fragments. H200 device time at 64 rows (qgemm_bench.py --wgmma): in_proj 32.3 against 37.4 us,
+    # o/out 13.2 against 16.3, gate+up 64.1 against 69.7, down 33.0 against 36.2; at 128 rows 5-12% less; at
+    # 16 and 32 rows it lost (in_proj 19.4 against 18.4-19.2 at its best configuration), so mma.sync keeps
+    # them. Its GPU tests passed on the H200 (benchmarks/qgemm.md).
+    "qgemm_wgmma_min_rows": 33,
     # qgemm's split-K partials reduced by one launch a call (qmatmul/splitk.py) instead of a sum and a cast
     # per output (~365 graph nodes at 16 verify rows of the 9B). A verification's "candidates" commit in one
     # in-place launch a GDN layer (gdn/commit.py) instead of eight MLX ops (192 nodes). Their GPU tests

@@ -18,7 +18,7 @@ import mlx.core as mx
 from ..backend import gpu_backend
 from ..portable import KernelExample, portable_kernel
 from ..selection import SELECT, qmv_config
-from . import dequant, qgemm
+from . import dequant, qgemm, wgmma
 from .bodies import HEADER, MMA_HEADER, XKIND, fma_body, mma_body
 from .params import LinearParams
 
@@ -162,6 +162,14 @@ def _use_qgemm(x2: mx.array, ps: list[LinearParams]) -> bool:
             and qgemm.supported(x2, ps))
 
 
+def tc_gemm(x2: mx.array, ps: list[LinearParams], epi: int = 0) -> list[mx.array]:
+    """The tensor-core GEMM for x2 [M, K]: the warpgroup-MMA form on Hopper where it takes the projections
+    (wgmma.py: 4-bit), else qgemm's mma.sync."""
+    if wgmma.takes(x2, ps):
+        return wgmma.qgemm_wg(x2, ps, epi)
+    return qgemm.qgemm(x2, ps, epi)
+
+
 def fma_serves(M: int) -> bool:
     """The FMA qmv (not the tensor-core variant) serves M rows: the rows its epilogues (residual.py,
     conv_epilogue.py) can fuse into, as the tensor-core variant has none."""
@@ -200,7 +208,7 @@ def _big_m(x2: mx.array, p: LinearParams) -> mx.array:
     reference) or dequantize + GEMM."""
     M = x2.shape[0]
     if _use_qgemm(x2, [p]):
-        return qgemm.qgemm(x2, [p])[0]
+        return tc_gemm(x2, [p])[0]
     if _dequant_route(x2, p):
         return dequant_linear(x2, p)
     if M <= SELECT["qmv_loop_max_rows"]:  # a few qmv launches beat MLX's GEMM for small M
@@ -265,7 +273,7 @@ def linear_kernel(x: mx.array, p: LinearParams):
 def linear_multi_kernel(x: mx.array, ps: list[LinearParams]):
     x2, lead = _flat(x)
     if len(ps) <= 4 and _use_qgemm(x2, ps):
-        return [y.reshape(*lead, p.out_features) for y, p in zip(qgemm.qgemm(x2, ps), ps)]
+        return [y.reshape(*lead, p.out_features) for y, p in zip(tc_gemm(x2, ps), ps)]
     w = _stacked(x2, ps)
     if w is not None:  # one dequantize launch, then a GEMM per projection on its rows of the stack
         return [(x2 @ wp.T).reshape(*lead, p.out_features) for wp, p in zip(_row_slices(w, ps), ps)]
@@ -280,7 +288,7 @@ def linear_multi_kernel(x: mx.array, ps: list[LinearParams]):
 def swiglu_linear_kernel(x: mx.array, gate: LinearParams, up: LinearParams):
     x2, lead = _flat(x)
     if gate.out_features == up.out_features and _use_qgemm(x2, [gate, up]):
-        return qgemm.qgemm(x2, [gate, up], epi=1)[0].reshape(*lead, gate.out_features)
+        return tc_gemm(x2, [gate, up], epi=1)[0].reshape(*lead, gate.out_features)
     w = _stacked(x2, [gate, up]) if gate.out_features == up.out_features else None
     if w is not None:
         # one dequantize, one GEMM gu [M, 2I], one fused SwiGLU reading its halves in place (MLX's

@@ -429,15 +429,20 @@ def qgemm(x: mx.array, ps: list[LinearParams], epi: int = 0, cfg: tuple | None =
                   ("EPI", epi), ("PART", int(split > 1)), ("YT", yt)],
         init_value=POISON,
     )
+    return finish(list(outs), split, epi, x.dtype, N0)
+
+
+def finish(outs: list[mx.array], split: int, epi: int, dtype, N0: int) -> list[mx.array]:
+    """A launch's outputs -> the call's: split-K partials [S, M, N'] reduced (and SwiGLU applied) in `dtype`."""
     if split == 1:
-        return list(outs)
-    if SELECT["qgemm_reduce_kernel"] and splitk.covers(list(outs), epi):  # one launch for every output
-        return splitk.reduce("cuda", list(outs), epi, x.dtype, init_value=POISON)
+        return outs
+    if SELECT["qgemm_reduce_kernel"] and splitk.covers(outs, epi):  # one launch for every output
+        return splitk.reduce("cuda", outs, epi, dtype, init_value=POISON)
     if epi == 1:
         s = mx.sum(outs[0], axis=0)
         g, u = s[:, :N0], s[:, N0:]
-        return [(g * mx.sigmoid(g) * u).astype(x.dtype)]
-    return [mx.sum(o, axis=0).astype(x.dtype) for o in outs]
+        return [(g * mx.sigmoid(g) * u).astype(dtype)]
+    return [mx.sum(o, axis=0).astype(dtype) for o in outs]
 
 
 def examples() -> list[tuple[PortableKernel, KernelExample]]:
