@@ -172,3 +172,50 @@ def test_dequantize_stack_is_the_matrices_stacked(ns, kg, bits, gs, dtype, seed)
     want = np.concatenate([np.array(dequant.dequantize(p, dt).astype(mx.float32)) for p in ps])
     assert got.shape == (sum(ns), kg * gs) and np.isfinite(got).all()
     assert np.array_equal(got, want)
+
+
+def test_small_n_split_picks_the_small_projections(monkeypatch):
+    """Past qgemm's rows, up to qgemm_small_n_rows: the projections of at most 128 outputs among several go
+    to one qgemm launch, the others keep their path (exact indices; CPU, qgemm's availability faked)."""
+    from mtlqwen.kernels.qmatmul import gemv, qgemm  # noqa: PLC0415
+
+    monkeypatch.setattr(qgemm, "available", lambda: True)
+    monkeypatch.setitem(selection.SELECT, "qgemm_small_n_rows", 1024)
+    rng = np.random.default_rng(2)
+    ps = [make_params(rng, n, 512, 4, 64, mx.bfloat16) for n in (384, 256, 32, 128)]
+    x = mx.zeros((512, 512), dtype=mx.bfloat16)
+    assert gemv.small_n_split(x, ps) == ([2, 3], [0, 1])
+    assert gemv.small_n_split(x, [ps[2], ps[0], ps[3]]) == ([0, 2], [1])
+    assert gemv.small_n_split(x, ps[2:]) == ([0, 1], [])                     # all small: one launch for all
+    assert gemv.small_n_split(x, ps[:2]) is None                             # none small
+    assert gemv.small_n_split(x, ps[2:3]) is None                            # a single projection: linear's
+    assert gemv.small_n_split(mx.zeros((128, 512), dtype=mx.bfloat16), ps) is None   # qgemm's own rows
+    assert gemv.small_n_split(mx.zeros((1025, 512), dtype=mx.bfloat16), ps) is None  # past the row
+    assert gemv.small_n_split(x.astype(mx.float32), ps) is None              # a dtype qgemm does not take
+    monkeypatch.setitem(selection.SELECT, "qgemm_small_n_rows", 0)
+    assert gemv.small_n_split(x, ps) is None
+
+
+@pytest.mark.gpu
+@needs_gpu
+@settings(max_examples=n_examples(8), **GPU_SETTINGS)
+@given(m=st.sampled_from([129, 300, 512, 1024]), seed=st.integers(0, 2**31 - 1))
+def test_small_n_projections_past_qgemm_rows(m, seed):
+    """A GDN layer's four projections past qgemm's rows with the row on: b and a through one qgemm launch,
+    qkv and z through dequantize + GEMM, each output against the reference."""
+    _cuda_qgemm()
+    from mtlqwen.kernels import qmatmul as linear_fused  # noqa: PLC0415
+    from mtlqwen.kernels.qmatmul import gemv  # noqa: PLC0415
+
+    saved = selection.SELECT["qgemm_small_n_rows"]
+    selection.SELECT["qgemm_small_n_rows"] = 1024
+    try:
+        rng = np.random.default_rng(seed)
+        ps = [make_params(rng, n, 4096, 4, 64, mx.bfloat16) for n in (1024, 512, 32, 32)]
+        x = mx.array(rng.standard_normal((m, 4096)).astype(np.float32)).astype(mx.bfloat16)
+        assert gemv.small_n_split(x, ps) == ([2, 3], [0, 1])
+        for y, p in zip(linear_fused.linear_multi(x, ps), ps):
+            assert y.shape == (m, p.out_features)
+            assert rel_err(y, ref32(x, p)) < TOL[mx.bfloat16]
+    finally:
+        selection.SELECT["qgemm_small_n_rows"] = saved

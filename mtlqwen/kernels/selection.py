@@ -219,6 +219,12 @@ SELECT: dict[str, int] = {
     # 16 and 32 rows it lost (in_proj 19.4 against 18.4-19.2 at its best configuration), so mma.sync keeps
     # them. Its GPU tests passed on the H200 (benchmarks/qgemm.md).
     "qgemm_wgmma_min_rows": 33,
+    # Past qgemm_max_rows and up to this many rows (0 = never), the projections of at most 128 outputs among
+    # several of one input (a GDN layer's b and a) run as one qgemm launch, the others on their own path:
+    # cuBLAS runs each of them as a split-K GEMM and its reduce, 96 launches of the 9B warm prefix step's 568
+    # (benchmarks/prefix_cache.md). qgemm is tested to 1,100 rows. Off until the dispatch's GPU test
+    # (test_kernels_qgemm.py::test_small_n_projections_past_qgemm_rows) passes and the warm step is timed.
+    "qgemm_small_n_rows": 0,
     # qgemm's split-K partials reduced by one launch a call (qmatmul/splitk.py) instead of a sum and a cast
     # per output (~365 graph nodes at 16 verify rows of the 9B). A verification's "candidates" commit in one
     # in-place launch a GDN layer (gdn/commit.py) instead of eight MLX ops (192 nodes). Their GPU tests

@@ -270,10 +270,43 @@ def linear_kernel(x: mx.array, p: LinearParams):
     return None if y is None else y.reshape(*lead, p.out_features)
 
 
+SMALL_N = 128  # outputs of a projection small_n_split sends to qgemm past its rows (a GDN layer's b and a: Hv)
+
+
+def small_n_split(x2: mx.array, ps: list[LinearParams]) -> tuple[list[int], list[int]] | None:
+    """Past qgemm_max_rows and up to SELECT["qgemm_small_n_rows"] rows, on CUDA: (the indices of ps with at
+    most SMALL_N outputs, the others') when there are such projections, for one qgemm launch of the small ones
+    (cuBLAS runs each of them as a split-K GEMM and its reduce: two launches) beside the others' path; else None."""
+    rows, M = SELECT["qgemm_small_n_rows"], x2.shape[0]
+    if not (rows > 0 and SELECT["qgemm_max_rows"] < M <= rows and 1 < len(ps) <= 8):
+        return None
+    small = [i for i, p in enumerate(ps) if p.out_features <= SMALL_N]
+    if not small or len(small) > 4 or not (qgemm.available() and qgemm.supported(x2, [ps[i] for i in small])):
+        return None
+    return small, [i for i in range(len(ps)) if i not in small]
+
+
+def _small_n_multi(x: mx.array, x2: mx.array, lead: tuple, ps: list[LinearParams], small: list[int],
+                   rest: list[int]) -> list[mx.array] | None:
+    out: list = [None] * len(ps)
+    for i, y in zip(small, qgemm.qgemm(x2, [ps[i] for i in small])):
+        out[i] = y.reshape(*lead, ps[i].out_features)
+    if rest:
+        ys = (linear_multi_kernel(x, [ps[i] for i in rest]) if len(rest) > 1 else [linear_kernel(x, ps[rest[0]])])
+        if ys is None or any(y is None for y in ys):
+            return None
+        for i, y in zip(rest, ys):
+            out[i] = y
+    return out
+
+
 def linear_multi_kernel(x: mx.array, ps: list[LinearParams]):
     x2, lead = _flat(x)
     if len(ps) <= 4 and _use_qgemm(x2, ps):
         return [y.reshape(*lead, p.out_features) for y, p in zip(tc_gemm(x2, ps), ps)]
+    sp = small_n_split(x2, ps)
+    if sp is not None:
+        return _small_n_multi(x, x2, lead, ps, *sp)
     w = _stacked(x2, ps)
     if w is not None:  # one dequantize launch, then a GEMM per projection on its rows of the stack
         return [(x2 @ wp.T).reshape(*lead, p.out_features) for wp, p in zip(_row_slices(w, ps), ps)]
