@@ -74,10 +74,11 @@ def row_bucket(M: int) -> int:
     return 1 if M == 1 else 2 if M == 2 else 4 if M <= 4 else 8
 
 
-def qmv_supported(x: mx.array, ps: list[LinearParams]) -> bool:
-    """Shapes and types the qmv kernel covers; the scales must share x's dtype unless x is fp32."""
+def qmv_supported(x: mx.array, ps: list[LinearParams], any_rows: bool = False) -> bool:
+    """Shapes and types the qmv kernel covers; the scales must share x's dtype unless x is fp32. `any_rows`:
+    everything but the row count (1..8)."""
     p0 = ps[0]
-    if not (x.ndim == 2 and 1 <= x.shape[0] <= 8 and x.dtype in XKIND):
+    if not (x.ndim == 2 and (any_rows or 1 <= x.shape[0] <= 8) and x.dtype in XKIND and x.shape[0] >= 1):
         return False
     return all(
         p.quantized and p.bits in (4, 8) and p.group_size in (32, 64, 128)
@@ -259,7 +260,7 @@ def linear_kernel(x: mx.array, p: LinearParams):
     if not p.quantized:
         return None
     x2, lead = _flat(x)
-    if not qmv_supported(x2 if x2.shape[0] <= 8 else x2[:8], [p]):
+    if not qmv_supported(x2, [p], any_rows=True):  # (a slice of x2 here would be a graph node a call)
         return None
     M = x2.shape[0]
     wide = M >= 8 and p.out_features >= SELECT["mlx_qmm_min_n_at_8_rows"]
