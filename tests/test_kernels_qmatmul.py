@@ -40,6 +40,12 @@ def ref32(x: mx.array, p: LinearParams) -> np.ndarray:
         return np.array(x.astype(mx.float32) @ w.T)
 
 
+def swiglu_ref32(x: mx.array, gate: LinearParams, up: LinearParams) -> np.ndarray:
+    """silu(x Wg^T) * (x Wu^T) from ref32's fp32 products."""
+    g, u = ref32(x, gate), ref32(x, up)
+    return g / (1 + np.exp(-g)) * u
+
+
 def rel_err(out, ref) -> float:
     out = np.array(out.astype(mx.float32)) if isinstance(out, mx.array) else out
     assert np.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite output"

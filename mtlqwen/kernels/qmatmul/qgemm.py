@@ -92,6 +92,53 @@ template <> __device__ __forceinline__ __half qg_out<__half>(float v) { return _
 template <> __device__ __forceinline__ float qg_out<float>(float v) { return v; }
 """
 
+# Fragments both tensor-core bodies (this one and wgmma.py's) share: the k-steps [kt0, kt1) of the block's split
+# of K, the tile-row lambda (ROW_OF fills it), the head of the stage loader, one stage's scale / bias loads, and
+# the K loop's issue of the next stage (at step i) with the current stage's base.
+K_SPLIT = r"""  const int KT = K / 128;
+  const int SPLIT = gridDim.z;
+  const int kt0 = (int)(((long)KT * blockIdx.z) / SPLIT), kt1 = (int)(((long)KT * (blockIdx.z + 1)) / SPLIT);
+  const int nk = kt1 - kt0;
+"""
+ROW_OF_FN = r"""  auto row_of = [&](int r, const uint32_t*& W, const T*& S, const T*& B) -> int {
+    int n;
+    ROW_OF
+    return min(n, N - 1);                         // rows past N are loaded (clamped) but never stored
+  };
+"""
+STAGE_PTRS = r"""  auto load_stage = [&](int stage, int kt) {
+    unsigned char* base = qg_smem + stage * STAGE;
+    unsigned char* Ws = base;
+    unsigned char* Ss = base + TR * WROWB;
+    unsigned char* Bs = Ss + TR * 8;
+    unsigned char* Xs = Bs + TR * 8;
+    const int k0 = kt * 128;
+"""
+NEXT_STAGE = r"""    {
+      const int nx = i + STAGES - 1;
+      if (nx < nk) load_stage(nx % STAGES, kt0 + nx);
+      qg_commit();
+    }
+    const unsigned char* base = qg_smem + (i % STAGES) * STAGE;
+    const unsigned char* Ws = base;
+"""
+SB_LOAD = r"""    for (int r = tid; r < TR; r += NT) {
+      const uint32_t* W; const T* S; const T* B;
+      const int n = row_of(r, W, S, B);
+      const int gi = GS == 128 ? ((k0 / 128) & ~1) : k0 / GS;   // 4- or 8-byte aligned (K % 256 == 0)
+      if (SBB == 8) { qg_cp8(Ss + r * 8, S + (size_t)n * NG + gi); qg_cp8(Bs + r * 8, B + (size_t)n * NG + gi); }
+      else { qg_cp4(Ss + r * 8, S + (size_t)n * NG + gi); qg_cp4(Bs + r * 8, B + (size_t)n * NG + gi); }
+    }
+"""
+
+
+def shared_fragments(body: str) -> str:
+    """`body` with K_SPLIT, ROW_OF_FN, STAGE_PTRS, SB_LOAD and NEXT_STAGE written out (ROW_OF stays for the
+    caller)."""
+    return (body.replace("K_SPLIT", K_SPLIT).replace("ROW_OF_FN", ROW_OF_FN).replace("STAGE_PTRS", STAGE_PTRS)
+            .replace("SB_LOAD", SB_LOAD).replace("NEXT_STAGE", NEXT_STAGE))
+
+
 # Template constants: T (x dtype), XK, BITS, GS, RT, TT, WN, WM, STAGES, P (projections), EPI, PART (1: fp32
 # partials of a split K, one slab per grid z), YT (output element type: float when PART).
 _BODY = r"""
@@ -120,40 +167,17 @@ _BODY = r"""
   const int n0 = blk * NOUT;
   const int m0 = blockIdx.y * MB;
   GROUP_SELECT
-  const int KT = K / 128;
-  const int SPLIT = gridDim.z;
-  const int kt0 = (int)(((long)KT * blockIdx.z) / SPLIT), kt1 = (int)(((long)KT * (blockIdx.z + 1)) / SPLIT);
-  const int nk = kt1 - kt0;
-
+K_SPLIT
   // tile row r -> (pointers, global row) ; EPI 1: warp wn's 32 tile rows are 16 gate rows then 16 up rows
-  auto row_of = [&](int r, const uint32_t*& W, const T*& S, const T*& B) -> int {
-    int n;
-    ROW_OF
-    return min(n, N - 1);                         // rows past N are loaded (clamped) but never stored
-  };
-
-  auto load_stage = [&](int stage, int kt) {
-    unsigned char* base = qg_smem + stage * STAGE;
-    unsigned char* Ws = base;
-    unsigned char* Ss = base + TR * WROWB;
-    unsigned char* Bs = Ss + TR * 8;
-    unsigned char* Xs = Bs + TR * 8;
-    const int k0 = kt * 128;
-    constexpr int CPR = WROWB / 16;               // 16-byte chunks per row
+ROW_OF_FN
+STAGE_PTRS    constexpr int CPR = WROWB / 16;               // 16-byte chunks per row
     for (int c = tid; c < TR * CPR; c += NT) {
       const int r = c / CPR, j = c % CPR;
       const uint32_t* W; const T* S; const T* B;
       const int n = row_of(r, W, S, B);
       qg_cp16(Ws + r * WROWB + j * 16, W + (size_t)n * KW + (size_t)k0 * BITS / 32 + j * 4, 16);
     }
-    for (int r = tid; r < TR; r += NT) {
-      const uint32_t* W; const T* S; const T* B;
-      const int n = row_of(r, W, S, B);
-      const int gi = GS == 128 ? ((k0 / 128) & ~1) : k0 / GS;   // 4- or 8-byte aligned (K % 256 == 0)
-      if (SBB == 8) { qg_cp8(Ss + r * 8, S + (size_t)n * NG + gi); qg_cp8(Bs + r * 8, B + (size_t)n * NG + gi); }
-      else { qg_cp4(Ss + r * 8, S + (size_t)n * NG + gi); qg_cp4(Bs + r * 8, B + (size_t)n * NG + gi); }
-    }
-    for (int c = tid; c < MB * 16; c += NT) {
+SB_LOAD    for (int c = tid; c < MB * 16; c += NT) {
       const int r = c / 16, ch = c % 16;
       const int m = m0 + r;
       // chunk ch = 4*tt + jj lands in slot (4*jj + tt) ^ 4*(r & 1): conflict-free 16-byte reads below
@@ -178,14 +202,7 @@ _BODY = r"""
   for (int i = 0; i < nk; ++i) {
     qg_wait<STAGES - 2>();
     __syncthreads();
-    {
-      const int nx = i + STAGES - 1;
-      if (nx < nk) load_stage(nx % STAGES, kt0 + nx);
-      qg_commit();
-    }
-    const unsigned char* base = qg_smem + (i % STAGES) * STAGE;
-    const unsigned char* Ws = base;
-    const unsigned short* Ss = (const unsigned short*)(base + TR * WROWB);
+NEXT_STAGE    const unsigned short* Ss = (const unsigned short*)(base + TR * WROWB);
     const unsigned short* Bs = (const unsigned short*)(base + TR * WROWB + TR * 8);
     const unsigned char* Xs = base + TR * WROWB + TR * 16;
     const int kt = kt0 + i;
@@ -333,7 +350,7 @@ def _body(P: int, epi: int, grouped: int = 0) -> str:
     sel = proj_select(P, epi, tile="NOUT")
     if grouped:  # N is dimension 1 of the stacked weights
         sel = sel.replace("_shape[0];", "_shape[1];")
-    return (_BODY.replace("PROJ_SELECT", sel).replace("YPTR_SELECT", yptr)
+    return (shared_fragments(_BODY).replace("PROJ_SELECT", sel).replace("YPTR_SELECT", yptr)
             .replace("ROW_OF", _row_of(P, epi)).replace("GROUP_SELECT", _group_select(P, epi) if grouped else "")
             .replace("M_ROWS", "src_row_shape[0]" if grouped == 2 else "x_shape[0]")
             .replace("X_LOAD", _X_LOAD_GATHER if grouped == 2 else _X_LOAD))

@@ -87,9 +87,9 @@ __device__ __forceinline__ uint32_t wg_pair(uint32_t w, uint32_t sel_t, uint32_t
 _BODY = r"""
   constexpr int NT = 128 * WG;
   constexpr int TR = 64 * RT * WG;              // weight rows of the block
-  constexpr int WROWP = 80;                     // bytes a row's 64 packed bytes take per stage (padded)
+  constexpr int WROWB = 80;                     // bytes a row's 64 packed bytes take per stage (padded)
   constexpr int SBB = GS == 32 ? 8 : 4;         // bytes of one row's scales (or biases) per k-step
-  constexpr int STAGE = TR * (WROWP + 16) + NB * 256;
+  constexpr int STAGE = TR * (WROWB + 16) + NB * 256;
   constexpr int NOUT = EPI == 1 ? 64 * WG : TR;
   constexpr int ND = NB / 2;                    // accumulators a thread holds per row group
   extern __shared__ __align__(128) unsigned char qg_smem[];
@@ -107,39 +107,16 @@ _BODY = r"""
   PROJ_SELECT
   const int n0 = blk * NOUT;
   const int m0 = blockIdx.y * NB;
-  const int KT = K / 128;
-  const int SPLIT = gridDim.z;
-  const int kt0 = (int)(((long)KT * blockIdx.z) / SPLIT), kt1 = (int)(((long)KT * (blockIdx.z + 1)) / SPLIT);
-  const int nk = kt1 - kt0;
-
+K_SPLIT
   // tile row r -> (pointers, global row); EPI 1: group 0 (rows 0..63) gate, group 1 the same up rows
-  auto row_of = [&](int r, const uint32_t*& W, const T*& S, const T*& B) -> int {
-    int n;
-    ROW_OF
-    return min(n, N - 1);                         // rows past N are loaded (clamped) but never stored
-  };
-
-  auto load_stage = [&](int stage, int kt) {
-    unsigned char* base = qg_smem + stage * STAGE;
-    unsigned char* Ws = base;
-    unsigned char* Ss = base + TR * WROWP;
-    unsigned char* Bs = Ss + TR * 8;
-    unsigned char* Xs = Bs + TR * 8;
-    const int k0 = kt * 128;
-    for (int c = tid; c < TR * 4; c += NT) {
+ROW_OF_FN
+STAGE_PTRS    for (int c = tid; c < TR * 4; c += NT) {
       const int r = c >> 2, j = c & 3;
       const uint32_t* W; const T* S; const T* B;
       const int n = row_of(r, W, S, B);
-      qg_cp16(Ws + r * WROWP + j * 16, W + (size_t)n * KW + (size_t)(k0 >> 3) + j * 4, 16);
+      qg_cp16(Ws + r * WROWB + j * 16, W + (size_t)n * KW + (size_t)(k0 >> 3) + j * 4, 16);
     }
-    for (int r = tid; r < TR; r += NT) {
-      const uint32_t* W; const T* S; const T* B;
-      const int n = row_of(r, W, S, B);
-      const int gi = GS == 128 ? ((k0 / 128) & ~1) : k0 / GS;   // 4- or 8-byte aligned (K % 256 == 0)
-      if (SBB == 8) { qg_cp8(Ss + r * 8, S + (size_t)n * NG + gi); qg_cp8(Bs + r * 8, B + (size_t)n * NG + gi); }
-      else { qg_cp4(Ss + r * 8, S + (size_t)n * NG + gi); qg_cp4(Bs + r * 8, B + (size_t)n * NG + gi); }
-    }
-    for (int c = tid; c < NB * 16; c += NT) {    // consecutive threads, consecutive tokens: conflict-free
+SB_LOAD    for (int c = tid; c < NB * 16; c += NT) {    // consecutive threads, consecutive tokens: conflict-free
       const int r = c % NB, ch = c / NB;
       const int m = m0 + r;
       qg_cp16(Xs + ch * (NB * 16) + r * 16, x + (size_t)min(m, M - 1) * K + k0 + ch * 8, m < M ? 16 : 0);
@@ -163,14 +140,7 @@ _BODY = r"""
     qg_wait<STAGES - 2>();
     wg_proxy_fence();
     __syncthreads();
-    {
-      const int nx = i + STAGES - 1;
-      if (nx < nk) load_stage(nx % STAGES, kt0 + nx);
-      qg_commit();
-    }
-    const unsigned char* base = qg_smem + (i % STAGES) * STAGE;
-    const unsigned char* Ws = base;
-    const unsigned char* Ss = base + TR * WROWP;
+NEXT_STAGE    const unsigned char* Ss = base + TR * WROWB;
     const unsigned char* Bs = Ss + TR * 8;
     const unsigned xs = qg_smem_addr(Bs + TR * 8);
     const int kt = kt0 + i;
@@ -199,7 +169,7 @@ _BODY = r"""
       for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-          wv[rt][h] = *(const uint4*)(Ws + ((wgi * RT + rt) * 64 + wn * 16 + g + 8 * h) * WROWP + u * 16);
+          wv[rt][h] = *(const uint4*)(Ws + ((wgi * RT + rt) * 64 + wn * 16 + g + 8 * h) * WROWB + u * 16);
 #pragma unroll
       for (int hk = 0; hk < 2; ++hk) {
         const int kk = 2 * u + hk;                // the 16-column step: chunks 2kk (words 4u + 2hk) and 2kk + 1
@@ -279,7 +249,7 @@ def _row_of(P: int, epi: int) -> str:
 def _body(P: int, epi: int, nb: int) -> str:
     lbo, sbo = f"{nb * 16}u", "128u"  # the x tile's next 8 columns (K), its next 8 tokens (N)
     yptr = f"YT* Y = {ptr_select('y', 1 if epi else P)};"
-    return (_BODY.replace("PROJ_SELECT", proj_select(P, epi, tile="NOUT")).replace("YPTR_SELECT", yptr)
+    return (qgemm.shared_fragments(_BODY).replace("PROJ_SELECT", proj_select(P, epi, tile="NOUT")).replace("YPTR_SELECT", yptr)
             .replace("ROW_OF", _row_of(P, epi)).replace("wg_hold_nNB", f"wg_hold_n{nb}")
             .replace("wg_mma_nNB", f"wg_mma_n{nb}").replace("LBO", lbo).replace("SBO", sbo))
 
