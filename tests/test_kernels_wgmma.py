@@ -119,3 +119,24 @@ def test_linear_dispatch_through_wgmma(m, n, seed):
         assert rel_err(linear_fused.swiglu_linear(x, ps[0], up), swiglu_ref32(x, ps[0], up)) < TOL[mx.bfloat16]
     finally:
         selection.SELECT["qgemm_wgmma_min_rows"] = saved
+
+
+def test_tc_gemm_routes_by_rows_and_bits(monkeypatch):
+    """The table's rule on any machine (the device check faked): from qgemm_wgmma_min_rows rows, 4-bit
+    projections take the warpgroup form; fewer rows, 8-bit ones, or the row at 0 keep qgemm's mma.sync."""
+    from mtlqwen.kernels.qmatmul import gemv, qgemm  # noqa: PLC0415
+
+    calls = []
+    monkeypatch.setattr(wgmma, "available", lambda: True)
+    monkeypatch.setattr(wgmma, "qgemm_wg", lambda x, ps, epi=0: calls.append(("wgmma", x.shape[0], epi)) or [])
+    monkeypatch.setattr(qgemm, "qgemm", lambda x, ps, epi=0: calls.append(("mma.sync", x.shape[0], epi)) or [])
+    monkeypatch.setitem(selection.SELECT, "qgemm_wgmma_min_rows", 33)
+    rng = np.random.default_rng(3)
+    p4 = [make_params(rng, 40, 512, 4, 64, mx.bfloat16) for _ in range(2)]
+    p8 = [make_params(rng, 40, 512, 8, 64, mx.bfloat16)]
+    for M, ps, epi in ((32, p4, 0), (33, p4, 0), (128, p4, 1), (64, p8, 0)):
+        gemv.tc_gemm(mx.zeros((M, 512), dtype=mx.bfloat16), ps, epi)
+    monkeypatch.setitem(selection.SELECT, "qgemm_wgmma_min_rows", 0)
+    gemv.tc_gemm(mx.zeros((64, 512), dtype=mx.bfloat16), p4)
+    assert calls == [("mma.sync", 32, 0), ("wgmma", 33, 0), ("wgmma", 128, 1), ("mma.sync", 64, 0),
+                     ("mma.sync", 64, 0)]
