@@ -174,8 +174,10 @@ def bench_matrix(rng, name, N, K, kind, rows, sweep, links, reps, wg=False, only
         line = (f"{name:22s} M={M:5d} ours {rec['ours_us']:8.1f} us ({rec['ours_TBps']:.2f} TB/s, "
                 f"{rec['ours_TFLOPs']:.0f} TFLOP/s)")
         if wg:
-            line += (f" | wgmma {rec['wgmma_us']:8.1f} us ({rec['wgmma_TBps']:.2f} TB/s) err {rec['wgmma_err_vs_mlx']:.1e}"
-                     f" cfg {rec['wgmma_cfg']}" + (f" best {rec['wgmma_best_us']:.1f} {rec['wgmma_best_cfg']}" if sweep else ""))
+            line += (f" | wgmma {rec['wgmma_us']:8.1f} us ({rec['wgmma_TBps']:.2f} TB/s)"
+                     f" err {rec['wgmma_err_vs_mlx']:.1e} cfg {rec['wgmma_cfg']}")
+            if sweep:
+                line += f" best {rec['wgmma_best_us']:.1f} {rec['wgmma_best_cfg']}"
         if not only_ours:
             line += (f" | mlx qmm {rec['mlx_qmm_us']:8.1f} | deq+gemm {rec['dequant_gemm_us']:8.1f} | fast deq+gemm "
                      f"{rec['fast_dequant_gemm_us']:8.1f}")
@@ -204,7 +206,8 @@ def wg_candidates(M: int, N: int, K: int, kind: str):
     groups in flight, split-K, one row group."""
     RT, NB, ST, split, NBUF, WG = wgmma.config(M, N, K, 1 if kind == "swiglu" else 0)
     cands = {(RT, NB, st, sp, nbuf, wg) for st in (2, 3, 4) for nbuf in (2, 4) for wg in (1, 2)
-             for sp in (max(1, split // 2), split, split * 2, split * 4) if K // 128 // sp >= 2 and (nbuf == 2 or wg == 1)}
+             for sp in (max(1, split // 2), split, split * 2, split * 4)
+             if K // 128 // sp >= 2 and (nbuf == 2 or wg == 1)}
     if kind != "swiglu":
         cands.add((1, NB, 2, split, NBUF, 2))
     return sorted(c for c in cands if c[2] * wgmma.stage_bytes(c[0] * c[5], c[1]) <= 227 * 1024)

@@ -1,8 +1,8 @@
 """The in-place "candidates" commit (gdn/commit.py) against the commit's rule computed in NumPy: the kept
 candidate state and the last K-1 conv inputs (from the slot's own old rows and the raw verify rows) land in
-the verifying slots' pool rows, and every other row is untouched. Random slot subsets, verification lengths 1..6 with k from 0 (anchor only: old conv rows
-survive) to all drafts, odd channel counts, bf16 / fp32 conv pools. Metal emulator on the CPU; the CUDA
-rendering on a GPU (skipped on the CPU)."""
+the verifying slots' pool rows, and every other row is untouched. Random slot subsets, verification lengths
+1..6 with k from 0 (anchor only: old conv rows survive) to all drafts, odd channel counts, bf16 / fp32 conv
+pools. Metal emulator on the CPU; the CUDA rendering on a GPU (skipped on the CPU)."""
 
 from __future__ import annotations
 

@@ -98,8 +98,8 @@ def test_wgmma_matches_reference(m, kq, n, gs, dtype, nproj, cfg, seed):
 @given(m=st.sampled_from([9, 17, 33, 64, 100, 128]), n=st.sampled_from([32, 1024, 4096, 12288]),
        seed=st.integers(0, 2**31 - 1))
 def test_linear_dispatch_through_wgmma(m, n, seed):
-    """With the row on from 9 rows, the model's entry points (linear, linear_multi with four projections, swiglu_linear) at
-    9B-like K reach the form and match the reference."""
+    """With the row on from 9 rows, the model's entry points (linear, linear_multi with four projections,
+    swiglu_linear) at 9B-like K reach the form and match the reference."""
     _cuda_wgmma()
     from mtlqwen.kernels import qmatmul as linear_fused  # noqa: PLC0415
     from mtlqwen.kernels.qmatmul import linear  # noqa: PLC0415

@@ -4,8 +4,9 @@
 `examples`, write the source MLX 0.32 generates (`build_kernel` in mlx/backend/cuda/custom_kernel.cpp: the
 header, `__global__ void name(const T* in, [Shape in_shape,] ..., T* out)` with shape / strides / ndim
 parameters only where the body names them, template arguments as `constexpr` / `using` lines), with MLX's
-device header replaced by the two types the bodies use, and compile it for sm_90a (MLX's JIT target on an H200) with `ptxas -v`. Exit
-status 1 on any failure; `--regs` prints each instantiation's registers and spills.
+device header replaced by the two types the bodies use, and compile it for sm_90a (MLX's JIT target on an
+H200) with `ptxas -v`. Exit status 1 on any failure; `--regs` prints each instantiation's registers and
+spills.
 
 Why: a CUDA compile error otherwise shows up only on the lent GPU, after the call's setup time (one
 device call of 2026-11-30 was lost to `uint` in a kernel body). What it cannot check: NVRTC-only

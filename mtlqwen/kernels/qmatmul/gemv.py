@@ -78,7 +78,7 @@ def qmv_supported(x: mx.array, ps: list[LinearParams], any_rows: bool = False) -
     """Shapes and types the qmv kernel covers; the scales must share x's dtype unless x is fp32. `any_rows`:
     everything but the row count (1..8)."""
     p0 = ps[0]
-    if not (x.ndim == 2 and (any_rows or 1 <= x.shape[0] <= 8) and x.dtype in XKIND and x.shape[0] >= 1):
+    if not (x.ndim == 2 and 1 <= x.shape[0] and (any_rows or x.shape[0] <= 8) and x.dtype in XKIND):
         return False
     return all(
         p.quantized and p.bits in (4, 8) and p.group_size in (32, 64, 128)
@@ -290,6 +290,7 @@ def small_n_split(x2: mx.array, ps: list[LinearParams]) -> tuple[list[int], list
 def _small_n_multi(x: mx.array, x2: mx.array, lead: tuple, ps: list[LinearParams], small: list[int],
                    rest: list[int]) -> list[mx.array] | None:
     out: list = [None] * len(ps)
+    # qgemm's mma.sync form, not tc_gemm: the warpgroup form's 256-row tiles would be mostly past these N
     for i, y in zip(small, qgemm.qgemm(x2, [ps[i] for i in small])):
         out[i] = y.reshape(*lead, ps[i].out_features)
     if rest:

@@ -133,10 +133,12 @@ SB_LOAD = r"""    for (int r = tid; r < TR; r += NT) {
 
 
 def shared_fragments(body: str) -> str:
-    """`body` with K_SPLIT, ROW_OF_FN, STAGE_PTRS, SB_LOAD and NEXT_STAGE written out (ROW_OF stays for the
-    caller)."""
-    return (body.replace("K_SPLIT", K_SPLIT).replace("ROW_OF_FN", ROW_OF_FN).replace("STAGE_PTRS", STAGE_PTRS)
-            .replace("SB_LOAD", SB_LOAD).replace("NEXT_STAGE", NEXT_STAGE))
+    """`body` with K_SPLIT, ROW_OF_FN, STAGE_PTRS, SB_LOAD and NEXT_STAGE (each on a line of its own) written
+    out; ROW_OF stays for the caller."""
+    for name, text in (("K_SPLIT", K_SPLIT), ("ROW_OF_FN", ROW_OF_FN), ("STAGE_PTRS", STAGE_PTRS),
+                       ("SB_LOAD", SB_LOAD), ("NEXT_STAGE", NEXT_STAGE)):
+        body = body.replace(name + "\n", text)
+    return body
 
 
 # Template constants: T (x dtype), XK, BITS, GS, RT, TT, WN, WM, STAGES, P (projections), EPI, PART (1: fp32
@@ -170,14 +172,16 @@ _BODY = r"""
 K_SPLIT
   // tile row r -> (pointers, global row) ; EPI 1: warp wn's 32 tile rows are 16 gate rows then 16 up rows
 ROW_OF_FN
-STAGE_PTRS    constexpr int CPR = WROWB / 16;               // 16-byte chunks per row
+STAGE_PTRS
+    constexpr int CPR = WROWB / 16;               // 16-byte chunks per row
     for (int c = tid; c < TR * CPR; c += NT) {
       const int r = c / CPR, j = c % CPR;
       const uint32_t* W; const T* S; const T* B;
       const int n = row_of(r, W, S, B);
       qg_cp16(Ws + r * WROWB + j * 16, W + (size_t)n * KW + (size_t)k0 * BITS / 32 + j * 4, 16);
     }
-SB_LOAD    for (int c = tid; c < MB * 16; c += NT) {
+SB_LOAD
+    for (int c = tid; c < MB * 16; c += NT) {
       const int r = c / 16, ch = c % 16;
       const int m = m0 + r;
       // chunk ch = 4*tt + jj lands in slot (4*jj + tt) ^ 4*(r & 1): conflict-free 16-byte reads below
@@ -202,7 +206,8 @@ SB_LOAD    for (int c = tid; c < MB * 16; c += NT) {
   for (int i = 0; i < nk; ++i) {
     qg_wait<STAGES - 2>();
     __syncthreads();
-NEXT_STAGE    const unsigned short* Ss = (const unsigned short*)(base + TR * WROWB);
+NEXT_STAGE
+    const unsigned short* Ss = (const unsigned short*)(base + TR * WROWB);
     const unsigned short* Bs = (const unsigned short*)(base + TR * WROWB + TR * 8);
     const unsigned char* Xs = base + TR * WROWB + TR * 16;
     const int kt = kt0 + i;
@@ -395,12 +400,16 @@ def config(M: int, N: int, K: int, bits: int, epi: int) -> tuple[int, int, int, 
     TR = 16 * RT * WN
     nout = 16 * WN if epi == 1 else TR
     blocks = -(-N // nout) * -(-M // (8 * TT * WM))
-    KT = K // KSTEP
-    split = 1
-    target = SELECT["qgemm_split_waves"] * NUM_SMS
+    return RT, TT, WN, WM, ST, split_k(blocks, K, SELECT["qgemm_split_waves"] * NUM_SMS)
+
+
+def split_k(blocks: int, K: int, target: int) -> int:
+    """The split of K (a power of two) that brings `blocks` up to at most `target` blocks, each split keeping
+    at least 4 k-steps."""
+    KT, split = K // KSTEP, 1
     while blocks * split * 2 <= target and KT // (split * 2) >= 4:
         split *= 2
-    return RT, TT, WN, WM, ST, split
+    return split
 
 
 def supported(x: mx.array, ps: list[LinearParams]) -> bool:

@@ -41,7 +41,6 @@ from . import qgemm
 from .bodies import proj_select, ptr_select
 from .params import LinearParams
 
-KSTEP = 128
 NBS = (16, 32, 64)  # tokens per block (the wgmma's N)
 
 
@@ -110,13 +109,15 @@ _BODY = r"""
 K_SPLIT
   // tile row r -> (pointers, global row); EPI 1: group 0 (rows 0..63) gate, group 1 the same up rows
 ROW_OF_FN
-STAGE_PTRS    for (int c = tid; c < TR * 4; c += NT) {
+STAGE_PTRS
+    for (int c = tid; c < TR * 4; c += NT) {
       const int r = c >> 2, j = c & 3;
       const uint32_t* W; const T* S; const T* B;
       const int n = row_of(r, W, S, B);
       qg_cp16(Ws + r * WROWB + j * 16, W + (size_t)n * KW + (size_t)(k0 >> 3) + j * 4, 16);
     }
-SB_LOAD    for (int c = tid; c < NB * 16; c += NT) {    // consecutive threads, consecutive tokens: conflict-free
+SB_LOAD
+    for (int c = tid; c < NB * 16; c += NT) {    // consecutive threads, consecutive tokens: conflict-free
       const int r = c % NB, ch = c / NB;
       const int m = m0 + r;
       qg_cp16(Xs + ch * (NB * 16) + r * 16, x + (size_t)min(m, M - 1) * K + k0 + ch * 8, m < M ? 16 : 0);
@@ -140,7 +141,8 @@ SB_LOAD    for (int c = tid; c < NB * 16; c += NT) {    // consecutive threads, 
     qg_wait<STAGES - 2>();
     wg_proxy_fence();
     __syncthreads();
-NEXT_STAGE    const unsigned char* Ss = base + TR * WROWB;
+NEXT_STAGE
+    const unsigned char* Ss = base + TR * WROWB;
     const unsigned char* Bs = Ss + TR * 8;
     const unsigned xs = qg_smem_addr(Bs + TR * 8);
     const int kt = kt0 + i;
@@ -192,7 +194,8 @@ NEXT_STAGE    const unsigned char* Ss = base + TR * WROWB;
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt) {
           wg_hold_nNB(acc[rt]);
-          wg_mma_nNB<XK>(acc[rt], af[kk % NBUF][rt][0], af[kk % NBUF][rt][1], af[kk % NBUF][rt][2], af[kk % NBUF][rt][3], desc);
+          wg_mma_nNB<XK>(acc[rt], af[kk % NBUF][rt][0], af[kk % NBUF][rt][1], af[kk % NBUF][rt][2],
+                         af[kk % NBUF][rt][3], desc);
           wg_hold_nNB(acc[rt]);
         }
         wg_commit();
@@ -249,7 +252,8 @@ def _row_of(P: int, epi: int) -> str:
 def _body(P: int, epi: int, nb: int) -> str:
     lbo, sbo = f"{nb * 16}u", "128u"  # the x tile's next 8 columns (K), its next 8 tokens (N)
     yptr = f"YT* Y = {ptr_select('y', 1 if epi else P)};"
-    return (qgemm.shared_fragments(_BODY).replace("PROJ_SELECT", proj_select(P, epi, tile="NOUT")).replace("YPTR_SELECT", yptr)
+    return (qgemm.shared_fragments(_BODY).replace("PROJ_SELECT", proj_select(P, epi, tile="NOUT"))
+            .replace("YPTR_SELECT", yptr)
             .replace("ROW_OF", _row_of(P, epi)).replace("wg_hold_nNB", f"wg_hold_n{nb}")
             .replace("wg_mma_nNB", f"wg_mma_n{nb}").replace("LBO", lbo).replace("SBO", sbo))
 
@@ -283,13 +287,20 @@ def config(M: int, N: int, K: int, epi: int) -> tuple[int, int, int, int, int, i
     NB = next((nb for nb in NBS if M <= nb), NBS[-1])
     RT = 2
     WG, ST, target = (2, 3, qgemm.NUM_SMS // 2) if NB == 64 else (1, 2, SELECT["qgemm_split_waves"] * qgemm.NUM_SMS)
-    nout = 64 * WG if epi == 1 else 64 * RT * WG
-    blocks = -(-N // nout) * -(-M // NB)
-    KT = K // KSTEP
-    split = 1
-    while blocks * split * 2 <= target and KT // (split * 2) >= 4:
-        split *= 2
-    return RT, NB, ST, split, 2, WG
+    blocks = -(-N // _nout(RT, WG, epi)) * -(-M // NB)
+    return RT, NB, ST, qgemm.split_k(blocks, K, target), 2, WG
+
+
+def _nout(RT: int, WG: int, epi: int) -> int:
+    """Output rows of a block: SwiGLU pairs each warpgroup's gate group with its up group."""
+    return 64 * WG if epi == 1 else 64 * RT * WG
+
+
+def _template(dt, gs: int, cfg: tuple, P: int, epi: int) -> list:
+    RT, NB, ST, split, NBUF, WG = cfg
+    return [("T", dt), ("XK", qgemm._XKIND[dt]), ("GS", gs), ("RT", RT), ("WG", WG), ("NB", NB), ("STAGES", ST),
+            ("NBUF", NBUF), ("P", P), ("EPI", epi), ("PART", int(split > 1)),
+            ("YT", mx.float32 if split > 1 else dt)]
 
 
 def takes(x: mx.array, ps: list[LinearParams]) -> bool:
@@ -306,10 +317,11 @@ def qgemm_wg(x: mx.array, ps: list[LinearParams], epi: int = 0, cfg: tuple | Non
     M, K = x.shape
     p0 = ps[0]
     N0 = p0.out_features
-    RT, NB, ST, split, NBUF, WG = cfg if cfg is not None else config(M, N0, K, epi)
-    if epi == 1:
-        assert RT == 2, "SwiGLU pairs the gate group with the up group"
-    nout = 64 * WG if epi == 1 else 64 * RT * WG
+    cfg = cfg if cfg is not None else config(M, N0, K, epi)
+    RT, NB, ST, split, NBUF, WG = cfg
+    if epi == 1 and RT != 2:
+        raise ValueError(f"SwiGLU pairs the gate group with the up group: RT must be 2, not {RT}")
+    nout = _nout(RT, WG, epi)
     nbn = sum(-(-p.out_features // nout) for p in ([p0] if epi == 1 else ps))
     nbm = -(-M // NB)
     smem = ST * stage_bytes(RT * WG, NB)
@@ -323,9 +335,7 @@ def qgemm_wg(x: mx.array, ps: list[LinearParams], epi: int = 0, cfg: tuple | Non
         inputs=[x] + [a for p in ps for a in (p.weight, p.scales, p.biases)],
         output_shapes=shapes, output_dtypes=[yt] * len(shapes),
         grid=(nbn * 128 * WG, nbm, split), threadgroup=(128 * WG, 1, 1),
-        template=[("T", x.dtype), ("XK", qgemm._XKIND[x.dtype]), ("GS", p0.group_size), ("RT", RT), ("WG", WG), ("NB", NB),
-                  ("STAGES", ST), ("NBUF", NBUF), ("P", len(ps)), ("EPI", epi), ("PART", int(split > 1)),
-                  ("YT", yt)],
+        template=_template(x.dtype, p0.group_size, cfg, len(ps), epi),
         init_value=qgemm.POISON,
     )
     return qgemm.finish(list(outs), split, epi, x.dtype, N0)
@@ -337,14 +347,13 @@ def examples() -> list[tuple[PortableKernel, KernelExample]]:
               + [(2, 1, mx.bfloat16, M) for M in (16, 64)])
     out = []
     for P, epi, dt, M in combos:
-        RT, NB, ST, split, NBUF, WG = config(M, 4096, 4096, epi)
+        cfg = config(M, 4096, 4096, epi)
+        RT, NB, ST, split, NBUF, WG = cfg
         kern = _kernel(P, epi, NB, ST * stage_bytes(RT * WG, NB))
-        yt = mx.float32 if split > 1 else dt
         wq = [(mx.uint32, (4096, 512)), (dt, (4096, 64)), (dt, (4096, 64))]
-        ex = KernelExample(
-            inputs=[(dt, (M, 4096))] + wq * P, outputs=[yt] * (1 if epi else P),
-            template=[("T", dt), ("XK", qgemm._XKIND[dt]), ("GS", 64), ("RT", RT), ("WG", WG), ("NB", NB), ("STAGES", ST),
-                      ("NBUF", NBUF), ("P", P), ("EPI", epi), ("PART", int(split > 1)), ("YT", yt)])
+        ex = KernelExample(inputs=[(dt, (M, 4096))] + wq * P,
+                           outputs=[mx.float32 if split > 1 else dt] * (1 if epi else P),
+                           template=_template(dt, 64, cfg, P, epi))
         out.append((kern, ex))
     return out
 
@@ -355,13 +364,8 @@ def available() -> bool:
     global _CC
     if gpu_backend() != "cuda":
         return False
-    if _CC is None:
-        info = mx.device_info()
-        cc = info.get("compute_capability_major")
-        if cc is None:  # older MLX: the architecture string, e.g. "sm_90"
-            arch = str(info.get("architecture", ""))
-            cc = int(arch[3:-1] or 0) if arch.startswith("sm_") and arch[3:].isdigit() else 0
-        _CC = int(cc)
+    if _CC is None:  # the device does not change within a process
+        _CC = int(mx.device_info().get("compute_capability_major", 0))
     return _CC == 9
 
 
