@@ -136,6 +136,38 @@ def bench_sweep(rng, rows: list) -> None:
         del ps
 
 
+MMA_SWEEP = [(1, 4, 0), (1, 4, 1), (1, 2, 0), (2, 2, 0), (2, 2, 1), (2, 4, 0), (2, 1, 0), (4, 1, 0), (4, 2, 0),
+             (4, 2, 1)]  # (RT, UG, CG); (1, 4, 0) is the blocking before the row tiles
+
+
+def bench_mma_sweep(rng, rows: list, ms: list[int]) -> None:
+    """The tensor-core qmv's blocking (RT, UG, CG; gemv.mma_config) at decode rows 5..8, on the 9B step's
+    projections as the model calls them (the GDN layer's four in one launch, gate + up under SwiGLU), against
+    MLX's quantized GEMM on the same weights."""
+    gdn = [(8192, 4096), (4096, 4096), (32, 4096), (32, 4096)]
+    cases = [("gdn in_proj x4", gdn, 0), ("gate+up swiglu", [(12288, 4096)] * 2, 1), ("down 4096x12288", [(4096, 12288)], 0),
+             ("o 4096x4096", [(4096, 4096)], 0), ("lm_head 248320x4096", [(248320, 4096)], 0)]
+    for name, dims, epi in cases:
+        one = [quantized(rng, n, k) for n, k in dims]
+        size = sum(nbytes(p) for p in one)
+        nw = max(1, min(48, math.ceil(WORKING_SET / size)))
+        sets = [one] + [[quantized(rng, n, k) for n, k in dims] for _ in range(nw - 1)]
+        k = dims[0][1]
+        for m in ms:
+            xs = [mx.random.normal((m, k)).astype(mx.bfloat16) for _ in range(4)]
+            mx.eval(xs)
+            calls = max(nw, 8)
+            cands = {f"RT{c[0]}UG{c[1]}CG{c[2]}": (lambda x, ps, c=c: qm.qmv(x, ps, epi=epi, cfg=c, mma=True))
+                     for c in MMA_SWEEP}
+            cands["mlx_qmm"] = lambda x, ps: [mx.quantized_matmul(x, p.weight, p.scales, p.biases, transpose=True,
+                                                                  group_size=p.group_size, bits=p.bits) for p in ps]
+            for cname, f in cands.items():
+                t = timed(lambda: ([y for i in range(calls) for y in f(xs[i % 4], sets[i % nw])], calls), 5)
+                rows.append(dict(kind="mma_sweep", shape=name, M=m, cand=cname, us=t * 1e6, gbs=size / t / 1e9))
+                print(f"mma {name:20s} M={m} {cname:10s} {t * 1e6:8.1f} us {size / t / 1e9:6.0f} GB/s", flush=True)
+        del sets
+
+
 def bench_fused(rng, rows: list) -> None:
     """GDN input projections (qkv 8192, z 4096, a 32, b 32) and the MLP gate/up at M=1: fused vs separate."""
     k = 4096
@@ -198,7 +230,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
-    ap.add_argument("--only", default="qmm,stacked,fused,attn")
+    ap.add_argument("--only", default="qmm,stacked,fused,attn", help="parts: qmm, stacked, fused, attn, sweep, mma-sweep")
+    ap.add_argument("--ms", type=int, nargs="+", default=[8, 5], help="rows of the mma-sweep part")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     rows: list = []
@@ -217,6 +250,8 @@ def main() -> None:
             bench_sweep(rng, rows)
         if "fused" in only:
             bench_fused(rng, rows)
+        if "mma-sweep" in only:
+            bench_mma_sweep(rng, rows, a.ms)
         if "qmm" in only:
             bench_qmm(rng, a.quick, rows)
     finally:

@@ -346,10 +346,76 @@ def test_qmv_residual_norm_matches_reference(m, kg, n, bits, gs, dtype, seed, la
 @pytest.mark.gpu
 @needs_gpu
 @settings(max_examples=n_examples(24), **GPU_SETTINGS)
+@given(m=st.integers(1, 8), kg=st.integers(1, 12), n=st.integers(1, 300), gs=st.sampled_from([32, 64, 128]),
+       dtype=st.sampled_from(["bfloat16", "float16"]), seed=st.integers(0, 2**31 - 1), layers=st.integers(1, 3),
+       chunk=st.sampled_from([0, 1, 8]), cfg=st.sampled_from([None, (1, 4, 0), (2, 2, 1), (4, 2, 1), (3, 1, 0)]))
+def test_qmv_mma_residual_norm_matches_reference(m, kg, n, gs, dtype, seed, layers, chunk, cfg):
+    """The tensor-core qmv with the residual + RMSNorm epilogue (residual.qmv_mma_add_rms, 256-lane
+    threadgroups): `layers` dependent launches, each against the fp32 reference from the previous launch's
+    outputs, over odd N (a row tail, threadgroups past N under RT tiles); counters back at zero."""
+    _poisoned()
+    if backend.gpu_backend() != "cuda":
+        pytest.skip("the mma variant is CUDA-only")
+    selection.SELECT["qmv_residual_chunk"] = chunk  # put back by _restore_selection
+    from mtlqwen.kernels.qmatmul import residual as qmv_residual  # noqa: PLC0415  (GPU module)
+    dt = DTYPES[dtype]
+    rng = np.random.default_rng(seed)
+    k = kg * gs
+    N = 2 * n + 1
+    ps = [make_params(rng, N, k, 4, gs, dt) for _ in range(layers)]
+    w = mx.array(1.0 + 0.1 * rng.standard_normal(N).astype(np.float32)).astype(dt)
+    h = mx.array(rng.standard_normal((m, N)).astype(np.float32)).astype(dt)
+    xs = [mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dt) for _ in range(layers)]
+    outs, hh = [], h
+    for x, p in zip(xs, ps):
+        hh, y = qmv_residual.qmv_mma_add_rms(x, p, hh, w, 1e-6, cfg=cfg)
+        outs += [hh, y]
+    mx.eval(outs)
+    hh = h
+    for i, (x, p) in enumerate(zip(xs, ps)):
+        want_h, want_y = _add_norm32(hh, ref32(x, p), w, 1e-6)
+        assert outs[2 * i].shape == (m, N) and outs[2 * i].dtype == dt
+        assert rel_err(outs[2 * i], want_h) < TOL[dt]
+        assert rel_err(outs[2 * i + 1], want_y) < TOL[dt]
+        hh = outs[2 * i]
+    for p in ps:
+        assert int(qmv_residual.arrival_counter(p)[0].item()) == 0
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_mma_residual_norm_serves_the_tensor_core_rows():
+    """The op's dispatch with qmv_mma_residual_norm on: 5..8 rows of 4-bit bf16 take the tensor-core
+    epilogue (the FMA one serves fewer), both equal to the reference's add + norm of the projection."""
+    _poisoned()
+    if backend.gpu_backend() != "cuda":
+        pytest.skip("the mma variant is CUDA-only")
+    from mtlqwen.kernels.qmatmul import residual as qmv_residual  # noqa: PLC0415  (GPU module)
+    from mtlqwen.kernels.qmatmul.ops import linear_add_rms_norm  # noqa: PLC0415
+    rng = np.random.default_rng(3)
+    dt = mx.bfloat16
+    p = make_params(rng, 300, 512, 4, 64, dt)
+    w = mx.array(1.0 + 0.1 * rng.standard_normal(300).astype(np.float32)).astype(dt)
+    selection.SELECT.update(qmv_residual_norm=1, qmv_mma_residual_norm=1, qmv_mma_min_rows=5)
+    for m in (4, 5, 8):
+        x = mx.array(rng.standard_normal((m, 512)).astype(np.float32)).astype(dt)
+        h = mx.array(rng.standard_normal((m, 300)).astype(np.float32)).astype(dt)
+        assert qmv_residual.covers(x, p, h) == (m < 5)
+        assert qmv_residual.mma_covers(x, p, h) == (m >= 5)
+        hs, y = linear_add_rms_norm(x, p, h, w, 1e-6)
+        want_h, want_y = _add_norm32(h, ref32(x, p), w, 1e-6)
+        assert rel_err(hs, want_h) < TOL[dt] and rel_err(y, want_y) < TOL[dt]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@settings(max_examples=n_examples(24), **GPU_SETTINGS)
 @given(m=st.integers(1, 8), kg=st.integers(1, 12), n=st.integers(1, 70), gs=st.sampled_from([32, 64, 128]),
-       dtype=st.sampled_from(["bfloat16", "float16"]), nproj=st.integers(1, 3), seed=st.integers(0, 2**31 - 1))
-def test_qmv_mma_matches_reference(m, kg, n, gs, dtype, nproj, seed):
-    """The CUDA tensor-core variant (4-bit, 16-bit activations): plain, several projections, SwiGLU."""
+       dtype=st.sampled_from(["bfloat16", "float16"]), nproj=st.integers(1, 4), seed=st.integers(0, 2**31 - 1),
+       cfg=st.sampled_from([None, (1, 4, 0), (1, 1, 1), (2, 2, 1), (2, 3, 0), (4, 2, 1), (4, 1, 0), (3, 2, 0)]))
+def test_qmv_mma_matches_reference(m, kg, n, gs, dtype, nproj, seed, cfg):
+    """The CUDA tensor-core variant (4-bit, 16-bit activations): plain, several projections, SwiGLU; under
+    the table's blocking (None) and drawn (RT, UG, CG) ones: tiles past N, passes past the last group."""
     qm = _poisoned()
     if backend.gpu_backend() != "cuda":
         pytest.skip("the mma variant is CUDA-only")
@@ -358,10 +424,10 @@ def test_qmv_mma_matches_reference(m, kg, n, gs, dtype, nproj, seed):
     k = kg * gs
     ps = [make_params(rng, 2 * n + 1 + 5 * i, k, 4, gs, dt) for i in range(nproj)]
     x = mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dt)
-    for y, p in zip(qm.qmv(x, ps, mma=True), ps):
+    for y, p in zip(qm.qmv(x, ps, cfg=cfg, mma=True), ps):
         assert y.shape == (m, p.out_features) and y.dtype == dt
         assert rel_err(y, ref32(x, p)) < TOL[dt]
     up = make_params(rng, 2 * n + 1, k, 4, gs, dt)
-    y = qm.qmv(x, [ps[0], up], epi=1, mma=True)[0]
+    y = qm.qmv(x, [ps[0], up], epi=1, cfg=cfg, mma=True)[0]
     g, u = ref32(x, ps[0]), ref32(x, up)
     assert rel_err(y, g / (1 + np.exp(-g)) * u) < TOL[dt]

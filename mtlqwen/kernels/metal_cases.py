@@ -408,6 +408,9 @@ def _qmv_trials() -> list[Trial]:
                     return list(_cpu(_fn("add_rms_norm_ref"), h, d, nw, 1e-6)) + [mx.zeros((8,), dtype=mx.uint32)]
 
                 out.append(Trial(f"mtl_qmv_add_rms[{tag}]", run, ref, [TOL[dt], TOL[dt], 0.0]))
+                if p_bits == 4:  # the tensor-core form's portable body (the FMA epilogue's) in its place
+                    out.append(Trial(f"mtl_qmv_mma_add_rms[{tag}]", run, ref, [TOL[dt], TOL[dt], 0.0],
+                                     substitute=("mtl_qmv_add_rms", "mtl_qmv_mma_add_rms")))
                 if dt == BF16 and p_bits == 4:  # the two-pass epilogue, 8 columns a pass (qmv_residual_chunk)
 
                     def run_chunked(x=x2, p=p, h=h, nw=nw):

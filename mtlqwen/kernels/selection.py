@@ -47,6 +47,12 @@ SELECT: dict[str, int] = {
     # portable body: the one check_metal verifies), 1 = MLX's Metal quantized_matmul (the op's reference).
     # Neither is measured on an Apple GPU yet.
     "qmv_mma_metal": 0,
+    # The tensor-core qmv's blocking (gemv.mma_config): 16-row tiles a threadgroup (each threadgroup reads
+    # the x rows from L2 once for its tiles), K groups a SIMD group loads per pass (0: 256 columns' worth),
+    # and whether those groups are consecutive (1) or NW groups apart (0).
+    "qmv_mma_tiles": 1,
+    "qmv_mma_groups": 0,
+    "qmv_mma_consecutive": 0,
     # One qmv launch per 8 rows past that: disabled (0). At M=16 MLX's qmm took 15-41 us, qmv per 8
     # rows 71-207 us (benchmarks/kernels_qmatmul_attn.md).
     "qmv_loop_max_rows": 0,
@@ -97,6 +103,9 @@ SELECT: dict[str, int] = {
     # (3,720 against 3,180 us). On: slightly faster where the host bounds, and the epilogue's device cost
     # (~8 us a launch over the plain qmv + add_rms_norm) is what to cut next.
     "qmv_residual_norm": 1,
+    # The same epilogue on the tensor-core qmv's rows (qmv_mma_min_rows..8: 5-8 decoders, a verification
+    # of up to 8 rows), residual.qmv_mma_add_rms: 64 add_rms_norm launches fewer in such a 9B step.
+    "qmv_mma_residual_norm": 0,
     # Decode rows (one token a sequence) of a GDN layer: the input projections' qmv does the causal conv +
     # SiLU and the conv-state write in its epilogue (qmatmul/conv_epilogue.py), one launch a GDN layer
     # fewer (24 a 9B step). Its GPU tests pass on the H200, the model's decode logits bit for bit those of the

@@ -179,18 +179,22 @@ FMA_BODY = r"""
 
 
 # CUDA variant on tensor cores (mma.sync m16n8k16, fp32 accumulate), 4-bit only, bf16/fp16 x, M <= 8.
-# A SIMD group owns 16 weight rows (EPI 1: 8 gate rows over 8 up rows) and every NW-th group of GS
-# columns; a quad of lanes (t = lane & 3) covers one group of rows g = lane >> 2 and g+8, so each mma's
-# k-reduction stays inside one quantization group. Weights become 16-bit pairs (OFF+q) with one LOP3
-# per two weights; x (token g of the B fragment) is loaded per lane for the same columns and paired with
-# PRMT. A second mma against ones gives sum(x) per group for the fold y += s*C + (b - OFF*s)*sum(x).
+# A tile is 16 weight rows (EPI 1: 8 gate rows over 8 up rows); a threadgroup owns RT tiles and its SIMD
+# groups split the K groups of GS columns: UG groups per pass, NW passes apart (CG 0) or consecutive (CG 1).
+# A quad of lanes (t = lane & 3) covers one group of rows g = lane >> 2 and g+8, so each mma's k-reduction
+# stays inside one quantization group. Weights become 16-bit pairs (OFF+q) with one LOP3 per two weights;
+# x (token g of the B fragment) is loaded per lane for the same columns and paired with PRMT, once for the
+# RT tiles (x is read from L2 by every threadgroup: more tiles, fewer reads per weight byte). A second mma
+# against ones gives sum(x) per group for the fold y += s*C + (b - OFF*s)*sum(x).
 MMA_BODY = r"""
   constexpr int WPT = GS / 32;            // weight words per lane per row and group
   constexpr uint32_t MAGIC2 = XK == 1 ? 0x43004300u : 0x64006400u;  // bf16 128+q / fp16 1024+q pairs
   constexpr uint32_t ONES2 = XK == 1 ? 0x3F803F80u : 0x3C003C00u;
   constexpr float OFF = XK == 1 ? 128.0f : 1024.0f;
-  constexpr int RB = EPI == 1 ? 8 : 16;
-  __shared__ float red[NW][32][4];
+  constexpr int RB = EPI == 1 ? 8 : 16;   // output rows of a tile
+  constexpr int RBT = RB * RT;            // output rows of the threadgroup
+  constexpr int GSTEP = CG ? 1 : NW;      // group distance between a pass's UG groups
+  __shared__ float red[NW][32][4 * RT];
   const int M = x_shape[0];
   const int K = x_shape[1];
   const int NG = K / GS;
@@ -200,67 +204,94 @@ MMA_BODY = r"""
   int blk = blockIdx.x;
   int p = 0;
   PROJ_SELECT
-  const int n0 = blk * RB;
-  const int rowA = min(n0 + g, N - 1);
-  const int rowB = EPI == 1 ? rowA : min(n0 + g + 8, N - 1);
+  const int n0 = blk * RBT;
+  int rowA[RT], rowB[RT];
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt) {
+    rowA[rt] = min(n0 + rt * RB + g, N - 1);
+    rowB[rt] = EPI == 1 ? rowA[rt] : min(n0 + rt * RB + g + 8, N - 1);
+  }
   MMA_PTRS
   const bool xon = g < M;
   const uint32_t* xrow = (const uint32_t*)(x + (size_t)(xon ? g : 0) * K);
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int gi0 = warp; gi0 < NG; gi0 += NW * UG) {
-    uint32_t wa[UG][WPT], wb[UG][WPT];
+  float acc[RT][4];
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt) acc[rt][0] = acc[rt][1] = acc[rt][2] = acc[rt][3] = 0.f;
+  for (int gi0 = warp * (CG ? UG : 1); gi0 < NG; gi0 += NW * UG) {
+    uint32_t wa[UG][RT][WPT], wb[UG][RT][WPT];
     uint4 xv[UG][WPT];
-    float sa[UG], sb[UG], ba[UG], bb[UG];
+    float sa[UG][RT], sb[UG][RT], ba[UG][RT], bb[UG][RT];
 #pragma unroll
     for (int u = 0; u < UG; ++u) {
-      const int gi = min(gi0 + NW * u, NG - 1);
+      const int gi = min(gi0 + GSTEP * u, NG - 1);
       const int w0i = gi * (GS / 8) + t * WPT;       // first word of this lane in the group
 #pragma unroll
-      for (int i = 0; i < WPT; ++i) { wa[u][i] = WA[(size_t)rowA * KW + w0i + i]; wb[u][i] = WB[(size_t)rowB * KW + w0i + i]; }
+      for (int rt = 0; rt < RT; ++rt) {
+#pragma unroll
+        for (int i = 0; i < WPT; ++i) {
+          wa[u][rt][i] = WA[(size_t)rowA[rt] * KW + w0i + i];
+          wb[u][rt][i] = WB[(size_t)rowB[rt] * KW + w0i + i];
+        }
+      }
 #pragma unroll
       for (int i = 0; i < WPT; ++i)
         xv[u][i] = xon ? ((const uint4*)(xrow + (size_t)(w0i + i) * 4))[0] : make_uint4(0u, 0u, 0u, 0u);
-      sa[u] = pl_to_float(SA[(size_t)rowA * NG + gi]); ba[u] = pl_to_float(BA[(size_t)rowA * NG + gi]);
-      sb[u] = pl_to_float(SB[(size_t)rowB * NG + gi]); bb[u] = pl_to_float(BB[(size_t)rowB * NG + gi]);
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt) {
+        sa[u][rt] = pl_to_float(SA[(size_t)rowA[rt] * NG + gi]); ba[u][rt] = pl_to_float(BA[(size_t)rowA[rt] * NG + gi]);
+        sb[u][rt] = pl_to_float(SB[(size_t)rowB[rt] * NG + gi]); bb[u][rt] = pl_to_float(BB[(size_t)rowB[rt] * NG + gi]);
+      }
     }
 #pragma unroll
     for (int u = 0; u < UG; ++u) {
-      if (gi0 + NW * u < NG) {
-        float cg[4] = {0.f, 0.f, 0.f, 0.f}, cx[4] = {0.f, 0.f, 0.f, 0.f};
+      if (gi0 + GSTEP * u < NG) {
+        float cg[RT][4], cx[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) cg[rt][0] = cg[rt][1] = cg[rt][2] = cg[rt][3] = 0.f;
 #pragma unroll
         for (int i = 0; i < WPT; ++i) {
           const uint32_t xw[4] = {xv[u][i].x, xv[u][i].y, xv[u][i].z, xv[u][i].w};
 #pragma unroll
           for (int jj = 0; jj < 2; ++jj) {
-            const uint32_t a0 = ((wa[u][i] >> (8 * jj)) & 0x000F000Fu) | MAGIC2;
-            const uint32_t a1 = ((wb[u][i] >> (8 * jj)) & 0x000F000Fu) | MAGIC2;
-            const uint32_t a2 = ((wa[u][i] >> (8 * jj + 4)) & 0x000F000Fu) | MAGIC2;
-            const uint32_t a3 = ((wb[u][i] >> (8 * jj + 4)) & 0x000F000Fu) | MAGIC2;
             const uint32_t b0r = __byte_perm(xw[jj], xw[jj + 2], 0x5410);
             const uint32_t b1r = __byte_perm(xw[jj], xw[jj + 2], 0x7632);
-            qm_mma<XK>(cg, a0, a1, a2, a3, b0r, b1r);
+#pragma unroll
+            for (int rt = 0; rt < RT; ++rt) {
+              const uint32_t a0 = ((wa[u][rt][i] >> (8 * jj)) & 0x000F000Fu) | MAGIC2;
+              const uint32_t a1 = ((wb[u][rt][i] >> (8 * jj)) & 0x000F000Fu) | MAGIC2;
+              const uint32_t a2 = ((wa[u][rt][i] >> (8 * jj + 4)) & 0x000F000Fu) | MAGIC2;
+              const uint32_t a3 = ((wb[u][rt][i] >> (8 * jj + 4)) & 0x000F000Fu) | MAGIC2;
+              qm_mma<XK>(cg[rt], a0, a1, a2, a3, b0r, b1r);
+            }
             qm_mma<XK>(cx, ONES2, ONES2, ONES2, ONES2, b0r, b1r);
           }
         }
-        acc[0] += sa[u] * cg[0] + (ba[u] - OFF * sa[u]) * cx[0];
-        acc[1] += sa[u] * cg[1] + (ba[u] - OFF * sa[u]) * cx[1];
-        acc[2] += sb[u] * cg[2] + (bb[u] - OFF * sb[u]) * cx[2];
-        acc[3] += sb[u] * cg[3] + (bb[u] - OFF * sb[u]) * cx[3];
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) {
+          acc[rt][0] += sa[u][rt] * cg[rt][0] + (ba[u][rt] - OFF * sa[u][rt]) * cx[0];
+          acc[rt][1] += sa[u][rt] * cg[rt][1] + (ba[u][rt] - OFF * sa[u][rt]) * cx[1];
+          acc[rt][2] += sb[u][rt] * cg[rt][2] + (bb[u][rt] - OFF * sb[u][rt]) * cx[2];
+          acc[rt][3] += sb[u][rt] * cg[rt][3] + (bb[u][rt] - OFF * sb[u][rt]) * cx[3];
+        }
       }
     }
   }
 #pragma unroll
-  for (int c = 0; c < 4; ++c) red[warp][lane][c] = acc[c];
+  for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) red[warp][lane][4 * rt + c] = acc[rt][c];
   __syncthreads();
-  if (warp == 0) {
+  if (warp < RT) {  // SIMD group rt sums tile rt over the SIMD groups and writes it
+    const int rt = warp;
+    float v[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      float v = 0.f;
+      float s = 0.f;
 #pragma unroll
-      for (int w = 0; w < NW; ++w) v += red[w][lane][c];
-      acc[c] = v;
+      for (int w = 0; w < NW; ++w) s += red[w][lane][4 * rt + c];
+      v[c] = s;
     }
-    const int na = n0 + g;
+    const int na = n0 + rt * RB + g;
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int m = 2 * t + c;
@@ -284,12 +315,13 @@ def mma_ptrs(P: int, epi: int) -> str:
             f" const T* BA = {b}; const T* BB = BA;")
 
 
-def mma_write(P: int, epi: int) -> str:
+def mma_write(P: int, epi: int, out: str | None = None) -> str:
+    """Stores of a tile's row g (and g+8); `out` names the one output of P = 1 (default y0)."""
     if epi == 1:
-        return "y0[(size_t)m * N + na] = pl_from_float<T>(qm_silu(acc[c]) * acc[c + 2]);"
-    y = ptr_select("y", P)
-    return (f"T* Y = {y}; Y[(size_t)m * N + na] = pl_from_float<T>(acc[c]);\n"
-            "        if (na + 8 < N) Y[(size_t)m * N + na + 8] = pl_from_float<T>(acc[c + 2]);")
+        return "y0[(size_t)m * N + na] = pl_from_float<T>(qm_silu(v[c]) * v[c + 2]);"
+    y = out if out is not None else ptr_select("y", P)
+    return (f"T* Y = {y}; Y[(size_t)m * N + na] = pl_from_float<T>(v[c]);\n"
+            "        if (na + 8 < N) Y[(size_t)m * N + na + 8] = pl_from_float<T>(v[c + 2]);")
 
 
 def proj_select(P: int, epi: int, tile: str = "RB") -> str:
@@ -361,7 +393,7 @@ def fma_body(P: int, epi: int, store: str | None = None) -> str:
             .replace("WRITE_OUT", write_out(P, epi) if store is None else store))
 
 
-def mma_body(P: int, epi: int) -> str:
-    """The tensor-core (CUDA) qmv body for P projections (epi 1: SwiGLU of two)."""
-    return (MMA_BODY.replace("PROJ_SELECT", proj_select(P, epi)).replace("MMA_WRITE", mma_write(P, epi))
+def mma_body(P: int, epi: int, out: str | None = None) -> str:
+    """The tensor-core (CUDA) qmv body for P projections (epi 1: SwiGLU of two); `out`: mma_write's."""
+    return (MMA_BODY.replace("PROJ_SELECT", proj_select(P, epi, "RBT")).replace("MMA_WRITE", mma_write(P, epi, out))
             .replace("MMA_PTRS", mma_ptrs(P, epi)))

@@ -49,7 +49,8 @@ def _mma_kernel(P: int, epi: int):
         _KERNELS[key] = portable_kernel(
             name=f"mtl_qmv_mma_p{P}_e{epi}", input_names=port.input_names, output_names=port.output_names,
             body=port.body, cuda_body=cuda, header=HEADER + MMA_HEADER, examples=port.examples,
-            cuda_examples=[_mma_example(P, epi, dt) for dt in (mx.bfloat16, mx.float16)])
+            cuda_examples=[_mma_example(P, epi, dt, c) for dt in (mx.bfloat16, mx.float16)
+                           for c in (MMA_EXAMPLE_CFGS if dt == mx.bfloat16 else MMA_EXAMPLE_CFGS[:1])])
     return _KERNELS[key]
 
 
@@ -61,12 +62,16 @@ def _example(P: int, epi: int, dt, bits: int) -> KernelExample:
     return KernelExample(inputs=[(dt, (4, 4096))] + wq * P, outputs=[dt] * (1 if epi else P), template=tmpl)
 
 
-def _mma_example(P: int, epi: int, dt) -> KernelExample:
+MMA_EXAMPLE_CFGS = [(1, 4, 0), (2, 2, 1), (4, 2, 1), (4, 1, 0)]  # (RT, UG, CG) compiled by check_cuda
+
+
+def _mma_example(P: int, epi: int, dt, cfg: tuple[int, int, int] = (1, 4, 0)) -> KernelExample:
     """The tensor-core body's template (as `_qmv_mma` launches it) for the CUDA compile check."""
     ex = _example(P, epi, dt, 4)
+    rt, ug, cg = cfg
     return KernelExample(inputs=ex.inputs, outputs=ex.outputs,
-                         template=[("T", dt), ("XK", XKIND[dt]), ("GS", 64), ("UG", 256 // 64), ("NW", 8),
-                                   ("P", P), ("EPI", epi)])
+                         template=[("T", dt), ("XK", XKIND[dt]), ("GS", 64), ("UG", ug), ("NW", 8),
+                                   ("P", P), ("EPI", epi), ("RT", rt), ("CG", cg)])
 
 
 def row_bucket(M: int) -> int:
@@ -92,13 +97,13 @@ def qmv(x: mx.array, ps: list[LinearParams], epi: int = 0, cfg: tuple[int, int] 
         mma: bool | None = None) -> list[mx.array]:
     """x [M, K], M <= 8 -> [y_p [M, N_p]] (epi 0) or [silu(x W_0^T) * (x W_1^T)] (epi 1).
     `cfg` = (R, U[, PF]) overrides the FMA kernel's blocking (and prefetch); `mma` forces / forbids the
-    tensor-core variant."""
+    tensor-core variant, whose blocking `cfg` = (RT, UG, CG) then overrides (mma_config's)."""
     M, K = x.shape
     p0 = ps[0]
     if mma is None:
         mma = cfg is None and 0 < SELECT["qmv_mma_min_rows"] <= M
     if mma and gpu_backend() == "cuda" and p0.bits == 4 and x.dtype in (mx.bfloat16, mx.float16):
-        return _qmv_mma(x, ps, epi)
+        return _qmv_mma(x, ps, epi, cfg)
     R, U = cfg[:2] if cfg is not None else qmv_config(row_bucket(M), K, p0.bits, swiglu=epi == 1, N=p0.out_features)
     pf = cfg[2] if cfg is not None and len(cfg) > 2 else None
     if epi == 1:
@@ -134,19 +139,36 @@ def fma_template(x: mx.array, p0: LinearParams, R: int, U: int, P: int, epi: int
             ("NP", int(p0.bits == 4 and SELECT["qmv_nibble_pairs"] == 1))]
 
 
-def _qmv_mma(x: mx.array, ps: list[LinearParams], epi: int) -> list[mx.array]:
-    """Tensor-core qmv: 8 SIMD groups split K, 16 weight rows per threadgroup (8 under SwiGLU)."""
-    M = x.shape[0]
+def mma_config(M: int, K: int, N: int, gs: int, epi: int) -> tuple[int, int, int]:
+    """(RT, UG, CG) of a tensor-core qmv launch: 16-row tiles per threadgroup, K groups per pass of a SIMD
+    group (0: 256 columns' worth), whether a pass's groups are consecutive; from the selection table."""
+    ug = SELECT["qmv_mma_groups"] or max(1, 256 // gs)
+    return SELECT["qmv_mma_tiles"], ug, SELECT["qmv_mma_consecutive"]
+
+
+def mma_template(x: mx.array, p0: LinearParams, P: int, epi: int, cfg: tuple[int, int, int]) -> list:
+    rt, ug, cg = cfg
+    return [("T", x.dtype), ("XK", XKIND[x.dtype]), ("GS", p0.group_size), ("UG", ug), ("NW", 8), ("P", P),
+            ("EPI", epi), ("RT", rt), ("CG", cg)]
+
+
+def mma_blocks(ps: list[LinearParams], epi: int, rt: int) -> int:
+    """Threadgroups of a tensor-core qmv launch: RT tiles of 16 rows (8 gate + 8 up under SwiGLU) each."""
+    rows = (8 if epi == 1 else 16) * rt
+    return sum((p.out_features + rows - 1) // rows for p in (ps[:1] if epi == 1 else ps))
+
+
+def _qmv_mma(x: mx.array, ps: list[LinearParams], epi: int, cfg: tuple[int, int, int] | None = None) -> list[mx.array]:
+    """Tensor-core qmv: 8 SIMD groups split K, RT tiles of 16 weight rows per threadgroup (8 under SwiGLU)."""
+    M, K = x.shape
     p0, dt = ps[0], x.dtype
-    rb = 8 if epi == 1 else 16
-    nblocks = sum((p.out_features + rb - 1) // rb for p in ([p0] if epi == 1 else ps))
+    cfg = cfg or mma_config(M, K, p0.out_features, p0.group_size, epi)
     inputs = [x] + [a for p in ps for a in (p.weight, p.scales, p.biases)]
     shapes = [(M, p0.out_features)] if epi == 1 else [(M, p.out_features) for p in ps]
     return _mma_kernel(len(ps), epi)(
         "cuda", inputs=inputs, output_shapes=shapes, output_dtypes=[dt] * len(shapes),
-        grid=(nblocks * 256, 1, 1), threadgroup=(256, 1, 1),
-        template=[("T", dt), ("XK", XKIND[dt]), ("GS", p0.group_size), ("UG", 256 // p0.group_size),
-                  ("NW", 8), ("P", len(ps)), ("EPI", epi)],
+        grid=(mma_blocks(ps, epi, cfg[0]) * 256, 1, 1), threadgroup=(256, 1, 1),
+        template=mma_template(x, p0, len(ps), epi, cfg),
         init_value=POISON,
     )
 

@@ -25,7 +25,7 @@ from ..norms.kernels import FLOATS, eps_array
 from ..portable import KernelExample, portable_kernel
 from ..selection import SELECT, qmv_config
 from . import gemv
-from .bodies import HEADER, XKIND, fma_body
+from .bodies import HEADER, MMA_HEADER, XKIND, fma_body, mma_body
 from .params import LinearParams
 
 # After the qmv body: dlt [M, N] holds this threadgroup's columns. Writers fence, then one thread counts the
@@ -36,8 +36,8 @@ from .params import LinearParams
 # second that reloads (L2 hits) and stores, EC loads in flight each: fewer registers, because the whole
 # kernel is allocated the epilogue's count (M=1, 4-bit: 107 registers at EC = EPT = 32 against the plain
 # qmv's 64, half its resident SIMD groups; 55 at EC = 8, ptxas -v for sm_90).
-EPILOGUE = r"""
-  SHARED float qr_part[4];
+_EPILOGUE = r"""
+  SHARED float qr_part[TGS / 32];
   SHARED int qr_last;
   DEVICE_FENCE;
   BARRIER;
@@ -55,7 +55,7 @@ EPILOGUE = r"""
       for (int c0 = 0; c0 < EPT; c0 += EC) {
 #pragma unroll
         for (int j = 0; j < EC; ++j) {
-          const int i = tid + 128 * (c0 + j);
+          const int i = tid + TGS * (c0 + j);
           ep_h[j] = i < N ? H_PLUS_DELTA : 0.0f;
           if (EC == EPT) ep_w[j] = i < N ? TO_FLOAT(nw[i]) : 0.0f;
         }
@@ -68,20 +68,22 @@ EPILOGUE = r"""
       ss = SIMD_SUM(ss);
       if (LANE == 0) qr_part[SIMD_ID] = ss;
       BARRIER;
-      const float inv = RSQRT((qr_part[0] + qr_part[1] + qr_part[2] + qr_part[3]) / (float)N + eps[0]);
+      float qr_tot = 0.0f;
+      for (int w = 0; w < TGS / 32; ++w) qr_tot += qr_part[w];
+      const float inv = RSQRT(qr_tot / (float)N + eps[0]);
 #pragma unroll 1
       for (int c0 = 0; c0 < EPT; c0 += EC) {
         if (EC < EPT) {  // the chunk again (one chunk: ep_h and ep_w still hold the row)
 #pragma unroll
           for (int j = 0; j < EC; ++j) {
-            const int i = tid + 128 * (c0 + j);
+            const int i = tid + TGS * (c0 + j);
             ep_h[j] = i < N ? TO_FLOAT(FROM_FLOAT(T, H_PLUS_DELTA)) : 0.0f;
             ep_w[j] = i < N ? TO_FLOAT(nw[i]) : 0.0f;
           }
         }
 #pragma unroll
         for (int j = 0; j < EC; ++j) {
-          const int i = tid + 128 * (c0 + j);
+          const int i = tid + TGS * (c0 + j);
           if (i < N) {
             hsum[base + i] = FROM_FLOAT(T, ep_h[j]);
             y[base + i] = FROM_FLOAT(T, ep_h[j] * inv * ep_w[j]);
@@ -95,7 +97,16 @@ EPILOGUE = r"""
 """
 
 # column i of row m's residual plus the projection's delta (read back from L2: other threadgroups wrote it)
-EPILOGUE = EPILOGUE.replace("H_PLUS_DELTA", "(TO_FLOAT(h[base + i]) + TO_FLOAT(LOAD_L2(dlt + base + i)))")
+_EPILOGUE = _EPILOGUE.replace("H_PLUS_DELTA", "(TO_FLOAT(h[base + i]) + TO_FLOAT(LOAD_L2(dlt + base + i)))")
+
+
+def epilogue(threads: int) -> str:
+    """The epilogue for threadgroups of `threads` lanes (a multiple of 32): each owns EPT = ceil(N / threads)
+    columns of a row."""
+    return _EPILOGUE.replace("TGS", str(threads))
+
+
+EPILOGUE = epilogue(128)  # the FMA qmv's (and the MoE down projection's) 128-lane threadgroups
 
 _BODY = fma_body(1, 0, store="if (n < N) dlt[(size_t)m * N + n] = FROM_FLOAT(T, acc[m][r]);") + EPILOGUE
 
@@ -124,6 +135,26 @@ QMV_ADD_RMS = portable_kernel(
     examples=[_example(dt, bits) for dt in (mx.bfloat16, mx.float32) for bits in (4, 8)] + [_example(mx.bfloat16, 4, 8)],
 )
 
+def _mma_example(dt, cfg: tuple[int, int, int]) -> KernelExample:
+    """The down_proj example under the tensor-core body's template (8 rows, 256 lanes a threadgroup)."""
+    K, N = 12288, 4096
+    ex = _example(dt, 4)
+    ins = [(dt, (8, K))] + ex.inputs[1:4] + [(dt, (8, N))] + ex.inputs[5:]
+    rt, ug, cg = cfg
+    tmpl = [("T", dt), ("XK", XKIND[dt]), ("GS", 64), ("UG", ug), ("NW", 8), ("P", 1), ("EPI", 0), ("RT", rt),
+            ("CG", cg), ("NBLK", N // (16 * rt)), ("EPT", N // 256), ("EC", N // 256)]
+    return KernelExample(inputs=ins, outputs=[dt] * 3, template=tmpl)
+
+
+# The tensor-core qmv (CUDA, 4-bit, 16-bit x, decode rows from qmv_mma_min_rows) with the same epilogue over
+# its 256-lane threadgroups; on other back-ends the portable body is the FMA kernel's (check_metal's).
+QMV_MMA_ADD_RMS = portable_kernel(
+    name="mtl_qmv_mma_add_rms", input_names=QMV_ADD_RMS.input_names, output_names=QMV_ADD_RMS.output_names,
+    body=_BODY, cuda_body=mma_body(1, 0, out="dlt") + epilogue(256), header=HEADER + MMA_HEADER,
+    examples=QMV_ADD_RMS.examples[:1],
+    cuda_examples=[_mma_example(dt, c) for dt in (mx.bfloat16, mx.float16) for c in ((1, 4, 0), (2, 2, 1))],
+)
+
 MAX_EPT = 64  # residual elements per thread held in registers by the epilogue (hidden size <= 8192)
 _COUNTERS: dict[int, mx.array] = {}
 
@@ -140,8 +171,7 @@ def arrival_counter(p: LinearParams) -> mx.array:
 
 
 def covers(x: mx.array, p: LinearParams, h: mx.array) -> bool:
-    """The FMA qmv's shapes (the tensor-core variant has no epilogue: from its row threshold on, the
-    caller runs the projection and `add_rms_norm` apart), a residual of the output's shape and dtype."""
+    """The FMA qmv's shapes, a residual of the output's shape and dtype."""
     M = x.shape[0] if x.ndim == 2 else 0
     return (SELECT["qmv_residual_norm"] == 1 and gpu_backend() is not None and x.ndim == 2 and gemv.fma_serves(M)
             and h.shape == (M, p.out_features) and h.dtype == x.dtype and x.dtype in FLOATS
@@ -149,9 +179,43 @@ def covers(x: mx.array, p: LinearParams, h: mx.array) -> bool:
             and gemv.qmv_supported(x, [p]))
 
 
+def mma_covers(x: mx.array, p: LinearParams, h: mx.array) -> bool:
+    """The tensor-core qmv's rows (CUDA, 4-bit, 16-bit x) under SELECT["qmv_mma_residual_norm"]; else
+    the caller runs the projection and `add_rms_norm` apart."""
+    M = x.shape[0] if x.ndim == 2 else 0
+    return (SELECT["qmv_residual_norm"] == 1 and SELECT["qmv_mma_residual_norm"] == 1 and gpu_backend() == "cuda"
+            and x.ndim == 2 and 0 < SELECT["qmv_mma_min_rows"] <= M <= SELECT["qmv_max_rows"] and p.bits == 4
+            and x.dtype in (mx.bfloat16, mx.float16) and h.shape == (M, p.out_features) and h.dtype == x.dtype
+            and p.out_features <= 256 * MAX_EPT and gemv.qmv_supported(x, [p]))
+
+
 def linear_add_rms_norm_kernel(x: mx.array, p: LinearParams, h: mx.array, w: mx.array, eps: float):
-    """-> (h + x W^T, rms_norm(h + x W^T) * w), both [M, N], or None where `covers` says no."""
-    return qmv_add_rms(x, p, h, w, eps) if covers(x, p, h) else None
+    """-> (h + x W^T, rms_norm(h + x W^T) * w), both [M, N], or None where neither form covers x."""
+    if covers(x, p, h):
+        return qmv_add_rms(x, p, h, w, eps)
+    return qmv_mma_add_rms(x, p, h, w, eps) if mma_covers(x, p, h) else None
+
+
+def qmv_mma_add_rms(x: mx.array, p: LinearParams, h: mx.array, w: mx.array, eps: float,
+                    cfg: tuple[int, int, int] | None = None) -> tuple[mx.array, mx.array]:
+    """The tensor-core launch: x [M <= 8, K] 16-bit, 4-bit p, h [M, N] of x's dtype; cfg (RT, UG, CG):
+    gemv.mma_config's by default."""
+    M, K = x.shape
+    N = p.out_features
+    cfg = cfg or gemv.mma_config(M, K, N, p.group_size, 0)
+    nblk = gemv.mma_blocks([p], 0, cfg[0])
+    ept = -(-N // 256)
+    _, hsum, y = QMV_MMA_ADD_RMS(
+        "cuda",
+        inputs=[x, p.weight, p.scales, p.biases, h, w, eps_array(eps), arrival_counter(p)],
+        output_shapes=[(M, N)] * 3,
+        output_dtypes=[x.dtype] * 3,
+        grid=(nblk * 256, 1, 1),
+        threadgroup=(256, 1, 1),
+        template=gemv.mma_template(x, p, 1, 0, cfg) + [("NBLK", nblk), ("EPT", ept), ("EC", epilogue_chunk(ept))],
+        init_value=gemv.POISON,
+    )
+    return hsum, y
 
 
 def qmv_add_rms(x: mx.array, p: LinearParams, h: mx.array, w: mx.array, eps: float,
