@@ -128,6 +128,43 @@ def test_the_tensor_core_rows_have_a_metal_fallback_row(monkeypatch, backend_nam
     assert not gemv.mma_rows_to_mlx(6)
 
 
+def test_tensor_core_qmv_blocking_and_the_wide_8_row_rule(monkeypatch):
+    """gemv.mma_config: the table's tiles / groups / order, the LM head's wide blocking from 65536 rows, groups
+    0 = 256 columns' worth; threadgroups per launch; 8 rows of a 65536+-row matrix go to MLX's GEMM only where
+    the FMA qmv would serve them (not on CUDA, where the tensor-core qmv does)."""
+    from mtlqwen.kernels.qmatmul import gemv  # noqa: PLC0415
+
+    monkeypatch.setitem(selection.SELECT, "qmv_mma_tiles", 2)
+    monkeypatch.setitem(selection.SELECT, "qmv_mma_groups", 2)
+    monkeypatch.setitem(selection.SELECT, "qmv_mma_consecutive", 0)
+    monkeypatch.setitem(selection.SELECT, "qmv_mma_wide_tiles", 4)
+    assert gemv.mma_config(8, 4096, 12288, 64, 1) == (2, 2, 0)
+    assert gemv.mma_config(8, 4096, 248320, 64, 0) == (4, 1, 0)
+    monkeypatch.setitem(selection.SELECT, "qmv_mma_wide_tiles", 0)
+    assert gemv.mma_config(8, 4096, 248320, 64, 0) == (2, 2, 0)
+    monkeypatch.setitem(selection.SELECT, "qmv_mma_groups", 0)
+    assert gemv.mma_config(8, 4096, 4096, 32, 0) == (2, 8, 0) and gemv.mma_config(8, 4096, 4096, 128, 0) == (2, 2, 0)
+    rng = np.random.default_rng(0)
+    ps = [make_params(rng, n, 64, 4, 64, mx.bfloat16) for n in (33, 32, 16)]
+    # 32-row threadgroups (2 tiles): 2 + 1 + 1; SwiGLU tiles are 8 output rows: 16 a threadgroup over 33
+    assert gemv.mma_blocks(ps, 0, 2) == 4 and gemv.mma_blocks(ps[:2], 1, 2) == 3 and gemv.mma_blocks(ps, 0, 1) == 6
+
+    calls = []
+    monkeypatch.setattr(gemv, "qmv", lambda x, ps, *a, **k: calls.append("qmv") or [mx.zeros((x.shape[0], ps[0].out_features))])
+    monkeypatch.setattr(gemv, "_big_m", lambda x, p: calls.append("big_m") or mx.zeros((x.shape[0], p.out_features)))
+    monkeypatch.setitem(selection.SELECT, "mlx_qmm_min_n_at_8_rows", 64)
+    wide = make_params(rng, 64, 64, 4, 64, mx.bfloat16)
+    x8 = mx.zeros((8, 64), dtype=mx.bfloat16)
+    for name, want in (("metal", "big_m"), ("cuda", "qmv")):
+        monkeypatch.setattr(gemv, "gpu_backend", lambda name=name: name)
+        calls.clear()
+        gemv.linear_kernel(x8, wide)
+        assert calls == [want], name
+    calls.clear()
+    gemv.linear_kernel(x8[:7], wide)  # fewer than 8 rows: the qmv on any back-end
+    assert calls == ["qmv"]
+
+
 def test_small_k_rows_go_to_dequantize_not_mlx_qmm_on_cuda(monkeypatch):
     """CUDA, 9+ rows, K % 256 != 0: dequantize + GEMM for linear / linear_multi / swiglu (the kernels answer,
     MLX's quantized GEMM is never reached); K % 256 == 0 without the tensor-core GEMM: declined as before;

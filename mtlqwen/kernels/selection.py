@@ -20,8 +20,10 @@ SELECT: dict[str, int] = {
     # N (grid of only N/128 blocks: bound by the K loop) and 168 us for down_proj, so our qmv (40-103 us,
     # 512+ blocks) wins at 8 rows too.
     "qmv_max_rows": 8,
-    # ... except a matrix this wide at 8 rows (the LM head, N = 248320): there MLX's GEMM has ~1900
-    # blocks to spread and took 471 us against our qmv's 1334 us (benchmarks/decode_profile.md).
+    # ... except a matrix this wide at 8 rows (the LM head, N = 248320), where MLX's GEMM took 471 us
+    # against the FMA qmv's 1334 us (benchmarks/decode_profile.md); 0 = never. On CUDA the tensor-core qmv
+    # serves 8 rows (qmv_mma_min_rows) and takes 358 us with 4 tiles a threadgroup against MLX's 481
+    # (benchmarks/qgemm.md), so the row applies only where the FMA qmv would serve 8 rows.
     "mlx_qmm_min_n_at_8_rows": 65536,
     # More rows than that, N not a multiple of 128 (the GDN b / a projections, N = 32): MLX has no
     # tensor-core GEMM for it (qmm_naive: 77 us per 32x4096 matrix, benchmarks/decode_profile.md);
@@ -49,10 +51,14 @@ SELECT: dict[str, int] = {
     "qmv_mma_metal": 0,
     # The tensor-core qmv's blocking (gemv.mma_config): 16-row tiles a threadgroup (each threadgroup reads
     # the x rows from L2 once for its tiles), K groups a SIMD group loads per pass (0: 256 columns' worth),
-    # and whether those groups are consecutive (1) or NW groups apart (0).
-    "qmv_mma_tiles": 1,
-    "qmv_mma_groups": 0,
+    # and whether those groups are consecutive (1) or NW groups apart (0). H200, 8 rows, per call in chains
+    # (kernels_qmatmul_attn.py --only mma-sweep): 2 tiles of 2 groups against the former 1 of 4: gate+up
+    # 51.2 against 63.7 us, down 32.7 / 37.5, GDN in_proj 51.9 / 53.7, o 15.0 / 17.1; the LM head's
+    # 248,320 rows take 4 tiles of 1 group (qmv_mma_wide_tiles): 358 against 473 us (benchmarks/qgemm.md).
+    "qmv_mma_tiles": 2,
+    "qmv_mma_groups": 2,
     "qmv_mma_consecutive": 0,
+    "qmv_mma_wide_tiles": 4,  # from 65536 rows: (this many tiles, 1 group a pass); 0 = the rows above
     # One qmv launch per 8 rows past that: disabled (0). At M=16 MLX's qmm took 15-41 us, qmv per 8
     # rows 71-207 us (benchmarks/kernels_qmatmul_attn.md).
     "qmv_loop_max_rows": 0,

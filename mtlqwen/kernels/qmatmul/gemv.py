@@ -62,10 +62,10 @@ def _example(P: int, epi: int, dt, bits: int) -> KernelExample:
     return KernelExample(inputs=[(dt, (4, 4096))] + wq * P, outputs=[dt] * (1 if epi else P), template=tmpl)
 
 
-MMA_EXAMPLE_CFGS = [(1, 4, 0), (2, 2, 1), (4, 2, 1), (4, 1, 0)]  # (RT, UG, CG) compiled by check_cuda
+MMA_EXAMPLE_CFGS = [(2, 2, 0), (4, 1, 0), (1, 4, 0), (2, 2, 1)]  # (RT, UG, CG) compiled by check_cuda: the table's first
 
 
-def _mma_example(P: int, epi: int, dt, cfg: tuple[int, int, int] = (1, 4, 0)) -> KernelExample:
+def _mma_example(P: int, epi: int, dt, cfg: tuple[int, int, int] = (2, 2, 0)) -> KernelExample:
     """The tensor-core body's template (as `_qmv_mma` launches it) for the CUDA compile check."""
     ex = _example(P, epi, dt, 4)
     rt, ug, cg = cfg
@@ -142,6 +142,9 @@ def fma_template(x: mx.array, p0: LinearParams, R: int, U: int, P: int, epi: int
 def mma_config(M: int, K: int, N: int, gs: int, epi: int) -> tuple[int, int, int]:
     """(RT, UG, CG) of a tensor-core qmv launch: 16-row tiles per threadgroup, K groups per pass of a SIMD
     group (0: 256 columns' worth), whether a pass's groups are consecutive; from the selection table."""
+    wide = SELECT["qmv_mma_wide_tiles"]
+    if wide and N >= 65536:  # the LM head: threadgroups enough for many waves whatever the tiles
+        return wide, 1, 0
     ug = SELECT["qmv_mma_groups"] or max(1, 256 // gs)
     return SELECT["qmv_mma_tiles"], ug, SELECT["qmv_mma_consecutive"]
 
@@ -285,7 +288,8 @@ def linear_kernel(x: mx.array, p: LinearParams):
     if not qmv_supported(x2, [p], any_rows=True):  # (a slice of x2 here would be a graph node a call)
         return None
     M = x2.shape[0]
-    wide = M >= 8 and p.out_features >= SELECT["mlx_qmm_min_n_at_8_rows"]
+    wide_from = SELECT["mlx_qmm_min_n_at_8_rows"]
+    wide = M >= 8 and 0 < wide_from <= p.out_features and fma_serves(M)
     if M <= SELECT["qmv_max_rows"] and not wide:
         y = None if mma_rows_to_mlx(M) else qmv(x2, [p])[0]
     else:

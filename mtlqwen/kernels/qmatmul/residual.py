@@ -152,7 +152,7 @@ QMV_MMA_ADD_RMS = portable_kernel(
     name="mtl_qmv_mma_add_rms", input_names=QMV_ADD_RMS.input_names, output_names=QMV_ADD_RMS.output_names,
     body=_BODY, cuda_body=mma_body(1, 0, out="dlt") + epilogue(256), header=HEADER + MMA_HEADER,
     examples=QMV_ADD_RMS.examples[:1],
-    cuda_examples=[_mma_example(dt, c) for dt in (mx.bfloat16, mx.float16) for c in ((1, 4, 0), (2, 2, 1))],
+    cuda_examples=[_mma_example(dt, c) for dt in (mx.bfloat16, mx.float16) for c in ((2, 2, 0), (1, 4, 0))],
 )
 
 MAX_EPT = 64  # residual elements per thread held in registers by the epilogue (hidden size <= 8192)
