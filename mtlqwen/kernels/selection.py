@@ -110,7 +110,9 @@ SELECT: dict[str, int] = {
     # (~8 us a launch over the plain qmv + add_rms_norm) is what to cut next.
     "qmv_residual_norm": 1,
     # The same epilogue on the tensor-core qmv's rows (qmv_mma_min_rows..8: 5-8 decoders, a verification
-    # of up to 8 rows), residual.qmv_mma_add_rms: 64 add_rms_norm launches fewer in such a 9B step.
+    # of up to 8 rows), residual.qmv_mma_add_rms: 64 add_rms_norm launches fewer in such a 9B step, but on
+    # the H200 44.0 us a launch against 21.7 + 4.3 apart (the last threadgroup normalises 8 rows in turn):
+    # +1.4 ms of device time a step at 8 sequences (benchmarks/kernels_qmatmul_attn.md). Off.
     "qmv_mma_residual_norm": 0,
     # Decode rows (one token a sequence) of a GDN layer: the input projections' qmv does the causal conv +
     # SiLU and the conv-state write in its epilogue (qmatmul/conv_epilogue.py), one launch a GDN layer
