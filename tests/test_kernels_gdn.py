@@ -20,10 +20,13 @@ from mtlqwen.kernels.gdn import (
     gated_delta_candidates_ref,
     gated_delta_packed,
     gated_delta_packed_candidates,
+    gated_delta_packed_candidates_normed,
+    gated_delta_packed_candidates_normed_ref,
     gated_delta_packed_normed,
     gated_delta_packed_normed_ref,
     gated_delta_ref,
 )
+from mtlqwen.kernels.norms.reference import gated_rms_norm_ref
 from mtlqwen.kernels.selection import SELECT
 from mtlqwen.kernels.seqs import SeqLayout
 
@@ -325,6 +328,71 @@ def test_packed_normed_reference(seed, lens, geom, fused, inplace):
     want = o / np.sqrt((o**2).mean(-1, keepdims=True) + eps) * np.array(w, dtype=np.float64) * zf / (1 + np.exp(-zf))
     assert ref[0].shape == (T, Hv * dv)
     assert rel(ref[0], want.reshape(T, Hv * dv)) < 1e-4 and rel(ref[1], nstates) < 1e-4
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31), lens=st.lists(st.integers(1, 9), min_size=1, max_size=3),
+       geom=st.sampled_from(GEOMS[:4]), fused=st.booleans())
+def test_packed_candidates_normed_reference(seed, lens, geom, fused):
+    """A verification's fused op: its reference against float64 (the normed output as the unfused ops return
+    it, the final and every token's state), and the op on the CPU with its switch on or off: exactly the
+    candidates op followed by the gated norm (what the model ran before the fusion)."""
+    args, layout = make_case(seed, lens, *geom)
+    y, heads = packed_case(args)
+    _, _, Hv, dv = heads
+    T = y.shape[0]
+    z, w, eps = norm_inputs(seed, T, Hv, dv, mx.float32)
+    rest = {n: args[n] for n in ("a", "b", "A_log", "dt_bias", "state_pool")}
+    with mx.stream(mx.cpu):
+        ref = gated_delta_packed_candidates_normed_ref(y, z, w, eps, **rest, layout=layout, heads=heads)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setitem(SELECT, "gdn_fused_norm_candidates", int(fused))
+            got = gated_delta_packed_candidates_normed(y, z, w, eps, **rest, layout=layout, heads=heads)
+        o, states, cand = gated_delta_packed_candidates(y, rest["a"], rest["b"], rest["A_log"], rest["dt_bias"],
+                                                        rest["state_pool"], layout, heads)
+        unfused = gated_rms_norm_ref(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), w, eps).reshape(T, Hv * dv)
+    assert all(mx.array_equal(g, r).item() for g, r in zip(got, ref))
+    assert mx.array_equal(ref[0], unfused).item() and mx.array_equal(ref[2], cand).item()
+    no, nstates, nall = naive_gdn(args, layout)
+    of = np.array(mx.array(no.astype(np.float32))).astype(np.float64).reshape(T * Hv, dv)
+    zf = np.array(z, dtype=np.float64).reshape(T * Hv, dv)
+    want = of / np.sqrt((of**2).mean(-1, keepdims=True) + eps) * np.array(w, dtype=np.float64) * zf / (1 + np.exp(-zf))
+    assert ref[0].shape == (T, Hv * dv) and ref[2].shape == (T, Hv, dv, heads[1])
+    assert rel(ref[0], want.reshape(T, Hv * dv)) < 1e-4
+    assert rel(ref[1], nstates) < 1e-4 and rel(ref[2], nall) < 1e-4
+
+
+@pytest.mark.gpu
+@needs_gpu
+@settings(max_examples=n_examples(18), **GPU_SETTINGS)
+@given(seed=st.integers(0, 2**31), lens=st.lists(st.integers(1, 16), min_size=1, max_size=8),
+       geom=st.sampled_from(GEOMS), dtype=st.sampled_from([mx.float32, mx.bfloat16]),
+       wdt=st.sampled_from([mx.float32, mx.bfloat16]))
+@example(seed=5, lens=[8], geom=(1, 2, 128, 128), dtype=mx.bfloat16, wdt=mx.float32)  # one sequence x 7 drafts
+def test_gdn_fused_norm_candidates_kernel(seed, lens, geom, dtype, wdt):
+    """The gate for SELECT["gdn_fused_norm_candidates"]: a verification's recurrence with the gated RMSNorm
+    fused in and every token's state stored (all outputs poisoned first) == the reference; the pool is only
+    read."""
+    from mtlqwen.kernels.gdn.normed import run_gdn_normed  # noqa: PLC0415
+
+    args, layout = make_case(seed, lens, *geom, dtype=dtype)
+    y, heads = packed_case(args)
+    _, _, Hv, dv = heads
+    T = y.shape[0]
+    z, w, eps = norm_inputs(seed, T, Hv, dv, dtype, wdt)
+    before = np.array(args["state_pool"])
+    rest = {n: args[n] for n in ("a", "b", "A_log", "dt_bias")}
+    ref = on_cpu(gated_delta_packed_candidates_normed_ref, y, z, w, eps, **rest, state_pool=mx.array(before),
+                 layout=layout, heads=heads)
+    out = run_gdn_normed(y, z, w, eps, **rest, state_pool=args["state_pool"], layout=layout, heads=heads,
+                         candidates=True, init_value=float("nan"))
+    assert out is not None
+    mx.eval(out)
+    assert out[0].shape == (T, Hv * dv) and out[0].dtype == dtype
+    assert rel(out[0], ref[0]) < TOL[dtype]
+    stol = 1e-4 if dtype == mx.float32 else 1e-3
+    assert rel(out[1], ref[1]) < stol and rel(out[2], ref[2]) < stol
+    assert np.array_equal(np.array(args["state_pool"]), before)
 
 
 @pytest.mark.gpu

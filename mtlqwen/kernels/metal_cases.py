@@ -233,6 +233,18 @@ def _gdn_trials() -> list[Trial]:
 
             out.append(Trial(f"gdn_recurrent_normed{'_inplace' if inplace else ''}[{tag}]", run, ref,
                              [TOL[dt], 0.0, STATE_TOL[dt], 0.0] if inplace else tol))
+        args, layout, rng = _gdn_args(dk + 11, lens, Hk, Hv, dk, dv, dt)
+        y, heads = _packed(args)
+        z = _rand(rng, y.shape[0], Hv * dv, dtype=dt)
+        nw = 1 + _rand(rng, dv, scale=0.2)
+        rest = {n: args[n] for n in ("a", "b", "A_log", "dt_bias", "state_pool")}
+        out.append(Trial(
+            f"gdn_recurrent_normed_cand[{tag}]",
+            lambda y=y, z=z, nw=nw, r=rest, L=layout, h=heads: list(
+                _fn("run_gdn_normed")(y, z, nw, 1e-6, **r, layout=L, heads=h, candidates=True)),
+            lambda y=y, z=z, nw=nw, r=rest, L=layout, h=heads: list(
+                _cpu(_fn("gated_delta_packed_candidates_normed_ref"), y, z, nw, 1e-6, **r, layout=L, heads=h)),
+            tol + [STATE_TOL[dt]]))
     return out
 
 

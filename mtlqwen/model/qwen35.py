@@ -21,6 +21,7 @@ from ..kernels import (
     causal_conv1d,
     gated_delta_packed,
     gated_delta_packed_candidates,
+    gated_delta_packed_candidates_normed,
     gated_delta_packed_normed,
     gated_rms_norm,
     gdn_in_proj_conv,
@@ -142,10 +143,7 @@ class GDNMixer:
                 if verifying:
                     raise ValueError("a batch with verifications takes no state taps (the scheduler cuts its chunks)")
                 return tapped_gdn(self, mixed, z, a, b, layout, cache)
-            o = self._mix_verifying(mixed, a, b, layout, cache, stash)  # [T, Hv, dv]
-            # per-head norm on [T * Hv, dv] views, as gated_delta_packed_normed's
-            return gated_rms_norm(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), self.norm_w,
-                                  c.rms_norm_eps).reshape(T, c.value_dim)
+            return self._mix_verifying(mixed, z, a, b, layout, cache, stash)
         conv_pool, rec_pool = cache.conv_states[self.idx], cache.rec_states[self.idx]
         # the projections and the conv (one launch at decode rows where qmv_conv_epilogue allows): y [T,
         # conv_dim] the conv output the delta rule reads
@@ -173,36 +171,44 @@ class GDNMixer:
                 rec_pool[rows] = rec_new
         return o
 
-    def _mix_verifying(self, mixed, a, b, layout: SeqLayout, cache: ModelCache, stash: VerifyStash) -> mx.array:
-        """The conv + delta rule of a batch holding verifications -> o [T, Hv, dv]. Plain sequences commit
-        their new state; verifying ones leave the pools alone and put (rec, raw verify rows [Tv, C]) in
-        `stash` for `Qwen35Model.commit_candidates`, where rec is all states [Tv, Hv, dv, dk] ("candidates")
-        or the verify rows' (y, a, b) ("replay"); the commit reads their old conv rows from the pool."""
+    def _mix_verifying(self, mixed, z, a, b, layout: SeqLayout, cache: ModelCache, stash: VerifyStash) -> mx.array:
+        """The conv, delta rule and gated RMSNorm of a batch holding verifications -> [T, value_dim]. Plain
+        sequences commit their new state; verifying ones leave the pools alone and put (rec, raw verify rows
+        [Tv, C]) in `stash` for `Qwen35Model.commit_candidates`, where rec is all states [Tv, Hv, dv, dk]
+        ("candidates") or the verify rows' (y, a, b) ("replay"); the commit reads their old conv rows from
+        the pool. Every sequence verifying (the steady state): the norm inside the delta rule's launch."""
+        c, T = self.c, mixed.shape[0]
         sp = _VerifySplit.of(layout)
         conv_pool, rec_pool = cache.conv_states[self.idx], cache.rec_states[self.idx]
         y, conv_new = causal_conv1d(mixed, self.conv_w, conv_pool, layout)  # every row's conv output is final
-        heads = self.heads
-        if sp.all:
-            ins, raw = (y, a, b), mixed
-        else:
-            vr = sp.verify_rows
-            ins, raw = (y[vr], a[vr], b[vr]), mixed[vr]
-        # ins: the verify rows' packed conv outputs y [Tv, 2*Hk*dk + Hv*dv] (the kernels read q | k | v where
-        # they lie), a, b [Tv, Hv]; raw: their conv inputs [Tv, C]
-        if stash.mode == "replay":  # outputs only; the states come from the replay at commit
+        heads, eps = self.heads, c.rms_norm_eps
+        Hv, dv = heads[2], heads[3]
+        stash.layout = sp.verify
+        if sp.all:  # y [T, 2*Hk*dk + Hv*dv]: the kernels read q | k | v where they lie; mixed: the raw rows
+            if stash.mode == "replay":  # outputs only; the states come from the replay at commit
+                o, _ = gated_delta_packed_normed(y, z, self.norm_w, eps, a, b, self.A_log, self.dt_bias, rec_pool,
+                                                 sp.verify, heads)
+                rec = (y, a, b)
+            else:
+                o, _, rec = gated_delta_packed_candidates_normed(y, z, self.norm_w, eps, a, b, self.A_log,
+                                                                 self.dt_bias, rec_pool, sp.verify, heads)
+            stash.layers[self.idx] = GDNStash(rec, mixed)  # the old conv rows stay in the pool until the commit
+            return o
+        vr = sp.verify_rows
+        ins, raw = (y[vr], a[vr], b[vr]), mixed[vr]  # the verify rows' conv outputs, a, b; their conv inputs
+        if stash.mode == "replay":
             o_v, _ = gated_delta_packed(*ins, self.A_log, self.dt_bias, rec_pool, sp.verify, heads)
             rec = ins
         else:
             o_v, _, rec = gated_delta_packed_candidates(*ins, self.A_log, self.dt_bias, rec_pool, sp.verify, heads)
-        stash.layers[self.idx] = GDNStash(rec, raw)  # the old conv rows stay in the pool until the commit
-        stash.layout = sp.verify
-        if sp.plain is None:
-            return o_v
+        stash.layers[self.idx] = GDNStash(rec, raw)
         pr = sp.plain_rows
         o_p, rec_p = gated_delta_packed(y[pr], a[pr], b[pr], self.A_log, self.dt_bias, rec_pool, sp.plain, heads)
         conv_pool[sp.plain_slots] = conv_new[sp.plain_seqs]
         rec_pool[sp.plain_slots] = rec_p
-        return mx.concatenate([o_p, o_v])[sp.inverse]
+        o = mx.concatenate([o_p, o_v])[sp.inverse]  # [T, Hv, dv]
+        # per-head norm on [T * Hv, dv] views, as gated_delta_packed_normed's
+        return gated_rms_norm(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), self.norm_w, eps).reshape(T, c.value_dim)
 
 
 class AttentionMixer:

@@ -95,6 +95,7 @@ for (int t = t0; t < t1; ++t) {
     const float zv = TO_FLOAT(z[oi]);
     o[oi] = FROM_FLOAT(InT, yv * (zv / (1.0f + EXP(-zv))));
   }
+  CAND_STORE
 }
 FINAL_STORE
 """)
@@ -144,24 +145,35 @@ NORMED = portable_kernel(
     name="gdn_recurrent_normed",
     input_names=_IN_NORMED,
     output_names=["o", "state_out"],
-    body=_BODY.replace("FINAL_STORE", store_state("state_out", "seq")),
+    body=_BODY.replace("CAND_STORE", "").replace("FINAL_STORE", store_state("state_out", "seq")),
     examples=_examples(False),
 )
 NORMED_INPLACE = portable_kernel(
     name="gdn_recurrent_normed_inplace",
     input_names=_IN_NORMED,
     output_names=["o", "done"],
-    body=_BODY.replace("FINAL_STORE", INPLACE_STORE),
+    body=_BODY.replace("CAND_STORE", "").replace("FINAL_STORE", INPLACE_STORE),
     examples=_examples(True),
+)
+# A verification's GDN layer: the normed output and the state after every token (the candidates commit reads
+# them), as `gdn_recurrent_cand` then `gated_rms_norm` return them; the pool is only read.
+NORMED_CAND = portable_kernel(
+    name="gdn_recurrent_normed_cand",
+    input_names=_IN_NORMED,
+    output_names=["o", "state_out", "all_states"],
+    body=_BODY.replace("CAND_STORE", store_state("all_states", "t")).replace("FINAL_STORE",
+                                                                            store_state("state_out", "seq")),
+    examples=[KernelExample(e.inputs, e.outputs + [mx.float32], e.template) for e in _examples(False)],
 )
 
 
 def run_gdn_normed(y, z, norm_w, eps: float, a, b, A_log, dt_bias, state_pool, layout: SeqLayout,
-                   heads: tuple[int, int, int, int], inplace: bool = False, init_value=None):
+                   heads: tuple[int, int, int, int], inplace: bool = False, init_value=None, candidates: bool = False):
     """y [T, 2*Hk*dk + Hv*dv] (the conv output, q | k | v channels, read where they lie), z [T, Hv*dv]
     (any shape of that size), norm_w [dv] -> (o_normed [T, Hv*dv] in y's dtype, new states [B, Hv, dv, dk]
-    fp32), or with inplace (o_normed, done [1]) after writing the states into state_pool's rows. None
-    when not covered: a segment longer than SELECT["gdn_chunk_min_t"], a head shape past the register budget, dtypes."""
+    fp32), or with inplace (o_normed, done [1]) after writing the states into state_pool's rows, or with
+    candidates (o_normed, new states, the state after every token [T, Hv, dv, dk] fp32). None when not
+    covered: a segment longer than SELECT["gdn_chunk_min_t"], a head shape past the register budget, dtypes."""
     backend = gpu_backend()
     Hk, dk, Hv, dv = heads
     T, B = y.shape[0], layout.num_seqs
@@ -170,21 +182,21 @@ def run_gdn_normed(y, z, norm_w, eps: float, a, b, A_log, dt_bias, state_pool, l
             or y.ndim != 2 or y.shape[1] != 2 * Hk * dk + Hv * dv or y.dtype not in FLOATS
             or z.size != T * Hv * dv or z.dtype not in FLOATS or norm_w.shape != (dv,)):
         return None
-    if max(layout.q_len(i) for i in range(B)) > SELECT["gdn_chunk_min_t"]:
+    if max(layout.q_len(i) for i in range(B)) > SELECT["gdn_chunk_min_t"] or (inplace and candidates):
         return None
     a, b, A_log, dt_bias, norm_w = (x if x.dtype in FLOATS else x.astype(mx.float32)
                                     for x in (a, b, A_log, dt_bias, norm_w))
     C = y.shape[1]
     tmpl = [("InT", y.dtype), ("HK", Hk), ("HV", Hv), ("DK", dk), ("DV", dv), ("TPR", tpr), ("BV", bv),
             ("QS", C), ("KO", Hk * dk), ("VS", C), ("VO", 2 * Hk * dk)]
-    kern = NORMED_INPLACE if inplace else NORMED
+    kern = NORMED_INPLACE if inplace else NORMED_CAND if candidates else NORMED
     return kern(
         backend,
         inputs=[y, y, y, a, b, A_log, dt_bias, state_pool, layout.array("query_start_loc"),
                 layout.array("state_rows"), z if z.shape == (T, Hv * dv) else z.reshape(T, Hv * dv), norm_w,
                 eps_array(eps)],
-        output_shapes=[(T, Hv * dv), (1,) if inplace else (B, Hv, dv, dk)],
-        output_dtypes=[y.dtype, mx.int32 if inplace else mx.float32],
+        output_shapes=[(T, Hv * dv), (1,) if inplace else (B, Hv, dv, dk)] + ([(T, Hv, dv, dk)] if candidates else []),
+        output_dtypes=[y.dtype, mx.int32 if inplace else mx.float32] + ([mx.float32] if candidates else []),
         grid=(bv * tpr, Hv, B),
         threadgroup=(bv * tpr, 1, 1),
         template=tmpl,
@@ -199,3 +211,10 @@ def gated_delta_packed_normed_kernel(y, z, norm_w, eps, a, b, A_log, dt_bias, st
     inplace = bool(write_state and SELECT["gdn_state_inplace"])
     out = run_gdn_normed(y, z, norm_w, eps, a, b, A_log, dt_bias, state_pool, layout, heads, inplace=inplace)
     return None if out is None else (out[0], None if inplace else out[1])
+
+
+def gated_delta_packed_candidates_normed_kernel(y, z, norm_w, eps, a, b, A_log, dt_bias, state_pool,
+                                                layout: SeqLayout, heads):
+    """-> (o_normed, new states, all states) in one launch, or None where not covered."""
+    out = run_gdn_normed(y, z, norm_w, eps, a, b, A_log, dt_bias, state_pool, layout, heads, candidates=True)
+    return None if out is None else tuple(out)

@@ -7,7 +7,13 @@ from ..dispatch import kernel_op
 from ..norms.ops import gated_rms_norm
 from ..seqs import SeqLayout
 from . import kernels, normed
-from .reference import gated_delta_candidates_ref, gated_delta_packed_normed_ref, gated_delta_ref, split_qkv
+from .reference import (
+    gated_delta_candidates_ref,
+    gated_delta_packed_candidates_normed_ref,
+    gated_delta_packed_normed_ref,
+    gated_delta_ref,
+    split_qkv,
+)
 
 _POOLS = ("state_pool",)
 
@@ -69,3 +75,15 @@ def gated_delta_packed_normed(y, z, norm_w, eps: float, a, b, A_log, dt_bias, st
     o, states = gated_delta_packed(y, a, b, A_log, dt_bias, state_pool, layout, heads, write_state)
     # per-head norm on [T * Hv, dv] views: 2-D inputs need no reshape inside the norm op
     return gated_rms_norm(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), norm_w, eps).reshape(T, Hv * dv), states
+
+
+@kernel_op("gated_delta_packed_candidates_normed", normed.gated_delta_packed_candidates_normed_kernel,
+           reference=gated_delta_packed_candidates_normed_ref, row="gdn_fused_norm_candidates", pools=_POOLS)
+def gated_delta_packed_candidates_normed(y, z, norm_w, eps: float, a, b, A_log, dt_bias, state_pool,
+                                         layout: SeqLayout, heads: tuple[int, int, int, int]):
+    """`gated_delta_packed_candidates` followed by the gated RMSNorm: one kernel (normed.py) where
+    SELECT["gdn_fused_norm_candidates"] allows it and it covers the batch, else the two ops one after the
+    other. -> (o_normed [T, Hv*dv] in y's dtype, new states, the state after every token [T, Hv, dv, dk])."""
+    T, (_, _, Hv, dv) = y.shape[0], heads
+    o, states, cand = gated_delta_packed_candidates(y, a, b, A_log, dt_bias, state_pool, layout, heads)
+    return gated_rms_norm(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), norm_w, eps).reshape(T, Hv * dv), states, cand

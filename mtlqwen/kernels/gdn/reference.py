@@ -161,3 +161,13 @@ def gated_delta_packed_normed_ref(y, z, norm_w, eps: float, a, b, A_log, dt_bias
     T, (_, _, Hv, dv) = y.shape[0], heads
     o, states = gated_delta_ref(*split_qkv(y, heads), a, b, A_log, dt_bias, state_pool, layout)
     return gated_rms_norm_ref(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), norm_w, eps).reshape(T, Hv * dv), states
+
+
+def gated_delta_packed_candidates_normed_ref(y, z, norm_w, eps: float, a, b, A_log, dt_bias, state_pool,
+                                             layout: SeqLayout, heads: tuple[int, int, int, int]):
+    """A verification's GDN layer: `gated_delta_candidates_ref` on y's q | k | v channels, its output through
+    `gated_rms_norm_ref` per value head. -> (o_normed [T, Hv*dv] in y's dtype, new states [B, Hv, dv, dk],
+    all states [T, Hv, dv, dk] fp32)."""
+    T, (_, _, Hv, dv) = y.shape[0], heads
+    o, states, cand = gated_delta_candidates_ref(*split_qkv(y, heads), a, b, A_log, dt_bias, state_pool, layout)
+    return gated_rms_norm_ref(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), norm_w, eps).reshape(T, Hv * dv), states, cand
