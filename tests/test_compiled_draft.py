@@ -154,3 +154,24 @@ def test_default_compiles_with_a_drafter_where_the_kernels_run(model, drafter, m
     assert eng.spec.policy.costs is H200_9B_COMPILED_COSTS
     eng = Engine(model, compile_decode=False, **kw)
     assert eng.compiled is None and eng.spec.compiled_draft is None and eng.spec.policy.costs is H200_9B_COSTS
+
+
+def test_context_write_padding_is_built_on_the_host_where_the_layout_holds_the_values():
+    """padded_array: a layout's own positions / write slots padded on the host (one array of the exact
+    values); a provided device array (a pipelined step's) extended by the fill; no padding: the layout's
+    shared array itself."""
+    from mtlqwen.model.compiled_draft import padded_array  # noqa: PLC0415
+
+    lay = SeqLayout([0, 3, 5], [9, 2], [[4, 5], [6]], [0, 1], BT)
+    assert lay.host_values("positions") == [9, 10, 11, 2, 3]
+    assert lay.host_values("write_blocks") == [5, 5, 5, 6, 6] and lay.host_values("write_offsets") == [1, 2, 3, 2, 3]
+    assert padded_array(lay, "positions", 0, 0) is lay.array("positions")
+    assert padded_array(lay, "write_blocks", SCRATCH, 3).tolist() == [5, 5, 5, 6, 6, SCRATCH, SCRATCH, SCRATCH]
+    assert padded_array(lay, "write_offsets", 0, 2).tolist() == [1, 2, 3, 2, 3, 0, 0]
+    lay.provide("positions", mx.array([7, 8, 9, 1, 2], dtype=mx.int32))  # device-derived: the lists are bounds
+    assert lay.host_values("positions") is None and lay.host_values("write_blocks") is not None
+    assert padded_array(lay, "positions", 0, 3).tolist() == [7, 8, 9, 1, 2, 0, 0, 0]
+    traced = SeqLayout.for_trace([0, 1], {"block_tables": mx.zeros((1, 2), dtype=mx.int32)}, BT)
+    assert traced.host_values("write_offsets") is None
+    with pytest.raises(KeyError):
+        lay.host_values("kv_valid")

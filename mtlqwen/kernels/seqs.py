@@ -23,6 +23,7 @@ class SeqLayout:
     state_rows: list[int]  # [B] rows of the GDN state pools (the sequence slots)
     block_tokens: int = 128
     _arrays: dict = field(default_factory=dict, repr=False)  # array() copies and derived() objects, by name
+    _provided: set = field(default_factory=set, repr=False)  # array names given by provide(), not the lists
     # [B] or None: True for a speculative verification (anchor + drafts). The model then keeps the GDN
     # state after each of its tokens (or its inputs, to replay), to commit the state after the last
     # accepted draft (Qwen35Model's verify_commit).
@@ -55,6 +56,18 @@ class SeqLayout:
         if name not in _ARRAY_NAMES:
             raise KeyError(f"{name!r} is not a layout array ({', '.join(_ARRAY_NAMES)})")
         self._arrays[name] = a
+        self._provided.add(name)
+
+    def host_values(self, name: str) -> list[int] | None:
+        """The host values `array(name)` holds for positions / write_blocks / write_offsets, or None when a
+        device array was provided for it (a pipelined step's) or inside a trace."""
+        if self.traced or name in self._provided:
+            return None
+        if name == "positions":
+            return list(self.positions())
+        if name in ("write_blocks", "write_offsets"):
+            return list(self.slot_mapping()[name == "write_offsets"])
+        raise KeyError(f"{name!r}: host values are kept for positions, write_blocks and write_offsets")
 
     def derived(self, key: str, build):
         """An object derived from this layout, built once by build() and shared by every layer that asks."""

@@ -29,6 +29,18 @@ from .dflash import Drafter, DrafterCache
 CONTEXT_MIN_ROWS = 16
 
 
+def padded_array(layout: SeqLayout, name: str, fill: int, pad: int) -> mx.array:
+    """layout.array(name) [T] int32 followed by `pad` copies of `fill`: built on the host where the layout
+    holds the values (one array, where a fill and a concatenation would be two launches and two graph nodes),
+    else appended to the provided device array (a pipelined step's)."""
+    if not pad:
+        return layout.array(name)
+    host = layout.host_values(name)
+    if host is not None:
+        return mx.array(host + [fill] * pad, dtype=mx.int32)
+    return mx.concatenate([layout.array(name), mx.full((pad,), fill, dtype=mx.int32)])
+
+
 class CompiledDraft:
     """`Drafter.propose` / `propose_with_logits` and `Drafter.write_context`, compiled per shape class.
     scratch_block: a block id of the drafter cache that nothing reads (the engine's padding bundle), where
@@ -104,10 +116,9 @@ class CompiledDraft:
         if rows is not None or pad:
             idx = (list(range(T)) if rows is None else list(rows)) + [0] * pad
             tap_feat = tap_feat[mx.array(idx, dtype=mx.int32)]
-        # the layout's arrays (a pipelined step provides device-derived ones), padding rows into the scratch
+        # the layout's arrays, padding rows into the scratch
         fill = [(0, "positions"), (self.scratch_block, "write_blocks"), (0, "write_offsets")]
-        inputs = [tap_feat] + [mx.concatenate([layout.array(name), mx.full((pad,), v, dtype=mx.int32)]) if pad
-                               else layout.array(name) for v, name in fill]
+        inputs = [tap_feat] + [padded_array(layout, name, v, pad) for v, name in fill]
         key = (T + pad, d.rope.size, layout.block_tokens)
         fn, new = lookup_trace(self._context, key, lambda: mx.compile(self._context_fn(T + pad, layout.block_tokens)),
                                self.max_traces)
