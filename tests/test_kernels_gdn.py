@@ -302,18 +302,34 @@ def norm_inputs(seed: int, T: int, Hv: int, dv: int, dtype, wdt=mx.float32):
     return z, w, float(rng.choice([1e-6, 1e-5]))
 
 
+def normed_case(seed: int, lens, geom):
+    """An fp32 case for the normed ops: (args, layout, the packed conv output y, heads, z, norm w, eps, the
+    ops' other inputs by name)."""
+    args, layout = make_case(seed, lens, *geom)
+    y, heads = packed_case(args)
+    z, w, eps = norm_inputs(seed, y.shape[0], heads[2], heads[3], mx.float32)
+    return args, layout, y, heads, z, w, eps, {n: args[n] for n in ("a", "b", "A_log", "dt_bias", "state_pool")}
+
+
+def normed_want(args, layout, z, w, eps: float, Hv: int, dv: int):
+    """float64 (from naive_gdn): the normed output [T, Hv*dv] of o rounded to fp32 as the op returns it, the
+    final states and every token's state."""
+    no, nstates, nall = naive_gdn(args, layout)
+    T = no.shape[0]
+    o = np.array(mx.array(no.astype(np.float32))).astype(np.float64).reshape(T * Hv, dv)  # fp32, like the op
+    zf = np.array(z, dtype=np.float64).reshape(T * Hv, dv)
+    want = o / np.sqrt((o**2).mean(-1, keepdims=True) + eps) * np.array(w, dtype=np.float64) * zf / (1 + np.exp(-zf))
+    return want.reshape(T, Hv * dv), nstates, nall
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31), lens=st.lists(st.integers(1, 9), min_size=1, max_size=3),
        geom=st.sampled_from(GEOMS[:4]), fused=st.booleans(), inplace=st.booleans())
 def test_packed_normed_reference(seed, lens, geom, fused, inplace):
     """The fused op's reference against float64 (delta rule, then o rounded as the op returns it, then the
     gated RMSNorm), and the op itself on the CPU, with its switches on or off: exactly the reference."""
-    args, layout = make_case(seed, lens, *geom)
-    y, heads = packed_case(args)
-    _, _, Hv, dv = heads
-    T = y.shape[0]
-    z, w, eps = norm_inputs(seed, T, Hv, dv, mx.float32)
-    rest = {n: args[n] for n in ("a", "b", "A_log", "dt_bias", "state_pool")}
+    args, layout, y, heads, z, w, eps, rest = normed_case(seed, lens, geom)
+    T, Hv, dv = y.shape[0], heads[2], heads[3]
     with mx.stream(mx.cpu):
         ref = gated_delta_packed_normed_ref(y, z, w, eps, **rest, layout=layout, heads=heads)
         with pytest.MonkeyPatch.context() as mp:
@@ -322,12 +338,9 @@ def test_packed_normed_reference(seed, lens, geom, fused, inplace):
             got = gated_delta_packed_normed(y, z, w, eps, **rest, layout=layout, heads=heads, write_state=True)
     assert got[1] is not None  # the CPU never writes the pool itself
     assert all(mx.array_equal(g, r).item() for g, r in zip(got, ref))
-    no, nstates, _ = naive_gdn(args, layout)
-    o = np.array(mx.array(no.astype(np.float32))).astype(np.float64).reshape(T * Hv, dv)  # fp32, like the op
-    zf = np.array(z, dtype=np.float64).reshape(T * Hv, dv)
-    want = o / np.sqrt((o**2).mean(-1, keepdims=True) + eps) * np.array(w, dtype=np.float64) * zf / (1 + np.exp(-zf))
+    want, nstates, _ = normed_want(args, layout, z, w, eps, Hv, dv)
     assert ref[0].shape == (T, Hv * dv)
-    assert rel(ref[0], want.reshape(T, Hv * dv)) < 1e-4 and rel(ref[1], nstates) < 1e-4
+    assert rel(ref[0], want) < 1e-4 and rel(ref[1], nstates) < 1e-4
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -337,12 +350,8 @@ def test_packed_candidates_normed_reference(seed, lens, geom, fused):
     """A verification's fused op: its reference against float64 (the normed output as the unfused ops return
     it, the final and every token's state), and the op on the CPU with its switch on or off: exactly the
     candidates op followed by the gated norm (what the model ran before the fusion)."""
-    args, layout = make_case(seed, lens, *geom)
-    y, heads = packed_case(args)
-    _, _, Hv, dv = heads
-    T = y.shape[0]
-    z, w, eps = norm_inputs(seed, T, Hv, dv, mx.float32)
-    rest = {n: args[n] for n in ("a", "b", "A_log", "dt_bias", "state_pool")}
+    args, layout, y, heads, z, w, eps, rest = normed_case(seed, lens, geom)
+    T, Hv, dv = y.shape[0], heads[2], heads[3]
     with mx.stream(mx.cpu):
         ref = gated_delta_packed_candidates_normed_ref(y, z, w, eps, **rest, layout=layout, heads=heads)
         with pytest.MonkeyPatch.context() as mp:
@@ -353,46 +362,10 @@ def test_packed_candidates_normed_reference(seed, lens, geom, fused):
         unfused = gated_rms_norm_ref(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), w, eps).reshape(T, Hv * dv)
     assert all(mx.array_equal(g, r).item() for g, r in zip(got, ref))
     assert mx.array_equal(ref[0], unfused).item() and mx.array_equal(ref[2], cand).item()
-    no, nstates, nall = naive_gdn(args, layout)
-    of = np.array(mx.array(no.astype(np.float32))).astype(np.float64).reshape(T * Hv, dv)
-    zf = np.array(z, dtype=np.float64).reshape(T * Hv, dv)
-    want = of / np.sqrt((of**2).mean(-1, keepdims=True) + eps) * np.array(w, dtype=np.float64) * zf / (1 + np.exp(-zf))
+    want, nstates, nall = normed_want(args, layout, z, w, eps, Hv, dv)
     assert ref[0].shape == (T, Hv * dv) and ref[2].shape == (T, Hv, dv, heads[1])
-    assert rel(ref[0], want.reshape(T, Hv * dv)) < 1e-4
+    assert rel(ref[0], want) < 1e-4
     assert rel(ref[1], nstates) < 1e-4 and rel(ref[2], nall) < 1e-4
-
-
-@pytest.mark.gpu
-@needs_gpu
-@settings(max_examples=n_examples(18), **GPU_SETTINGS)
-@given(seed=st.integers(0, 2**31), lens=st.lists(st.integers(1, 16), min_size=1, max_size=8),
-       geom=st.sampled_from(GEOMS), dtype=st.sampled_from([mx.float32, mx.bfloat16]),
-       wdt=st.sampled_from([mx.float32, mx.bfloat16]))
-@example(seed=5, lens=[8], geom=(1, 2, 128, 128), dtype=mx.bfloat16, wdt=mx.float32)  # one sequence x 7 drafts
-def test_gdn_fused_norm_candidates_kernel(seed, lens, geom, dtype, wdt):
-    """The gate for SELECT["gdn_fused_norm_candidates"]: a verification's recurrence with the gated RMSNorm
-    fused in and every token's state stored (all outputs poisoned first) == the reference; the pool is only
-    read."""
-    from mtlqwen.kernels.gdn.normed import run_gdn_normed  # noqa: PLC0415
-
-    args, layout = make_case(seed, lens, *geom, dtype=dtype)
-    y, heads = packed_case(args)
-    _, _, Hv, dv = heads
-    T = y.shape[0]
-    z, w, eps = norm_inputs(seed, T, Hv, dv, dtype, wdt)
-    before = np.array(args["state_pool"])
-    rest = {n: args[n] for n in ("a", "b", "A_log", "dt_bias")}
-    ref = on_cpu(gated_delta_packed_candidates_normed_ref, y, z, w, eps, **rest, state_pool=mx.array(before),
-                 layout=layout, heads=heads)
-    out = run_gdn_normed(y, z, w, eps, **rest, state_pool=args["state_pool"], layout=layout, heads=heads,
-                         candidates=True, init_value=float("nan"))
-    assert out is not None
-    mx.eval(out)
-    assert out[0].shape == (T, Hv * dv) and out[0].dtype == dtype
-    assert rel(out[0], ref[0]) < TOL[dtype]
-    stol = 1e-4 if dtype == mx.float32 else 1e-3
-    assert rel(out[1], ref[1]) < stol and rel(out[2], ref[2]) < stol
-    assert np.array_equal(np.array(args["state_pool"]), before)
 
 
 @pytest.mark.gpu
@@ -401,13 +374,15 @@ def test_gdn_fused_norm_candidates_kernel(seed, lens, geom, dtype, wdt):
 @given(seed=st.integers(0, 2**31), lens=st.lists(st.one_of(st.integers(1, 4), st.integers(5, 64)), min_size=1,
                                                   max_size=4),
        geom=st.sampled_from(GEOMS), dtype=st.sampled_from([mx.float32, mx.bfloat16]),
-       wdt=st.sampled_from([mx.float32, mx.bfloat16]), inplace=st.booleans())
-@example(seed=3, lens=[1, 1, 1], geom=(1, 2, 128, 128), dtype=mx.bfloat16, wdt=mx.float32, inplace=True)  # decode
-def test_gdn_fused_norm_kernel(seed, lens, geom, dtype, wdt, inplace):
-    """The gate for SELECT["gdn_fused_norm"]: the recurrence with the gated RMSNorm fused in (one
-    threadgroup per sequence and value head), reading q, k, v where they lie in the conv output. The
-    normed output (poisoned first) == the reference; its states are returned, or with inplace written into
-    the sequences' pool rows with every other row untouched."""
+       wdt=st.sampled_from([mx.float32, mx.bfloat16]), mode=st.sampled_from(["states", "inplace", "candidates"]))
+@example(seed=3, lens=[1, 1, 1], geom=(1, 2, 128, 128), dtype=mx.bfloat16, wdt=mx.float32, mode="inplace")  # decode
+@example(seed=5, lens=[8], geom=(1, 2, 128, 128), dtype=mx.bfloat16, wdt=mx.float32, mode="candidates")  # 1 x 7 drafts
+def test_gdn_fused_norm_kernel(seed, lens, geom, dtype, wdt, mode):
+    """The gate for SELECT["gdn_fused_norm"] (and, mode "candidates", "gdn_fused_norm_candidates"): the
+    recurrence with the gated RMSNorm fused in (one threadgroup per sequence and value head), reading q, k, v
+    where they lie in the conv output. The normed output (poisoned first) == the reference; its states are
+    returned ("states"), or written into the sequences' pool rows with every other row untouched ("inplace"),
+    or returned with every token's state and the pool only read ("candidates": a verification's)."""
     from mtlqwen.kernels.gdn.normed import run_gdn_normed  # noqa: PLC0415
 
     args, layout = make_case(seed, lens, *geom, dtype=dtype)
@@ -417,17 +392,21 @@ def test_gdn_fused_norm_kernel(seed, lens, geom, dtype, wdt, inplace):
     z, w, eps = norm_inputs(seed, T, Hv, dv, dtype, wdt)
     before = np.array(args["state_pool"])
     rest = {n: args[n] for n in ("a", "b", "A_log", "dt_bias")}
-    ref = on_cpu(gated_delta_packed_normed_ref, y, z, w, eps, **rest, state_pool=mx.array(before), layout=layout,
-                 heads=heads)
+    cand = mode == "candidates"
+    ref = on_cpu(gated_delta_packed_candidates_normed_ref if cand else gated_delta_packed_normed_ref, y, z, w, eps,
+                 **rest, state_pool=mx.array(before), layout=layout, heads=heads)
     out = run_gdn_normed(y, z, w, eps, **rest, state_pool=args["state_pool"], layout=layout, heads=heads,
-                         inplace=inplace, init_value=float("nan"))
+                         inplace=mode == "inplace", candidates=cand, init_value=float("nan"))
     assert out is not None
     mx.eval(out)
     assert out[0].shape == (T, Hv * dv) and out[0].dtype == dtype
     assert rel(out[0], ref[0]) < TOL[dtype]
     stol = 1e-4 if dtype == mx.float32 else 1e-3
-    if not inplace:
+    if mode != "inplace":
         assert out[1].dtype == mx.float32 and rel(out[1], ref[1]) < stol
+        if cand:
+            assert out[2].shape == (T, Hv, dv, heads[1]) and rel(out[2], ref[2]) < stol
+            assert np.array_equal(np.array(args["state_pool"]), before)
         return
     after = np.array(args["state_pool"])
     rows = layout.state_rows

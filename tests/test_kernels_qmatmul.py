@@ -353,20 +353,27 @@ def test_qmv_residual_norm_matches_reference(m, kg, n, bits, gs, dtype, seed, la
     per projection in one graph, each against the fp32 reference from the previous launch's outputs; the
     counters are back at zero after the graph ran (the last threadgroup resets them). chunk 1 / 8: the two-pass
     epilogue, 1 or 8 columns a pass (8: the default where it divides a thread's columns)."""
-    qm = _poisoned(npair)
+    _poisoned(npair)
     selection.SELECT["qmv_residual_chunk"] = chunk  # put back by _restore_selection
     from mtlqwen.kernels.qmatmul import residual as qmv_residual  # noqa: PLC0415  (GPU module)
     dt = DTYPES[dtype]
-    rng = np.random.default_rng(seed)
-    k = kg * gs
-    N = 2 * n + 1  # odd: the last threadgroup has a row tail
+    _check_residual_chain(lambda x, p, hh, w: qmv_residual.qmv_add_rms(x, p, hh, w, 1e-6, pf=pf),
+                          np.random.default_rng(seed), m, kg * gs, 2 * n + 1, bits, gs, dt, layers)
+
+
+def _check_residual_chain(launch, rng, m: int, k: int, N: int, bits: int, gs: int, dt, layers: int):
+    """`layers` dependent residual-epilogue launches (launch(x, p, h, w) -> (h', y)) on one counter per
+    projection in one graph, each against the fp32 reference from the previous launch's outputs; the
+    counters back at zero after the graph ran. N odd: the last threadgroup has a row tail."""
+    from mtlqwen.kernels.qmatmul import residual as qmv_residual  # noqa: PLC0415  (GPU module)
+
     ps = [make_params(rng, N, k, bits, gs, dt) for _ in range(layers)]
     w = mx.array(1.0 + 0.1 * rng.standard_normal(N).astype(np.float32)).astype(dt)
     h = mx.array(rng.standard_normal((m, N)).astype(np.float32)).astype(dt)
     xs = [mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dt) for _ in range(layers)]
     outs, hh = [], h
     for x, p in zip(xs, ps):  # the normed output is not fed on (its K differs); the residual is
-        hh, y = qmv_residual.qmv_add_rms(x, p, hh, w, 1e-6, pf=pf)
+        hh, y = launch(x, p, hh, w)
         outs += [hh, y]
     mx.eval(outs)
     hh = h
@@ -395,28 +402,8 @@ def test_qmv_mma_residual_norm_matches_reference(m, kg, n, gs, dtype, seed, laye
         pytest.skip("the mma variant is CUDA-only")
     selection.SELECT["qmv_residual_chunk"] = chunk  # put back by _restore_selection
     from mtlqwen.kernels.qmatmul import residual as qmv_residual  # noqa: PLC0415  (GPU module)
-    dt = DTYPES[dtype]
-    rng = np.random.default_rng(seed)
-    k = kg * gs
-    N = 2 * n + 1
-    ps = [make_params(rng, N, k, 4, gs, dt) for _ in range(layers)]
-    w = mx.array(1.0 + 0.1 * rng.standard_normal(N).astype(np.float32)).astype(dt)
-    h = mx.array(rng.standard_normal((m, N)).astype(np.float32)).astype(dt)
-    xs = [mx.array(rng.standard_normal((m, k)).astype(np.float32)).astype(dt) for _ in range(layers)]
-    outs, hh = [], h
-    for x, p in zip(xs, ps):
-        hh, y = qmv_residual.qmv_mma_add_rms(x, p, hh, w, 1e-6, cfg=cfg)
-        outs += [hh, y]
-    mx.eval(outs)
-    hh = h
-    for i, (x, p) in enumerate(zip(xs, ps)):
-        want_h, want_y = _add_norm32(hh, ref32(x, p), w, 1e-6)
-        assert outs[2 * i].shape == (m, N) and outs[2 * i].dtype == dt
-        assert rel_err(outs[2 * i], want_h) < TOL[dt]
-        assert rel_err(outs[2 * i + 1], want_y) < TOL[dt]
-        hh = outs[2 * i]
-    for p in ps:
-        assert int(qmv_residual.arrival_counter(p)[0].item()) == 0
+    _check_residual_chain(lambda x, p, hh, w: qmv_residual.qmv_mma_add_rms(x, p, hh, w, 1e-6, cfg=cfg),
+                          np.random.default_rng(seed), m, kg * gs, 2 * n + 1, 4, gs, DTYPES[dtype], layers)
 
 
 @pytest.mark.gpu

@@ -212,7 +212,7 @@ SELECT: dict[str, int] = {
     # The same fusion for a verification's GDN layer, which also stores the state after every token
     # (gdn/normed.py NORMED_CAND): 24 launches fewer in a 9B speculative step of the candidates commit. Its
     # portable body runs on the Metal emulator against its reference; the H200 test
-    # (test_gdn_fused_norm_candidates_kernel) and a timing have not run yet, so it is off.
+    # (test_kernels_gdn.py::test_gdn_fused_norm_kernel, mode "candidates") and a timing have not run yet: off.
     "gdn_fused_norm_candidates": 0,
     # CUDA, 9+ rows, 4/8-bit, bf16/fp16 x: the tensor-core quantized GEMM (qmatmul/qgemm.py) up to this many rows
     # (0 = never); past it, and on Metal, the paths above (MLX's quantized_matmul / dequantize + GEMM). At
