@@ -23,6 +23,7 @@ from ..kernels import (
     head_norm_rope,
     linear,
     rms_norm,
+    swiglu_linear,
     write_kv,
     write_kv_inplace,
 )
@@ -328,8 +329,8 @@ class Drafter:
             cache.k_pools[i], cache.v_pools[i] = mx.depends([cache.k_pools[i], cache.v_pools[i]], [a])
             x = x + linear(a.reshape(T, nH * hd), L.o_proj)
             h = rms_norm(x, L.post_norm, self.eps)
-            g = linear(h, L.gate_proj)
-            x = x + linear(g * mx.sigmoid(g) * linear(h, L.up_proj), L.down_proj)  # SwiGLU
+            # SwiGLU: one launch with its epilogue for a quantized drafter; bf16 runs the two GEMMs and the product
+            x = x + linear(swiglu_linear(h, L.gate_proj, L.up_proj), L.down_proj)
         # slot 0 (the anchor) only conditions the block; slot j predicts the token AT position P + j (§1.7)
         return rms_norm(x.reshape(S, T // S, -1)[:, 1:], self.final_norm, self.eps)
 
