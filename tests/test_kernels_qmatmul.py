@@ -148,6 +148,11 @@ def test_tensor_core_qmv_blocking_and_the_wide_8_row_rule(monkeypatch):
     ps = [make_params(rng, n, 64, 4, 64, mx.bfloat16) for n in (33, 32, 16)]
     # 32-row threadgroups (2 tiles): 2 + 1 + 1; SwiGLU tiles are 8 output rows: 16 a threadgroup over 33
     assert gemv.mma_blocks(ps, 0, 2) == 4 and gemv.mma_blocks(ps[:2], 1, 2) == 3 and gemv.mma_blocks(ps, 0, 1) == 6
+    x = mx.zeros((8, 64), dtype=mx.bfloat16)
+    assert ("RT", 8) in gemv.mma_template(x, ps[0], 1, 0, (8, 1, 1))
+    for bad in ((9, 2, 0), (0, 2, 0), (2, 0, 0), (2, 2, 2)):  # tiles past the 8 SIMD groups would go unwritten
+        with pytest.raises(ValueError, match="blocking"):
+            gemv.mma_template(x, ps[0], 1, 0, bad)
 
     calls = []
     monkeypatch.setattr(gemv, "qmv", lambda x, ps, *a, **k: calls.append("qmv") or [mx.zeros((x.shape[0], ps[0].out_features))])

@@ -13,6 +13,7 @@ from .gdn import (
     gated_delta_packed_candidates,
     gated_delta_packed_candidates_normed,
     gated_delta_packed_normed,
+    gated_head_norm,
     split_qkv,
 )
 from .moe import moe_combine, moe_experts, moe_experts_add_rms_norm, moe_route, moe_router_route
@@ -24,7 +25,7 @@ from .seqs import SeqLayout
 __all__ = [
     "attention_prep", "LinearParams", "RopeTables", "SeqLayout", "add_rms_norm", "apply_rope", "causal_conv1d", "drafter_attention",
     "force_reference", "gated_delta", "gated_delta_candidates", "gated_delta_packed", "gated_delta_packed_candidates",
-    "gated_delta_packed_candidates_normed", "gated_delta_packed_normed",
+    "gated_delta_packed_candidates_normed", "gated_delta_packed_normed", "gated_head_norm",
     "gated_rms_norm", "gather_linear", "gdn_in_proj_conv", "gpu_backend", "head_norm_rope", "linear", "linear_add_rms_norm",
     "linear_multi", "moe_combine", "moe_experts", "moe_experts_add_rms_norm", "moe_route", "moe_router_route", "paged_attention", "paged_attention_gated", "rms_norm", "split_qkv", "swiglu_linear",
     "use_kernels", "write_kv", "write_kv_inplace",

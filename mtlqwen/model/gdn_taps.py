@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..kernels import SeqLayout, causal_conv1d, gated_delta_packed, gated_rms_norm
+from ..kernels import SeqLayout, causal_conv1d, gated_delta_packed, gated_head_norm
 
 
 def has_taps(layout: SeqLayout) -> bool:
@@ -31,7 +31,6 @@ def tapped_gdn(mixer, mixed: mx.array, z: mx.array, a: mx.array, b: mx.array, la
     """GDNMixer's conv + delta rule + gated norm of a batch with taps -> out_proj's input [T, value_dim]; the
     pools get every sequence's state after its last token, cache.gdn_taps the states at the taps."""
     c, idx = mixer.c, mixer.idx
-    T, Hv, dv = mixed.shape[0], c.linear_num_value_heads, c.linear_value_head_dim
     conv_pool, rec_pool = cache.conv_states[idx], cache.rec_states[idx]
     slots = layout.array("state_rows")
     old_conv = conv_pool[slots]  # [B, K-1, C]: read before this step's write below
@@ -44,8 +43,7 @@ def tapped_gdn(mixer, mixed: mx.array, z: mx.array, a: mx.array, b: mx.array, la
             own = mixed[qsl[i] + max(0, t - K1) : qsl[i] + t].astype(old_conv.dtype)
             src = own if t >= K1 else mx.concatenate([old_conv[i], own])[-K1:]  # a graph node costs host time
             _tap(cache, layout, i, t, "conv", idx, src[None])
-    return gated_rms_norm(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), mixer.norm_w,
-                          c.rms_norm_eps).reshape(T, c.value_dim)
+    return gated_head_norm(o, z, mixer.norm_w, c.rms_norm_eps, mixer.heads)
 
 
 def _tap(cache, layout: SeqLayout, i: int, t: int, kind: str, idx: int, state: mx.array) -> None:

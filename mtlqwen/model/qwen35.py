@@ -23,7 +23,7 @@ from ..kernels import (
     gated_delta_packed_candidates,
     gated_delta_packed_candidates_normed,
     gated_delta_packed_normed,
-    gated_rms_norm,
+    gated_head_norm,
     gdn_in_proj_conv,
     linear,
     linear_add_rms_norm,
@@ -177,12 +177,10 @@ class GDNMixer:
         [Tv, C]) in `stash` for `Qwen35Model.commit_candidates`, where rec is all states [Tv, Hv, dv, dk]
         ("candidates") or the verify rows' (y, a, b) ("replay"); the commit reads their old conv rows from
         the pool. Every sequence verifying (the steady state): the norm inside the delta rule's launch."""
-        c, T = self.c, mixed.shape[0]
         sp = _VerifySplit.of(layout)
         conv_pool, rec_pool = cache.conv_states[self.idx], cache.rec_states[self.idx]
         y, conv_new = causal_conv1d(mixed, self.conv_w, conv_pool, layout)  # every row's conv output is final
-        heads, eps = self.heads, c.rms_norm_eps
-        Hv, dv = heads[2], heads[3]
+        heads, eps = self.heads, self.c.rms_norm_eps
         stash.layout = sp.verify
         if sp.all:  # y [T, 2*Hk*dk + Hv*dv]: the kernels read q | k | v where they lie; mixed: the raw rows
             if stash.mode == "replay":  # outputs only; the states come from the replay at commit
@@ -206,9 +204,7 @@ class GDNMixer:
         o_p, rec_p = gated_delta_packed(y[pr], a[pr], b[pr], self.A_log, self.dt_bias, rec_pool, sp.plain, heads)
         conv_pool[sp.plain_slots] = conv_new[sp.plain_seqs]
         rec_pool[sp.plain_slots] = rec_p
-        o = mx.concatenate([o_p, o_v])[sp.inverse]  # [T, Hv, dv]
-        # per-head norm on [T * Hv, dv] views, as gated_delta_packed_normed's
-        return gated_rms_norm(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), self.norm_w, eps).reshape(T, c.value_dim)
+        return gated_head_norm(mx.concatenate([o_p, o_v])[sp.inverse], z, self.norm_w, eps, heads)  # o [T, Hv, dv]
 
 
 class AttentionMixer:

@@ -8,6 +8,7 @@ from .ops import (
     gated_delta_packed_candidates,
     gated_delta_packed_candidates_normed,
     gated_delta_packed_normed,
+    gated_head_norm,
 )
 from .reference import (
     gated_delta_candidates_ref,
@@ -22,4 +23,4 @@ from .reference import (
 __all__ = ["gated_delta", "gated_delta_candidates", "gated_delta_candidates_ref", "gated_delta_packed",
            "gated_delta_packed_candidates", "gated_delta_packed_candidates_normed",
            "gated_delta_packed_candidates_normed_ref", "gated_delta_packed_normed", "gated_delta_packed_normed_ref",
-           "gated_delta_ref", "gdn_gates", "l2_normalize", "split_qkv"]
+           "gated_delta_ref", "gated_head_norm", "gdn_gates", "l2_normalize", "split_qkv"]

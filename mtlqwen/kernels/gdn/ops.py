@@ -71,10 +71,15 @@ def gated_delta_packed_normed(y, z, norm_w, eps: float, a, b, A_log, dt_bias, st
     register budget), else the two ops one after the other (each a kernel of its own on the GPU, the
     references on the CPU). Returns (o_normed [T, Hv*dv] in y's dtype, new states) or, when the kernel
     wrote the states into state_pool's rows itself (write_state, GPU), (o_normed, None)."""
-    T, (_, _, Hv, dv) = y.shape[0], heads
     o, states = gated_delta_packed(y, a, b, A_log, dt_bias, state_pool, layout, heads, write_state)
-    # per-head norm on [T * Hv, dv] views: 2-D inputs need no reshape inside the norm op
-    return gated_rms_norm(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), norm_w, eps).reshape(T, Hv * dv), states
+    return gated_head_norm(o, z, norm_w, eps, heads), states
+
+
+def gated_head_norm(o, z, norm_w, eps: float, heads: tuple[int, int, int, int]):
+    """The GDN output's gated RMSNorm per value head: o, z of T * Hv * dv values -> [T, Hv*dv]. On
+    [T * Hv, dv] views: 2-D inputs need no reshape inside the norm op."""
+    T, (_, _, Hv, dv) = o.shape[0], heads
+    return gated_rms_norm(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), norm_w, eps).reshape(T, Hv * dv)
 
 
 @kernel_op("gated_delta_packed_candidates_normed", normed.gated_delta_packed_candidates_normed_kernel,
@@ -84,6 +89,5 @@ def gated_delta_packed_candidates_normed(y, z, norm_w, eps: float, a, b, A_log, 
     """`gated_delta_packed_candidates` followed by the gated RMSNorm: one kernel (normed.py) where
     SELECT["gdn_fused_norm_candidates"] allows it and it covers the batch, else the two ops one after the
     other. -> (o_normed [T, Hv*dv] in y's dtype, new states, the state after every token [T, Hv, dv, dk])."""
-    T, (_, _, Hv, dv) = y.shape[0], heads
     o, states, cand = gated_delta_packed_candidates(y, a, b, A_log, dt_bias, state_pool, layout, heads)
-    return gated_rms_norm(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), norm_w, eps).reshape(T, Hv * dv), states, cand
+    return gated_head_norm(o, z, norm_w, eps, heads), states, cand

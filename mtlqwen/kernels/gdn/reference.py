@@ -158,9 +158,14 @@ def gated_delta_packed_normed_ref(y, z, norm_w, eps: float, a, b, A_log, dt_bias
     """The GDN output with its gated RMSNorm: `gated_delta_ref` on y's q | k | v channels, then
     `gated_rms_norm_ref` per value head. z: T * Hv * dv values (any shape), norm_w [dv].
     -> (o_normed [T, Hv*dv] in y's dtype, new states [B, Hv, dv, dk] fp32)."""
-    T, (_, _, Hv, dv) = y.shape[0], heads
     o, states = gated_delta_ref(*split_qkv(y, heads), a, b, A_log, dt_bias, state_pool, layout)
-    return gated_rms_norm_ref(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), norm_w, eps).reshape(T, Hv * dv), states
+    return _head_norm_ref(o, z, norm_w, eps, heads), states
+
+
+def _head_norm_ref(o, z, norm_w, eps: float, heads: tuple[int, int, int, int]):
+    """`gated_rms_norm_ref` per value head of o [T, Hv, dv] (z: T * Hv * dv values) -> [T, Hv*dv]."""
+    T, (_, _, Hv, dv) = o.shape[0], heads
+    return gated_rms_norm_ref(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), norm_w, eps).reshape(T, Hv * dv)
 
 
 def gated_delta_packed_candidates_normed_ref(y, z, norm_w, eps: float, a, b, A_log, dt_bias, state_pool,
@@ -168,6 +173,5 @@ def gated_delta_packed_candidates_normed_ref(y, z, norm_w, eps: float, a, b, A_l
     """A verification's GDN layer: `gated_delta_candidates_ref` on y's q | k | v channels, its output through
     `gated_rms_norm_ref` per value head. -> (o_normed [T, Hv*dv] in y's dtype, new states [B, Hv, dv, dk],
     all states [T, Hv, dv, dk] fp32)."""
-    T, (_, _, Hv, dv) = y.shape[0], heads
     o, states, cand = gated_delta_candidates_ref(*split_qkv(y, heads), a, b, A_log, dt_bias, state_pool, layout)
-    return gated_rms_norm_ref(o.reshape(T * Hv, dv), z.reshape(T * Hv, dv), norm_w, eps).reshape(T, Hv * dv), states, cand
+    return _head_norm_ref(o, z, norm_w, eps, heads), states, cand

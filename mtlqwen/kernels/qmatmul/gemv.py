@@ -150,7 +150,10 @@ def mma_config(M: int, K: int, N: int, gs: int, epi: int) -> tuple[int, int, int
 
 
 def mma_template(x: mx.array, p0: LinearParams, P: int, epi: int, cfg: tuple[int, int, int]) -> list:
+    """The tensor-core body's template constants (also residual.py's) for blocking cfg = (RT, UG, CG)."""
     rt, ug, cg = cfg
+    if not (1 <= rt <= 8 and ug >= 1 and cg in (0, 1)):  # SIMD group rt writes tile rt: at most NW = 8 tiles
+        raise ValueError(f"tensor-core qmv blocking (RT, UG, CG) = {cfg}: needs 1 <= RT <= 8, UG >= 1, CG 0 or 1")
     return [("T", x.dtype), ("XK", XKIND[x.dtype]), ("GS", p0.group_size), ("UG", ug), ("NW", 8), ("P", P),
             ("EPI", epi), ("RT", rt), ("CG", cg)]
 
