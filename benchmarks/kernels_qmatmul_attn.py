@@ -140,10 +140,10 @@ MMA_SWEEP = [(1, 4, 0), (1, 4, 1), (1, 2, 0), (2, 2, 0), (2, 2, 1), (2, 4, 0), (
              (4, 2, 1)]  # (RT, UG, CG); (1, 4, 0) is the blocking before the row tiles
 
 
-def bench_mma_sweep(rng, rows: list, ms: list[int]) -> None:
-    """The tensor-core qmv's blocking (RT, UG, CG; gemv.mma_config) at decode rows 5..8, on the 9B step's
+def bench_mma_sweep(rng, rows: list, ms: list[int], cfgs: list[tuple[int, int, int]]) -> None:
+    """The tensor-core qmv's blocking (RT, UG, CG; gemv.mma_config) at decode rows, on the 9B step's
     projections as the model calls them (the GDN layer's four in one launch, gate + up under SwiGLU), against
-    MLX's quantized GEMM on the same weights."""
+    the FMA qmv (its table's blocking) and MLX's quantized GEMM on the same weights."""
     gdn = [(8192, 4096), (4096, 4096), (32, 4096), (32, 4096)]
     cases = [("gdn in_proj x4", gdn, 0), ("gate+up swiglu", [(12288, 4096)] * 2, 1), ("down 4096x12288", [(4096, 12288)], 0),
              ("o 4096x4096", [(4096, 4096)], 0), ("lm_head 248320x4096", [(248320, 4096)], 0)]
@@ -158,7 +158,8 @@ def bench_mma_sweep(rng, rows: list, ms: list[int]) -> None:
             mx.eval(xs)
             calls = max(nw, 8)
             cands = {f"RT{c[0]}UG{c[1]}CG{c[2]}": (lambda x, ps, c=c: qm.qmv(x, ps, epi=epi, cfg=c, mma=True))
-                     for c in MMA_SWEEP}
+                     for c in cfgs}
+            cands["fma"] = lambda x, ps: qm.qmv(x, ps, epi=epi, mma=False)
             cands["mlx_qmm"] = lambda x, ps: [mx.quantized_matmul(x, p.weight, p.scales, p.biases, transpose=True,
                                                                   group_size=p.group_size, bits=p.bits) for p in ps]
             for cname, f in cands.items():
@@ -232,6 +233,8 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--only", default="qmm,stacked,fused,attn", help="parts: qmm, stacked, fused, attn, sweep, mma-sweep")
     ap.add_argument("--ms", type=int, nargs="+", default=[8, 5], help="rows of the mma-sweep part")
+    ap.add_argument("--cfgs", nargs="+", default=None,
+                    help="the mma-sweep's blockings as RT,UG,CG (default: the MMA_SWEEP list)")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     rows: list = []
@@ -251,7 +254,7 @@ def main() -> None:
         if "fused" in only:
             bench_fused(rng, rows)
         if "mma-sweep" in only:
-            bench_mma_sweep(rng, rows, a.ms)
+            bench_mma_sweep(rng, rows, a.ms, [tuple(int(v) for v in c.split(',')) for c in a.cfgs] if a.cfgs else MMA_SWEEP)
         if "qmm" in only:
             bench_qmm(rng, a.quick, rows)
     finally:

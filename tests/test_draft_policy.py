@@ -215,7 +215,7 @@ def test_h200_table_drafts_only_when_acceptance_pays():
     assert make_policy("adaptive", None).costs is H200_9B_COSTS
     assert make_policy("adaptive", None, compiled=False).costs is H200_9B_COSTS
     assert make_policy("adaptive", None, compiled=True).costs is H200_9B_COMPILED_COSTS
-    assert H200_9B_COMPILED_COSTS.cost(1, 15) == 12.03 and H200_9B_COMPILED_COSTS.cost(32, 0) == 10.85
+    assert H200_9B_COMPILED_COSTS.cost(1, 15) == 9.84 and H200_9B_COMPILED_COSTS.cost(32, 0) == 10.85
     mine = FixedDrafting()
     assert make_policy(mine, None) is mine
 

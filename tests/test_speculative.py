@@ -75,9 +75,10 @@ def test_commit_candidates_equals_plain_run_exactly(model, verify_commit, k):
     bt, prompt, other = 16, random_token_ids(21, 512, seed=1), random_token_ids(30, 512, seed=2)
     ver = [7, 9, 11, 13, 15]
 
-    def prefilled():
+    def prefilled():  # each step evaluated, as the engine does (design.md, "In-place writes")
         c = model.make_cache(8, 3, bt)
         model.hidden(mx.array(prompt, dtype=mx.int32), SeqLayout([0, 21], [0], [[3, 4]], [1], bt), c)
+        mx.eval(c.arrays())
         return c
 
     c = prefilled()
@@ -88,7 +89,9 @@ def test_commit_candidates_equals_plain_run_exactly(model, verify_commit, k):
                                                   verify_commit=verify_commit)
     assert taps is None and stash.mode == verify_commit and sorted(stash.layers) == list(range(len(model.gdn_mixers)))
     assert stash.layout.query_start_loc == [0, 5] and stash.layout.state_rows == [1]  # the verifying sequence alone
+    mx.eval(logits, c.arrays())
     model.commit_candidates(c, stash, [k])
+    mx.eval(c.arrays())
     ref = prefilled()
     ref_logits = model.forward(mx.array(ver[: k + 1], dtype=mx.int32), SeqLayout([0, k + 1], [21], [[3, 4]], [1], bt), ref)
     alone = model.make_cache(8, 3, bt)
@@ -103,6 +106,44 @@ def test_commit_candidates_equals_plain_run_exactly(model, verify_commit, k):
     assert stash.committed
     with pytest.raises(RuntimeError, match="committed already"):
         model.commit_candidates(c, stash, [k])
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_commit_writes_the_verified_conv_rows(model, verify_commit, mixed):
+    """The commit on any back-end (the CUDA pick kernel writes the pools in place): after k accepted drafts
+    the slot's conv rows are the last K-1 of (its old rows, the verification's raw rows 0..k), exactly (a
+    copy); its recurrent state is the plain run's (exact on the CPU; on a GPU the verification's kernels
+    differ from the decode kernels, within 1e-3). Each step is evaluated, as the engine does."""
+    bt, prompt, other, ver = 16, random_token_ids(21, 512, seed=1), random_token_ids(30, 512, seed=2), [7, 9, 11, 13, 15]
+    exact = mx.default_device() == mx.cpu
+
+    def prefilled():
+        c = model.make_cache(8, 3, bt)
+        model.hidden(mx.array(prompt, dtype=mx.int32), SeqLayout([0, 21], [0], [[3, 4]], [1], bt), c)
+        mx.eval(c.arrays())
+        return c
+
+    for k in range(len(ver)):
+        c = prefilled()
+        old = [np.array(p[1]) for p in c.conv_states]
+        if mixed:
+            lay, toks = SeqLayout([0, 30, 35], [0, 21], [[0, 1], [3, 4]], [2, 1], bt, verify=[False, True]), other + ver
+        else:
+            lay, toks = SeqLayout([0, 5], [21], [[3, 4]], [1], bt, verify=[True]), ver
+        logits, _, stash = model.forward_verifying(mx.array(toks, dtype=mx.int32), lay, c, verify_commit=verify_commit)
+        mx.eval(logits, c.arrays(), [part.raw for part in stash.layers.values()])
+        raw = {i: np.array(part.raw) for i, part in stash.layers.items()}
+        assert all(r.shape == (len(ver), old[i].shape[1]) for i, r in raw.items())
+        model.commit_candidates(c, stash, [k])
+        mx.eval(c.arrays())
+        ref = prefilled()
+        model.forward(mx.array(ver[: k + 1], dtype=mx.int32), SeqLayout([0, k + 1], [21], [[3, 4]], [1], bt), ref)
+        mx.eval(ref.arrays())
+        for i in raw:
+            want = np.concatenate([old[i], raw[i][: k + 1]])[-old[i].shape[0]:]
+            assert np.array_equal(np.array(c.conv_states[i][1]), want), (k, i)
+            got, plain = np.array(c.rec_states[i][1]), np.array(ref.rec_states[i][1])
+            assert np.array_equal(got, plain) if exact else np.abs(got - plain).max() <= 1e-3 * max(1.0, np.abs(plain).max())
 
 
 def test_commit_by_device_counts_equals_host_counts(model):
@@ -355,6 +396,7 @@ def test_compiled_verification_steps(model, drafter, verify_commit):
     engines = []
     for compiled in (False, True):
         eng = Engine(model, slots=2, step_tokens=32, block_tokens=16, num_blocks=12, draft=drafter, n_draft=3,
+                     draft_policy="fixed",  # the GPUs' default is adaptive, with different tables compiled or not
                      prefix_interval=0, verify_commit=verify_commit, compile_decode=compiled)
         eng.spec.propose = Oracle([(p, p + o.token_ids) for p, o in zip(prompts, base)], 0.0)
         outs = eng.generate(prompts, sp)

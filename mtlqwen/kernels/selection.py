@@ -42,8 +42,12 @@ SELECT: dict[str, int] = {
     # kernel; 0 = never. Steady state (one launch): at M=8 mma 1.09 / 1.27 TB/s vs FMA 0.43 / 0.33 and MLX's
     # GEMM 1.11 / 1.05 (4096-K / 12288-K); at M=1 mma 1.24 / 1.36 vs FMA 1.69 / 1.94. Its equivalence test
     # passed on the H200 (benchmarks/kernels_qmatmul_attn.md); with it on, 8 concurrent requests decode at
-    # 1252 tok/s against 578 without (runtime_bench, benchmarks/e2e.md).
-    "qmv_mma_min_rows": 5,
+    # 1252 tok/s against 578 without (runtime_bench, benchmarks/e2e.md). From 2 rows since the row tiles:
+    # per call at 2 / 3 / 4 rows the 9B projections take 15-59 / 16-50 / 16-57 us on it against 17-61 /
+    # 19-78 / 21-86 on the FMA kernel (the LM head 348 / 339 / 352 against 414 / 480 / 592); at 1 row the
+    # FMA kernel wins every shape (224 against 336 for the LM head). In spec_bench's plain step, 2 sequences
+    # 5.34 against 6.14 ms, 4 sequences 5.65 against 9.13 (benchmarks/kernels_qmatmul_attn.md).
+    "qmv_mma_min_rows": 2,
     # The tensor-core variant is CUDA-only (Apple GPUs have no mma.sync; simdgroup_matrix is 8x8). On Metal
     # the rows qmv_mma_min_rows selects it for run: 0 = the FMA qmv kernel (the tensor-core kernel's
     # portable body: the one check_metal verifies), 1 = MLX's Metal quantized_matmul (the op's reference).
@@ -109,7 +113,7 @@ SELECT: dict[str, int] = {
     # (3,720 against 3,180 us). On: slightly faster where the host bounds, and the epilogue's device cost
     # (~8 us a launch over the plain qmv + add_rms_norm) is what to cut next.
     "qmv_residual_norm": 1,
-    # The same epilogue on the tensor-core qmv's rows (qmv_mma_min_rows..8: 5-8 decoders, a verification
+    # The same epilogue on the tensor-core qmv's rows (qmv_mma_min_rows..8: 2-8 decoders, a verification
     # of up to 8 rows), residual.qmv_mma_add_rms: 64 add_rms_norm launches fewer in such a 9B step, but on
     # the H200 44.0 us a launch against 21.7 + 4.3 apart (the last threadgroup normalises 8 rows in turn):
     # +1.4 ms of device time a step at 8 sequences (benchmarks/kernels_qmatmul_attn.md). Off.
@@ -211,8 +215,9 @@ SELECT: dict[str, int] = {
     "gdn_fused_norm": 1,
     # The same fusion for a verification's GDN layer, which also stores the state after every token
     # (gdn/normed.py NORMED_CAND): 24 launches fewer in a 9B speculative step of the candidates commit. Its
-    # portable body runs on the Metal emulator against its reference; the H200 test
-    # (test_kernels_gdn.py::test_gdn_fused_norm_kernel, mode "candidates") and a timing have not run yet: off.
+    # GPU test (test_kernels_gdn.py::test_gdn_fused_norm_kernel, mode "candidates") passed on the H200, but at
+    # 1 x 7 drafts the fused launches took 0.78 ms against 0.54 + 0.17 for the two (spec_trace.py,
+    # benchmarks/spec.md): off.
     "gdn_fused_norm_candidates": 0,
     # CUDA, 9+ rows, 4/8-bit, bf16/fp16 x: the tensor-core quantized GEMM (qmatmul/qgemm.py) up to this many rows
     # (0 = never); past it, and on Metal, the paths above (MLX's quantized_matmul / dequantize + GEMM). At

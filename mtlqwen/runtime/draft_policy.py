@@ -149,10 +149,12 @@ H200_9B_COSTS = StepCosts(
 # The engine's default table when it compiles (benchmarks/spec.md "End to end"; results/spec-costs-buckets.json):
 #   source .device/env.sh && python benchmarks/spec_bench.py --seqs 1 8 32 --n-draft 0 1 3 7 15 --commit auto \
 #     --accept 6 --compile on --no-parts --steps 10 --warmup 2
+# The 1-sequence row re-measured (--seqs 1) once 1-3 drafts' verifications ran on the tensor-core qmv
+# (qmv_mma_min_rows 2; results/spec-costs-1seq-mma-2-rows.json); 8 and 32 sequences verify 16+ rows, unchanged.
 H200_9B_COMPILED_COSTS = StepCosts(
     seqs=(1, 8, 32),
     drafts=(0, 1, 3, 7, 15),
-    ms=((4.84, 12.71, 14.05, 10.01, 12.03),
+    ms=((6.18, 9.10, 9.57, 9.87, 9.84),
         (6.42, 15.54, 16.48, 20.50, 34.75),
         (10.85, 21.35, 40.30, 44.79, 56.75)),
 )
