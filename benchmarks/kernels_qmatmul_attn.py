@@ -169,6 +169,35 @@ def bench_mma_sweep(rng, rows: list, ms: list[int], cfgs: list[tuple[int, int, i
         del sets
 
 
+def bench_residual_sweep(rng, rows: list, ms: list[int]) -> None:
+    """The residual projections (o, down) with the residual add + next RMSNorm, at decode rows: each GEMV
+    with its epilogue (residual.py) against each GEMV followed by the add_rms_norm kernel. Every call of a
+    chain has its own weights, so no two launches share an epilogue's arrival counter."""
+    from mtlqwen.kernels.norms.kernels import add_rms_norm_kernel  # noqa: PLC0415
+    from mtlqwen.kernels.qmatmul import residual  # noqa: PLC0415
+
+    for name, (n, k) in (("o 4096x4096", (4096, 4096)), ("down 4096x12288", (4096, 12288))):
+        p0 = quantized(rng, n, k)
+        nw = max(8, min(48, math.ceil(WORKING_SET / nbytes(p0))))
+        ps = [p0] + [quantized(rng, n, k) for _ in range(nw - 1)]
+        w = (1 + 0.1 * mx.random.normal((n,))).astype(mx.bfloat16)
+        for m in ms:
+            xs = [mx.random.normal((m, k)).astype(mx.bfloat16) for _ in range(4)]
+            hs = [mx.random.normal((m, n)).astype(mx.bfloat16) for _ in range(4)]
+            mx.eval(xs, hs, w)
+            cands = {
+                "fma+epilogue": lambda x, p, h: residual.qmv_add_rms(x, p, h, w, 1e-6),
+                "mma+epilogue": lambda x, p, h: residual.qmv_mma_add_rms(x, p, h, w, 1e-6),
+                "fma, add_rms_norm": lambda x, p, h: add_rms_norm_kernel(h, qm.qmv(x, [p], mma=False)[0], w, 1e-6),
+                "mma, add_rms_norm": lambda x, p, h: add_rms_norm_kernel(h, qm.qmv(x, [p], mma=True)[0], w, 1e-6),
+            }
+            for cname, f in cands.items():
+                t = timed(lambda: ([y for i in range(nw) for y in f(xs[i % 4], ps[i], hs[i % 4])], nw), 5)
+                rows.append(dict(kind="residual_sweep", shape=name, M=m, cand=cname, us=t * 1e6))
+                print(f"residual {name:16s} M={m} {cname:18s} {t * 1e6:8.1f} us", flush=True)
+        del ps
+
+
 def bench_fused(rng, rows: list) -> None:
     """GDN input projections (qkv 8192, z 4096, a 32, b 32) and the MLP gate/up at M=1: fused vs separate."""
     k = 4096
@@ -231,8 +260,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
-    ap.add_argument("--only", default="qmm,stacked,fused,attn", help="parts: qmm, stacked, fused, attn, sweep, mma-sweep")
-    ap.add_argument("--ms", type=int, nargs="+", default=[8, 5], help="rows of the mma-sweep part")
+    ap.add_argument("--only", default="qmm,stacked,fused,attn", help="parts: qmm, stacked, fused, attn, sweep, mma-sweep, residual-sweep")
+    ap.add_argument("--ms", type=int, nargs="+", default=[8, 5], help="rows of the mma-sweep and residual-sweep parts")
     ap.add_argument("--cfgs", nargs="+", default=None,
                     help="the mma-sweep's blockings as RT,UG,CG (default: the MMA_SWEEP list)")
     a = ap.parse_args()
@@ -255,6 +284,8 @@ def main() -> None:
             bench_fused(rng, rows)
         if "mma-sweep" in only:
             bench_mma_sweep(rng, rows, a.ms, [tuple(int(v) for v in c.split(',')) for c in a.cfgs] if a.cfgs else MMA_SWEEP)
+        if "residual-sweep" in only:
+            bench_residual_sweep(rng, rows, a.ms)
         if "qmm" in only:
             bench_qmm(rng, a.quick, rows)
     finally:
