@@ -92,7 +92,7 @@ def test_the_models_commit_through_the_kernel_equals_its_mlx_ops(model, monkeypa
     written through their buffers, the handles following the token) leaves the same pools, bit for bit, as
     its MLX ops: two verifications of 3 and 5 tokens after prompts of 13 and 20, accepted counts by device array."""
     from mtlqwen.kernels import SeqLayout, metal_emulator  # noqa: PLC0415
-    from mtlqwen.model import qwen35  # noqa: PLC0415
+    from mtlqwen.model import verify  # noqa: PLC0415
 
     from hf_checkpoints import random_token_ids  # noqa: PLC0415
 
@@ -113,7 +113,7 @@ def test_the_models_commit_through_the_kernel_equals_its_mlx_ops(model, monkeypa
         model.commit_candidates(want, ws, mx.array(k, dtype=mx.int32))
         got, gs = verified()
         with metal_emulator.emulating() as ln, monkeypatch.context() as m:
-            m.setattr(qwen35, "pick_inplace", lambda *a: pick_inplace(*a, backend="metal"))
+            m.setattr(verify, "pick_inplace", lambda *a: pick_inplace(*a, backend="metal"))
             model.commit_candidates(got, gs, mx.array(k, dtype=mx.int32))
             mx.eval(got.arrays())
             launches += ln

@@ -7,7 +7,6 @@ Chunked prefill, decode and multi-token verification are all this one call.
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import mlx.core as mx
@@ -36,17 +35,12 @@ from ..kernels import (
     swiglu_linear,
     write_kv,
 )
-from ..kernels.gdn.commit import pick_inplace
 from ..kernels.selection import SELECT
 from .cache import GDNStash, ModelCache, VerifyStash
 from .config import Qwen35Config
 from .gdn_taps import has_taps, tapped_gdn
 from .sharding import Shard, embed_vocab, gather_vocab
-
-# How verified sequences get their GDN state (a verifying forward's verify_commit): "candidates" keeps the
-# state after every verified token and picks one; "replay" keeps the inputs and reruns the accepted tokens.
-VERIFY_COMMITS = ("candidates", "replay")
-
+from .verify import VERIFY_COMMITS, VerifySplit, commit_candidates, pick_candidates
 
 def _lin(w: dict[str, mx.array], name: str, config) -> LinearParams:
     """A LinearParams from the weight dict; quantized when `<name>.scales` exists (mlx-lm's rule).
@@ -79,37 +73,6 @@ def _eval_points(layout: SeqLayout, rows: int, n: int) -> frozenset[int]:
         k += (n - k) // 2
         points.append(k)
     return frozenset(p for p in first.union(points) if 0 < p < n)
-
-
-class _VerifySplit:
-    """A batch with verifying sequences, split once per layout (every GDN layer reuses it): the plain
-    sequences run `gated_delta_packed` and commit their state at once; the verifying ones run
-    `gated_delta_packed_candidates` (or plain `gated_delta_packed` when replaying), so prefill and decode rows
-    never pay for per-token states."""
-
-    def __init__(self, layout: SeqLayout):
-        ver = [i for i, v in enumerate(layout.verify) if v]
-        plain = [i for i, v in enumerate(layout.verify) if not v]
-        # every sequence verifying (the steady state): the batch is its own verify layout, no row gathers
-        self.all = not plain
-        if self.all:
-            self.verify, self.plain = layout, None
-            return
-        self.verify, vrows = layout.subset(ver)
-        self.verify_rows = mx.array(vrows, dtype=mx.int32)
-        self.plain, prows = layout.subset(plain) if plain else (None, [])
-        if plain:
-            self.plain_rows = mx.array(prows, dtype=mx.int32)
-            self.plain_seqs = mx.array(plain, dtype=mx.int32)
-            self.plain_slots = mx.array(self.plain.state_rows, dtype=mx.int32)
-        inverse = [0] * layout.num_tokens  # packed row -> its row in [plain rows ; verify rows]
-        for j, r in enumerate(prows + vrows):
-            inverse[r] = j
-        self.inverse = mx.array(inverse, dtype=mx.int32)
-
-    @staticmethod
-    def of(layout: SeqLayout) -> _VerifySplit:
-        return layout.derived("verify_split", lambda: _VerifySplit(layout))
 
 
 class GDNMixer:
@@ -177,7 +140,7 @@ class GDNMixer:
         [Tv, C]) in `stash` for `Qwen35Model.commit_candidates`, where rec is all states [Tv, Hv, dv, dk]
         ("candidates") or the verify rows' (y, a, b) ("replay"); the commit reads their old conv rows from
         the pool. Every sequence verifying (the steady state): the norm inside the delta rule's launch."""
-        sp = _VerifySplit.of(layout)
+        sp = VerifySplit.of(layout)
         conv_pool, rec_pool = cache.conv_states[self.idx], cache.rec_states[self.idx]
         y, conv_new = causal_conv1d(mixed, self.conv_w, conv_pool, layout)  # every row's conv output is final
         heads, eps = self.heads, self.c.rms_norm_eps
@@ -428,78 +391,14 @@ class Qwen35Model:
         return self.head(h), tapped
 
     def commit_candidates(self, cache: ModelCache, stash: VerifyStash, accepted: list[int] | mx.array) -> None:
-        """Apply what forward_verifying returned: verifying sequence j (in layout order) keeps the GDN
-        state after its anchor and first accepted[j] drafts; its conv state becomes the last K-1 raw rows
-        up to that token. Rejected tokens' K/V need no undo: the runtime does not count them in kv_valid.
-        accepted: host counts, or in "candidates" mode the device array [S] int32 the verification computed
-        (then the pick is part of the step's graph and nothing waits for the host; its range is verify()'s)."""
-        if not isinstance(stash, VerifyStash) or stash.layout is None:
-            raise TypeError(f"commit_candidates needs the VerifyStash of a verifying forward, got {stash!r:.80}")
-        if stash.committed:
-            raise RuntimeError("this verification was committed already")
-        lay, mode = stash.layout, stash.mode
-        on_device = isinstance(accepted, mx.array)
-        if on_device:
-            if mode != "candidates":
-                raise ValueError("a replay commit reruns accepted + 1 rows: it needs the accepted counts on the host")
-            if accepted.shape != (lay.num_seqs,):
-                raise ValueError(f"accepted has shape {accepted.shape}, expected ({lay.num_seqs},)")
-        elif len(accepted) != lay.num_seqs or any(not 0 <= k < lay.q_len(j) for j, k in enumerate(accepted)):
-            raise ValueError(f"accepted {accepted} does not fit verifications of {[lay.q_len(j) for j in range(lay.num_seqs)]} tokens")
-        S, qsl = lay.num_seqs, lay.query_start_loc
-        slots = mx.array(lay.state_rows, dtype=mx.int32)
-        stash.committed = True
-        if mode == "replay":
-            # sequence j reruns its first accepted[j] + 1 verify rows from the state its slot still holds
-            rows = mx.array([qsl[j] + r for j, k in enumerate(accepted) for r in range(k + 1)], dtype=mx.int32)
-            rl = SeqLayout(list(itertools.accumulate((k + 1 for k in accepted), initial=0)), list(lay.kv_valid),
-                           lay.block_tables, lay.state_rows, lay.block_tokens)
-        k = accepted if on_device else mx.array(accepted, dtype=mx.int32)
-        starts = mx.array(qsl[:-1], dtype=mx.int32)
-        if mode != "replay":
-            self.pick_candidates(cache, stash.layers, k, starts, slots)
-            return
-        win = self._conv_window(k, starts, S)
-        for idx, part in stash.layers.items():
-            m = self.gdn_mixers[idx]
-            _, new = gated_delta_packed(*(t[rows] for t in part.rec), m.A_log, m.dt_bias, cache.rec_states[idx], rl,
-                                        m.heads)
-            cache.rec_states[idx][slots] = new
-            self._commit_conv(cache, idx, part, win, slots)
+        """Apply what forward_verifying returned (verify.commit_candidates): each verifying sequence keeps
+        its GDN and conv state after its anchor and first accepted[j] drafts."""
+        commit_candidates(self, cache, stash, accepted)
 
     def pick_candidates(self, cache, layers: dict[int, GDNStash], k: mx.array, starts: mx.array,
                         slots: mx.array) -> None:
-        """The "candidates" commit's graph from arrays alone (a compiled trace runs it too): slot slots[j]
-        takes the state after row starts[j] + k[j] of every layer's candidates. k, starts, slots: [S] int32."""
-        win = last = None  # built once for every layer, and only if some layer needs them (a node costs host time)
-        for idx, part in layers.items():
-            rec, conv = cache.rec_states[idx], cache.conv_states[idx]
-            done = pick_inplace(rec, conv, part.rec, part.raw, k, starts, slots)
-            if done is not None:  # written into the pools' buffers: their handles follow the write
-                cache.rec_states[idx], cache.conv_states[idx] = mx.depends([rec, conv], [done])
-                continue
-            if win is None:
-                win = self._conv_window(k, starts, k.shape[0])
-                last = starts + k  # each sequence's kept candidate row
-            rec[slots] = part.rec[last]  # rec: all states [Tv, Hv, dv, dk]
-            self._commit_conv(cache, idx, part, win, slots)
-
-    @staticmethod
-    def _commit_conv(cache, idx: int, part: GDNStash, win: mx.array, slots: mx.array) -> None:
-        pool = cache.conv_states[idx]
-        old = pool[slots]  # [S, K-1, C]: the verifying slots' rows as they were before the verification
-        S, K1 = old.shape[:2]
-        flat = mx.concatenate([old.reshape(S * K1, -1), part.raw.astype(old.dtype)])
-        pool[slots] = flat[win].reshape(S, K1, -1)
-
-    def _conv_window(self, k: mx.array, starts: mx.array, S: int) -> mx.array:
-        """Rows of [all old conv rows (S x (K-1)) ; all raw verify rows] that hold each sequence's last K-1
-        conv inputs after its anchor + k[j] drafts: window row t = k[j] + 1 + r (r < K-1) of [old ; raw_j]
-        -> [S * (K-1)] int32, built on the device from k [S] and each verification's first row `starts`."""
-        K1 = self.config.linear_conv_kernel_dim - 1
-        t = k[:, None] + 1 + mx.arange(K1, dtype=mx.int32)[None, :]  # [S, K-1]
-        old = mx.arange(S, dtype=mx.int32)[:, None] * K1 + t
-        return mx.where(t < K1, old, S * K1 + starts[:, None] + t - K1).reshape(-1)
+        """The "candidates" commit from arrays alone (verify.pick_candidates; a compiled trace runs it)."""
+        pick_candidates(self, cache, layers, k, starts, slots)
 
     def logits(self, token_ids) -> mx.array:
         """One sequence from an empty state, in one pass: [T, vocab]. The reference every schedule must match."""
