@@ -128,6 +128,18 @@ def test_the_tensor_core_rows_have_a_metal_fallback_row(monkeypatch, backend_nam
     assert not gemv.mma_rows_to_mlx(6)
 
 
+@pytest.mark.parametrize("backend_name", ["metal", "cuda"])
+def test_the_default_table_gives_one_row_to_the_fma_qmv_on_cuda(monkeypatch, backend_name):
+    """The default table's rows (benchmarks/kernels_qmatmul_attn.md, "Tensor-core qmv from 2 rows"): on CUDA
+    the FMA qmv (and the epilogues it carries) serves 1 row and the tensor-core qmv 2-8; on Metal, which has
+    no tensor-core variant, the FMA qmv serves 1-8; past qmv_max_rows, neither."""
+    from mtlqwen.kernels.qmatmul import gemv  # noqa: PLC0415
+
+    monkeypatch.setattr(gemv, "gpu_backend", lambda: backend_name)
+    served = [m for m in range(1, 10) if gemv.fma_serves(m)]
+    assert served == ([1] if backend_name == "cuda" else list(range(1, 9)))
+
+
 def test_tensor_core_qmv_blocking_and_the_wide_8_row_rule(monkeypatch):
     """gemv.mma_config: the table's tiles / groups / order, the LM head's wide blocking from 65536 rows, groups
     0 = 256 columns' worth; threadgroups per launch; 8 rows of a 65536+-row matrix go to MLX's GEMM only where

@@ -67,35 +67,52 @@ def plain_outputs(model, prompts, sps, **kw):
 
 
 # ------------------------------------------------------------------------------- model: candidate states
+# The commit tests' case: slot 1 holds a 21-token prompt and verifies an anchor + 4 drafts, alone or beside
+# slot 2's 30-token prefill chunk (mixed). Each step is evaluated, as the engine does (design.md, "In-place
+# writes": on CUDA a pool written in place must not be read in the same evaluation).
+BT, VER = 16, [7, 9, 11, 13, 15]
+PROMPT, OTHER = random_token_ids(21, 512, seed=1), random_token_ids(30, 512, seed=2)
+
+
+def prefilled(model) -> ModelCache:
+    c = model.make_cache(8, 3, BT)
+    model.hidden(mx.array(PROMPT, dtype=mx.int32), SeqLayout([0, 21], [0], [[3, 4]], [1], BT), c)
+    mx.eval(c.arrays())
+    return c
+
+
+def verification(mixed: bool) -> tuple[SeqLayout, list[int]]:
+    if mixed:
+        return SeqLayout([0, 30, 35], [0, 21], [[0, 1], [3, 4]], [2, 1], BT, verify=[False, True]), OTHER + VER
+    return SeqLayout([0, 5], [21], [[3, 4]], [1], BT, verify=[True]), VER
+
+
+def plain_run(model, k: int) -> tuple[ModelCache, mx.array]:
+    """Slot 1 after a plain forward over the anchor + k drafts: (its cache, the logits)."""
+    ref = prefilled(model)
+    logits = model.forward(mx.array(VER[: k + 1], dtype=mx.int32), SeqLayout([0, k + 1], [21], [[3, 4]], [1], BT), ref)
+    mx.eval(logits, ref.arrays())
+    return ref, logits
+
+
 @pytest.mark.parametrize("k", [0, 2, 4])
 def test_commit_candidates_equals_plain_run_exactly(model, verify_commit, k):
     """A batch of a prefill chunk + a verification of anchor + 4 drafts; after committing k accepted drafts
     (candidate states or a replay) the slot's conv and recurrent states equal a plain run over anchor + k
     drafts, bit for bit, and the other sequence's state and every logit row are those of plain runs."""
-    bt, prompt, other = 16, random_token_ids(21, 512, seed=1), random_token_ids(30, 512, seed=2)
-    ver = [7, 9, 11, 13, 15]
-
-    def prefilled():  # each step evaluated, as the engine does (design.md, "In-place writes")
-        c = model.make_cache(8, 3, bt)
-        model.hidden(mx.array(prompt, dtype=mx.int32), SeqLayout([0, 21], [0], [[3, 4]], [1], bt), c)
-        mx.eval(c.arrays())
-        return c
-
-    c = prefilled()
-    lay = SeqLayout([0, 30, 35], [0, 21], [[0, 1], [3, 4]], [2, 1], bt, verify=[False, True])
+    c = prefilled(model)
+    lay, toks = verification(mixed=True)
     with pytest.raises(ValueError, match="forward_verifying"):  # a plain forward cannot stash the states
-        model.forward(mx.array(other + ver, dtype=mx.int32), lay, model.make_cache(8, 3, bt))
-    logits, taps, stash = model.forward_verifying(mx.array(other + ver, dtype=mx.int32), lay, c,
-                                                  verify_commit=verify_commit)
+        model.forward(mx.array(toks, dtype=mx.int32), lay, model.make_cache(8, 3, BT))
+    logits, taps, stash = model.forward_verifying(mx.array(toks, dtype=mx.int32), lay, c, verify_commit=verify_commit)
     assert taps is None and stash.mode == verify_commit and sorted(stash.layers) == list(range(len(model.gdn_mixers)))
     assert stash.layout.query_start_loc == [0, 5] and stash.layout.state_rows == [1]  # the verifying sequence alone
     mx.eval(logits, c.arrays())
     model.commit_candidates(c, stash, [k])
     mx.eval(c.arrays())
-    ref = prefilled()
-    ref_logits = model.forward(mx.array(ver[: k + 1], dtype=mx.int32), SeqLayout([0, k + 1], [21], [[3, 4]], [1], bt), ref)
-    alone = model.make_cache(8, 3, bt)
-    alone_logits = model.forward(mx.array(other, dtype=mx.int32), SeqLayout([0, 30], [0], [[0, 1]], [2], bt), alone)
+    ref, ref_logits = plain_run(model, k)
+    alone = model.make_cache(8, 3, BT)
+    alone_logits = model.forward(mx.array(OTHER, dtype=mx.int32), SeqLayout([0, 30], [0], [[0, 1]], [2], BT), alone)
     for pools, ref_pools, alone_pools in ((c.conv_states, ref.conv_states, alone.conv_states),
                                           (c.rec_states, ref.rec_states, alone.rec_states)):
         for p, r, a in zip(pools, ref_pools, alone_pools):
@@ -113,32 +130,19 @@ def test_commit_writes_the_verified_conv_rows(model, verify_commit, mixed):
     """The commit on any back-end (the CUDA pick kernel writes the pools in place): after k accepted drafts
     the slot's conv rows are the last K-1 of (its old rows, the verification's raw rows 0..k), exactly (a
     copy); its recurrent state is the plain run's (exact on the CPU; on a GPU the verification's kernels
-    differ from the decode kernels, within 1e-3). Each step is evaluated, as the engine does."""
-    bt, prompt, other, ver = 16, random_token_ids(21, 512, seed=1), random_token_ids(30, 512, seed=2), [7, 9, 11, 13, 15]
+    differ from the decode kernels, within 1e-3)."""
     exact = mx.default_device() == mx.cpu
-
-    def prefilled():
-        c = model.make_cache(8, 3, bt)
-        model.hidden(mx.array(prompt, dtype=mx.int32), SeqLayout([0, 21], [0], [[3, 4]], [1], bt), c)
-        mx.eval(c.arrays())
-        return c
-
-    for k in range(len(ver)):
-        c = prefilled()
+    lay, toks = verification(mixed)
+    for k in range(len(VER)):
+        c = prefilled(model)
         old = [np.array(p[1]) for p in c.conv_states]
-        if mixed:
-            lay, toks = SeqLayout([0, 30, 35], [0, 21], [[0, 1], [3, 4]], [2, 1], bt, verify=[False, True]), other + ver
-        else:
-            lay, toks = SeqLayout([0, 5], [21], [[3, 4]], [1], bt, verify=[True]), ver
         logits, _, stash = model.forward_verifying(mx.array(toks, dtype=mx.int32), lay, c, verify_commit=verify_commit)
         mx.eval(logits, c.arrays(), [part.raw for part in stash.layers.values()])
         raw = {i: np.array(part.raw) for i, part in stash.layers.items()}
-        assert all(r.shape == (len(ver), old[i].shape[1]) for i, r in raw.items())
+        assert all(r.shape == (len(VER), old[i].shape[1]) for i, r in raw.items())
         model.commit_candidates(c, stash, [k])
         mx.eval(c.arrays())
-        ref = prefilled()
-        model.forward(mx.array(ver[: k + 1], dtype=mx.int32), SeqLayout([0, k + 1], [21], [[3, 4]], [1], bt), ref)
-        mx.eval(ref.arrays())
+        ref, _ = plain_run(model, k)
         for i in raw:
             want = np.concatenate([old[i], raw[i][: k + 1]])[-old[i].shape[0]:]
             assert np.array_equal(np.array(c.conv_states[i][1]), want), (k, i)

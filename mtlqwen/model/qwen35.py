@@ -42,6 +42,7 @@ from .gdn_taps import has_taps, tapped_gdn
 from .sharding import Shard, embed_vocab, gather_vocab
 from .verify import VERIFY_COMMITS, VerifySplit, commit_candidates, pick_candidates
 
+
 def _lin(w: dict[str, mx.array], name: str, config) -> LinearParams:
     """A LinearParams from the weight dict; quantized when `<name>.scales` exists (mlx-lm's rule).
     `config` is any config with `quantization` / `quant_overrides` (target or drafter)."""

@@ -68,7 +68,7 @@ def commit_candidates(model, cache: ModelCache, stash: VerifyStash, accepted: li
             raise ValueError(f"accepted has shape {accepted.shape}, expected ({lay.num_seqs},)")
     elif len(accepted) != lay.num_seqs or any(not 0 <= k < lay.q_len(j) for j, k in enumerate(accepted)):
         raise ValueError(f"accepted {accepted} does not fit verifications of {[lay.q_len(j) for j in range(lay.num_seqs)]} tokens")
-    S, qsl = lay.num_seqs, lay.query_start_loc
+    qsl = lay.query_start_loc
     slots = mx.array(lay.state_rows, dtype=mx.int32)
     stash.committed = True
     if mode == "replay":
@@ -81,13 +81,14 @@ def commit_candidates(model, cache: ModelCache, stash: VerifyStash, accepted: li
     if mode != "replay":
         pick_candidates(model, cache, stash.layers, k, starts, slots)
         return
-    win = conv_window(model.config, k, starts, S)
+    win = conv_window(model.config, k, starts)
     for idx, part in stash.layers.items():
         m = model.gdn_mixers[idx]
         _, new = gated_delta_packed(*(t[rows] for t in part.rec), m.A_log, m.dt_bias, cache.rec_states[idx], rl,
                                     m.heads)
         cache.rec_states[idx][slots] = new
         _commit_conv(cache, idx, part, win, slots)
+
 
 def pick_candidates(model, cache: ModelCache, layers: dict[int, GDNStash], k: mx.array, starts: mx.array,
                     slots: mx.array) -> None:
@@ -101,10 +102,11 @@ def pick_candidates(model, cache: ModelCache, layers: dict[int, GDNStash], k: mx
             cache.rec_states[idx], cache.conv_states[idx] = mx.depends([rec, conv], [done])
             continue
         if win is None:
-            win = conv_window(model.config, k, starts, k.shape[0])
+            win = conv_window(model.config, k, starts)
             last = starts + k  # each sequence's kept candidate row
         rec[slots] = part.rec[last]  # rec: all states [Tv, Hv, dv, dk]
         _commit_conv(cache, idx, part, win, slots)
+
 
 def _commit_conv(cache, idx: int, part: GDNStash, win: mx.array, slots: mx.array) -> None:
     pool = cache.conv_states[idx]
@@ -113,11 +115,12 @@ def _commit_conv(cache, idx: int, part: GDNStash, win: mx.array, slots: mx.array
     flat = mx.concatenate([old.reshape(S * K1, -1), part.raw.astype(old.dtype)])
     pool[slots] = flat[win].reshape(S, K1, -1)
 
-def conv_window(config, k: mx.array, starts: mx.array, S: int) -> mx.array:
+
+def conv_window(config, k: mx.array, starts: mx.array) -> mx.array:
     """Rows of [all old conv rows (S x (K-1)) ; all raw verify rows] that hold each sequence's last K-1
     conv inputs after its anchor + k[j] drafts: window row t = k[j] + 1 + r (r < K-1) of [old ; raw_j]
     -> [S * (K-1)] int32, built on the device from k [S] and each verification's first row `starts`."""
-    K1 = config.linear_conv_kernel_dim - 1
+    S, K1 = k.shape[0], config.linear_conv_kernel_dim - 1
     t = k[:, None] + 1 + mx.arange(K1, dtype=mx.int32)[None, :]  # [S, K-1]
     old = mx.arange(S, dtype=mx.int32)[:, None] * K1 + t
     return mx.where(t < K1, old, S * K1 + starts[:, None] + t - K1).reshape(-1)
