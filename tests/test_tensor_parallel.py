@@ -146,29 +146,51 @@ def test_tensor_parallel_group_of_one_is_an_error(monkeypatch):
 
 # ---- 2 ranks over the ring back-end
 
+def _ephemeral_ports() -> range:
+    """The kernel's range for outgoing connections' local ports (Linux; a common default elsewhere)."""
+    try:
+        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        lo, hi = 32768, 60999
+    return range(lo, hi + 1)
+
+
 def _free_port_pair() -> int:
-    """A port p with p and p + 1 free (the ring back-end listens on starting port + rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p > 65000:
+    """A port p with p and p + 1 free (the ring back-end listens on starting port + rank), chosen below the
+    ephemeral range: a port the kernel hands out itself can be taken by any outgoing connection between this
+    check and the ranks' bind."""
+    ephemeral = _ephemeral_ports()
+    rng = np.random.default_rng()
+    for _ in range(200):
+        p = int(rng.integers(20000, 32000))
+        if p in ephemeral or p + 1 in ephemeral:
             continue
         try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p + 1))
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 1))
             return p
         except OSError:
             continue
     raise RuntimeError("no free pair of ports")
 
 
-def _launch(args: list[str], tmp_path: Path, tag: str) -> subprocess.CompletedProcess:
+def _run_ring(cmd_after_port: list[str], **kw) -> subprocess.CompletedProcess:
+    """mlx.launch -n 2 over the ring on 127.0.0.1; a launch whose rank lost its port to another process in the
+    meantime is retried on a fresh pair (at most three tries), so a busy machine does not fail the test."""
     launcher = shutil.which("mlx.launch")
     assert launcher, "mlx.launch (installed with mlx) is not on PATH"
-    cmd = [launcher, "-n", "2", "--backend", "ring", "--hosts", "127.0.0.1", "-p", str(_free_port_pair()),
-           sys.executable, str(WORKER), *args, str(tmp_path / tag)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=tmp_path)
+    for _ in range(3):
+        cmd = [launcher, "-n", "2", "--backend", "ring", "--hosts", "127.0.0.1", "-p", str(_free_port_pair()),
+               *cmd_after_port]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, **kw)
+        if "Couldn't bind socket" not in p.stdout + p.stderr:
+            return p
+    return p
+
+
+def _launch(args: list[str], tmp_path: Path, tag: str) -> subprocess.CompletedProcess:
+    return _run_ring([sys.executable, str(WORKER), *args, str(tmp_path / tag)], cwd=tmp_path)
 
 
 def _single(ckpt: Path, tmp_path: Path, extra=()) -> dict:
@@ -218,12 +240,8 @@ def test_ranks_with_different_checkpoints_are_refused(ckpts, tmp_path):
 
 # ---- the command-line front-ends behind rank 0 (`--model random`: no checkpoint needed)
 
-def _launch_cli(args: list[str], **kw) -> subprocess.Popen | subprocess.CompletedProcess:
-    launcher = shutil.which("mlx.launch")
-    assert launcher, "mlx.launch (installed with mlx) is not on PATH"
-    cmd = [launcher, "-n", "2", "--backend", "ring", "--hosts", "127.0.0.1", "-p", str(_free_port_pair()), "--",
-           sys.executable, "-m", "mtlqwen", *args, "--tensor-parallel"]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, **kw)
+def _launch_cli(args: list[str], **kw) -> subprocess.CompletedProcess:
+    return _run_ring(["--", sys.executable, "-m", "mtlqwen", *args, "--tensor-parallel"], **kw)
 
 
 def test_generate_two_ranks_prints_once_and_matches(tmp_path):
