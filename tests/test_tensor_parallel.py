@@ -28,6 +28,7 @@ import mtlqwen
 from dflash_checkpoints import write_tiny_drafter
 from mtlqwen import Qwen35Model, SeqLayout
 from mtlqwen.kernels import linear
+from mtlqwen.model import QuantSpec
 from mtlqwen.model.builtin import demo_config, random_weights
 from mtlqwen.model.sharding import (
     Shard, ShardError, _vocab_rows, check_split, padded_vocab, shard_config, shard_weights, vocab_range,
@@ -102,6 +103,29 @@ def test_replicated_kv_heads_four_ranks():
     per_rank = [shard_weights({kw: model.weights[kw]}, c, Shard(r, 4))[kw] for r in range(4)]
     assert mx.array_equal(per_rank[0], per_rank[1]) and mx.array_equal(per_rank[2], per_rank[3])
     assert mx.array_equal(per_rank[0], model.weights[kw][: c.head_dim])
+
+
+@pytest.mark.parametrize("moe, quant", [(False, None), (False, QuantSpec(4, 32)), (True, QuantSpec(4, 32))])
+def test_random_weights_built_per_rank_equal_the_whole_models_shards(moe, quant):
+    """random_weights(shard=...) cuts each tensor as it is made (a model larger than one device): each rank
+    gets exactly the tensors shard_weights cuts from the whole model, with the same quantization config."""
+    c = dataclasses.replace(demo_config(), num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                            linear_num_key_heads=4, linear_num_value_heads=8)
+    if moe:
+        c = dataclasses.replace(c, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                shared_expert_intermediate_size=64)
+    assert c.is_moe == moe
+    whole_c = dataclasses.replace(c)
+    whole = random_weights(whole_c, seed=5, quantize=quant)
+    for r in range(2):
+        rank_c = dataclasses.replace(c)
+        mine = random_weights(rank_c, seed=5, quantize=quant, shard=Shard(r, 2))
+        ref = shard_weights(whole, whole_c, Shard(r, 2))
+        assert sorted(mine) == sorted(ref)
+        assert all(mx.array_equal(mine[k], ref[k]) for k in ref), [k for k in ref if not mx.array_equal(mine[k], ref[k])]
+        assert (rank_c.quantization, rank_c.quant_overrides) == (whole_c.quantization, whole_c.quant_overrides)
+    if quant is not None and moe:
+        assert whole_c.quant_overrides  # the router kept at 8 bits: an override the ranks must agree on
 
 
 def test_vocab_shards_pad_and_cover():
@@ -338,3 +362,49 @@ def test_chat_two_ranks_replies_once_and_matches(tmp_path):
 def test_generate_prompt_from_stdin_is_refused_under_tensor_parallel(tmp_path):
     p = _launch_cli(["generate", "--prompt", "-"], input="x", cwd=tmp_path)
     assert "--prompt - cannot be used with --tensor-parallel" in p.stderr
+
+
+def test_tp_bench_reports_two_ranks_beside_one(tmp_path):
+    """benchmarks/tp_bench.py (the two-GPU run's script) on the CPU over the ring: one process, then two
+    ranks, then --compare: greedy tokens agree (or part only at a near-tie), each rank holds about half the
+    weights and at most about half the pools, and the table has every row the run asks for."""
+    bench = Path(__file__).parents[1] / "benchmarks" / "tp_bench.py"
+    args = ["--shape", "demo", "--bits", "0", "--levels", "1,2", "--prefill", "64", "--prompt-len", "32",
+            "--gen-len", "6", "--greedy-len", "8", "--prompts", "3", "--repeats", "1"]
+    one = subprocess.run([sys.executable, str(bench), *args, "--json", "one.json"], capture_output=True, text=True,
+                         timeout=LAUNCH_TIMEOUT_S, cwd=tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _run_ring([sys.executable, str(bench), *args, "--group", "--backend", "ring", "--json", "two.json"],
+                    cwd=tmp_path)
+    assert (tmp_path / "two.json").is_file(), two.stdout[-3000:] + two.stderr[-3000:]
+    r1, r2 = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "two.json"))
+    assert (r1["ranks"], r2["ranks"], len(r2["memory"])) == (1, 2, 2)
+    assert [len(g["tokens"]) for g in r2["greedy"]] == [8, 8, 8]
+    w1, c1 = r1["memory"][0]["weights_gb"], r1["memory"][0]["cache_gb"]
+    assert all(0.4 * w1 <= m["weights_gb"] <= 0.6 * w1 and m["cache_gb"] <= 0.6 * c1 for m in r2["memory"])
+    cmp = subprocess.run([sys.executable, str(bench), "--compare", "one.json", "two.json"], capture_output=True,
+                         text=True, timeout=60, cwd=tmp_path)
+    assert cmp.returncode == 0, cmp.stdout + cmp.stderr
+    for row in ("decode tok/s, 1 concurrent", "decode tok/s, 2 concurrent", "prefill tok/s, 64 tokens",
+                "weights GB per device"):
+        assert row in cmp.stdout
+    assert cmp.stdout.count("greedy prompt") == 3
+
+
+@pytest.mark.parametrize("gap, rc", [(0.01, 0), (0.5, 1)])
+def test_tp_bench_compare_excuses_only_near_ties(tmp_path, gap, rc):
+    """Two runs that part at token 1, where run one's runner-up is run two's token: a near-tie when the top-2
+    gap is within --tie (2%) of the top logit, else a failure (exit 1) that says so."""
+    def report(tokens, second):
+        return {"shape": "demo", "bits": 0, "ranks": 1, "memory": [{"weights_gb": 1.0, "cache_gb": 1.0, "peak_gb": 2}],
+                "greedy": [{"prompt_len": 5, "tokens": tokens,
+                            "top2": [[tokens[0], 9], [tokens[1], second], [tokens[2], 9]],
+                            "top2_logits": [[10.0, 5.0], [10.0, 10.0 - 10.0 * gap], [10.0, 5.0]]}]}
+    (tmp_path / "a.json").write_text(json.dumps(report([1, 2, 3], 4)))
+    (tmp_path / "b.json").write_text(json.dumps(report([1, 4, 5], 2)))
+    bench = Path(__file__).parents[1] / "benchmarks" / "tp_bench.py"
+    p = subprocess.run([sys.executable, str(bench), "--compare", "a.json", "b.json"], capture_output=True, text=True,
+                       timeout=60, cwd=tmp_path)
+    assert p.returncode == rc, p.stdout + p.stderr
+    assert "part at token 1 of 3 (2 against 4)" in p.stdout
+    assert ("a near-tie" if rc == 0 else "NOT a near-tie") in p.stdout

@@ -11,6 +11,7 @@ import mlx.core as mx
 from .config import QuantSpec, Qwen35Config, parse_config
 from .quantize import ROUTER, quantizable
 from .qwen35 import Qwen35Model
+from .sharding import Shard, check_split, shard_config, shard_weights
 from .weights import expected_shapes
 
 BYTE_VOCAB = 512  # 256 byte tokens + specials + padding
@@ -73,11 +74,18 @@ SHAPES = {"9b": qwen35_9b_config, "35b-a3b": qwen35_35b_a3b_config, "122b-a10b":
           "demo": demo_config}
 
 
-def random_weights(config: Qwen35Config, seed: int = 0, dtype=mx.bfloat16, quantize: QuantSpec | None = None):
+def random_weights(config: Qwen35Config, seed: int = 0, dtype=mx.bfloat16, quantize: QuantSpec | None = None,
+                   shard: Shard | None = None):
     """Weights in the internal naming: linears N(0, 1/fan_in), embeddings N(0, 1), norms near 1,
-    gates in their checkpoint ranges. Each tensor is quantized as soon as it exists (low peak memory)."""
+    gates in their checkpoint ranges. Each tensor is quantized as soon as it exists (low peak memory).
+    shard: keep only that rank's slice of each tensor, cut as soon as the tensor exists, so a model that
+    needs several devices' memory is built without ever holding it whole (every rank draws the same values)."""
+    if shard is not None:
+        check_split(config, shard.size)
+    if quantize is not None:  # before the loop: shard_weights reads each module's spec from the config
+        config.quantization, config.quant_overrides = quantize, {}
+    overrides = config.quant_overrides if quantize is not None else {}
     out: dict[str, mx.array] = {}
-    overrides: dict[str, QuantSpec | None] = {}
     for i, (name, shape) in enumerate(sorted(expected_shapes(config).items())):
         k = mx.random.key(seed * 1_000_003 + i)
         if name.endswith("A_log"):
@@ -100,21 +108,28 @@ def random_weights(config: Qwen35Config, seed: int = 0, dtype=mx.bfloat16, quant
             if spec != quantize:
                 overrides[module] = spec
             q, s, b = mx.quantize(w, group_size=spec.group_size, bits=spec.bits)
-            out[name], out[f"{module}.scales"], out[f"{module}.biases"] = q, s, b
+            made = {name: q, f"{module}.scales": s, f"{module}.biases": b}
         else:
-            out[name] = w
-        mx.eval(*[out[n] for n in out if n.startswith(module)])
-    if quantize is not None:
-        config.quantization, config.quant_overrides = quantize, overrides
+            made = {name: w}
+        if shard is not None:
+            made = shard_weights(made, config, shard)
+        mx.eval(*made.values())
+        out.update(made)
     return out
 
 
 def random_model(
-    config: Qwen35Config | None = None, seed: int = 0, dtype=mx.bfloat16, quantize: QuantSpec | None = None
+    config: Qwen35Config | None = None, seed: int = 0, dtype=mx.bfloat16, quantize: QuantSpec | None = None,
+    group=None,
 ) -> Qwen35Model:
-    """A model with random weights (the demo model when `config` is None)."""
+    """A model with random weights (the demo model when `config` is None). group: an mx.distributed group of
+    2+ ranks: this rank's tensor-parallel shard of that model, built a tensor at a time."""
     config = config or demo_config()
-    model = Qwen35Model(config, random_weights(config, seed, dtype, quantize))
+    if group is None or group.size() == 1:
+        model = Qwen35Model(config, random_weights(config, seed, dtype, quantize))
+    else:
+        weights = random_weights(config, seed, dtype, quantize, Shard(group.rank(), group.size()))
+        model = Qwen35Model(shard_config(config, group.size()), weights, group=group, full_config=config)
     model.source = "built-in random weights"
     return model
 
