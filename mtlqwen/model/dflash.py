@@ -22,6 +22,7 @@ from ..kernels import (
     drafter_attention,
     head_norm_rope,
     linear,
+    linear_add_rms_norm,
     rms_norm,
     swiglu_linear,
     write_kv,
@@ -318,8 +319,9 @@ class Drafter:
         if c.input_embedding_scale != 1.0:
             x = x * c.input_embedding_scale
         pos = bl.array("positions")
+        last = len(self.layers) - 1
+        h = rms_norm(x, self.layers[0].input_norm, self.eps)
         for i, L in enumerate(self.layers):
-            h = rms_norm(x, L.input_norm, self.eps)
             q = head_norm_rope(linear(h, L.q_proj).reshape(T, nH, hd), L.q_norm, self.eps, pos, self.rope, hd)
             k, v = L.project_kv(h)
             k = head_norm_rope(k, L.k_norm, self.eps, pos, self.rope, k.shape[-1])
@@ -327,10 +329,15 @@ class Drafter:
             # on GPUs the block's rows were written into the pools in place (past kv_valid): later writers of
             # these pools (the step's context write) must follow, and MLX orders kernels only through data
             cache.k_pools[i], cache.v_pools[i] = mx.depends([cache.k_pools[i], cache.v_pools[i]], [a])
-            x = x + linear(a.reshape(T, nH * hd), L.o_proj)
-            h = rms_norm(x, L.post_norm, self.eps)
+            # each residual add fused with the norm after it (one launch where two were; the target's layers do
+            # the same): the post-attention norm, then the next layer's input norm
+            x, h = linear_add_rms_norm(a.reshape(T, nH * hd), L.o_proj, x, L.post_norm, self.eps)
             # SwiGLU: one launch with its epilogue for a quantized drafter; bf16 runs the two GEMMs and the product
-            x = x + linear(swiglu_linear(h, L.gate_proj, L.up_proj), L.down_proj)
+            m = swiglu_linear(h, L.gate_proj, L.up_proj)
+            if i < last:
+                x, h = linear_add_rms_norm(m, L.down_proj, x, self.layers[i + 1].input_norm, self.eps)
+            else:
+                x = x + linear(m, L.down_proj)
         # slot 0 (the anchor) only conditions the block; slot j predicts the token AT position P + j (§1.7)
         return rms_norm(x.reshape(S, T // S, -1)[:, 1:], self.final_norm, self.eps)
 
