@@ -9,7 +9,7 @@ buffer's order (gate + up -> [R, Im]), one grouped down launch (-> [R, H]), each
 weighted and summed over its k experts (routed_sum); the shared expert on the dense ops.
 
 The gather of x is the gate+up kernel's own activation load (row r reads x[src[r]], zeros for padding), so
-the [R, H] buffer is never written. Rows the kernel never writes: unused tiles exit (qgemm._group_select),
+the [R, H] buffer is never written. Rows the kernel never writes: unused tiles exit (qgemm_source.group_select),
 so their output rows keep whatever the buffer held (NaN under POISON); padding rows inside an expert's
 tile come out zero and are never read back. Only the pairs' rows (`dest`) are read.
 
@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from ..backend import gpu_backend
 from ..portable import KernelExample
-from ..qmatmul import qgemm
+from ..qmatmul import qgemm, qgemm_source
 from ..qmatmul.params import LinearParams
 from ..selection import SELECT
 from .reference import combine_ref, shared_expert_ref
@@ -100,11 +100,11 @@ def config(mb: int, epi: int) -> tuple[int, int, int, int, int]:
 def _launch_args(x_dtype, p0: LinearParams, P: int, epi: int, mb: int, gather: bool = False):
     RT, TT, WN, WM, ST = config(mb, epi)
     smem = ST * qgemm.stage_bytes(p0.bits, RT, TT, WN, WM)
-    template = [("T", x_dtype), ("XK", qgemm._XKIND[x_dtype]), ("BITS", p0.bits), ("GS", p0.group_size),
+    template = [("T", x_dtype), ("XK", qgemm_source.XKIND[x_dtype]), ("BITS", p0.bits), ("GS", p0.group_size),
                 ("RT", RT), ("TT", TT), ("WN", WN), ("WM", WM), ("STAGES", ST), ("P", P), ("EPI", epi),
                 ("PART", 0), ("YT", x_dtype)]
     nout = 16 * WN if epi == 1 else 16 * RT * WN
-    return qgemm._kernel(P, epi, smem, grouped=2 if gather else 1), template, nout, 32 * WN * WM
+    return qgemm.kernel(P, epi, smem, grouped=2 if gather else 1), template, nout, 32 * WN * WM
 
 
 def grouped_qgemm(x: mx.array, ps: list[LinearParams], tile_expert: mx.array, mb: int, epi: int = 0,
@@ -147,7 +147,7 @@ def grouped_qgemm_ref(x: mx.array, ps: list[LinearParams], tile_expert: mx.array
 def supported(x: mx.array, gate: LinearParams, up: LinearParams, down: LinearParams, inds: mx.array) -> bool:
     """CUDA; bf16 / fp16 x; 4/8-bit groups of 32/64/128 with x's dtype for scales; gate and up alike;
     H and Im multiples of 256 (qgemm's K-stage alignment, as qgemm.supported)."""
-    if gpu_backend() != "cuda" or x.ndim != 2 or x.dtype not in qgemm._XKIND or inds.ndim != 2:
+    if gpu_backend() != "cuda" or x.ndim != 2 or x.dtype not in qgemm_source.XKIND or inds.ndim != 2:
         return False
     ps = (gate, up, down)
     if not all(p.quantized and p.weight.ndim == 3 and p.bits in (4, 8) and p.group_size in (32, 64, 128)

@@ -37,7 +37,7 @@ import mlx.core as mx
 from ..backend import gpu_backend
 from ..portable import KernelExample, PortableKernel
 from ..selection import SELECT
-from . import qgemm
+from . import qgemm, qgemm_source
 from .bodies import proj_select, ptr_select
 from .params import LinearParams
 
@@ -62,7 +62,7 @@ def _mma_fn(nb: int) -> str:
             f"#pragma unroll\n  for (int i = 0; i < {nd}; ++i) asm volatile(\"\" : \"+f\"(d[i])::\"memory\");\n}}\n")
 
 
-_HEADER = qgemm._HEADER + r"""
+_HEADER = qgemm_source.HEADER + r"""
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void wg_wait() {
@@ -252,7 +252,7 @@ def _row_of(P: int, epi: int) -> str:
 def _body(P: int, epi: int, nb: int) -> str:
     lbo, sbo = f"{nb * 16}u", "128u"  # the x tile's next 8 columns (K), its next 8 tokens (N)
     yptr = f"YT* Y = {ptr_select('y', 1 if epi else P)};"
-    return (qgemm.shared_fragments(_BODY).replace("PROJ_SELECT", proj_select(P, epi, tile="NOUT"))
+    return (qgemm_source.shared_fragments(_BODY).replace("PROJ_SELECT", proj_select(P, epi, tile="NOUT"))
             .replace("YPTR_SELECT", yptr)
             .replace("ROW_OF", _row_of(P, epi)).replace("wg_hold_nNB", f"wg_hold_n{nb}")
             .replace("wg_mma_nNB", f"wg_mma_n{nb}").replace("LBO", lbo).replace("SBO", sbo))
@@ -298,7 +298,7 @@ def _nout(RT: int, WG: int, epi: int) -> int:
 
 def _template(dt, gs: int, cfg: tuple, P: int, epi: int) -> list:
     RT, NB, ST, split, NBUF, WG = cfg
-    return [("T", dt), ("XK", qgemm._XKIND[dt]), ("GS", gs), ("RT", RT), ("WG", WG), ("NB", NB), ("STAGES", ST),
+    return [("T", dt), ("XK", qgemm_source.XKIND[dt]), ("GS", gs), ("RT", RT), ("WG", WG), ("NB", NB), ("STAGES", ST),
             ("NBUF", NBUF), ("P", P), ("EPI", epi), ("PART", int(split > 1)),
             ("YT", mx.float32 if split > 1 else dt)]
 
