@@ -1,7 +1,6 @@
 """The CUDA source of the tensor-core quantized matmul (qgemm.py): its helpers, the kernel body and the
 fragments the warpgroup form (wgmma.py) shares, and how a body is written out for P projections, SwiGLU
-and the grouped (MoE) forms. The launch's layout and the Python side (configs, split-K, dispatch): qgemm.py.
-The rendered sources are what they were when this lived in qgemm.py (every instantiation, hashed)."""
+and the grouped (MoE) forms. The launch's layout and the Python side (configs, split-K, dispatch): qgemm.py."""
 
 from __future__ import annotations
 
