@@ -99,7 +99,7 @@ def run(args) -> dict:
 
 def near_tie(row: dict, pos: int, other_token: int, tie: float) -> bool:
     """Whether `other_token` was this run's runner-up at `pos`, within `tie` of the top logit."""
-    (a, b), (la, lb) = row["top2"][pos], row["top2_logits"][pos]
+    (_, b), (la, lb) = row["top2"][pos], row["top2_logits"][pos]
     return b == other_token and (la - lb) <= tie * max(abs(la), 1e-6)
 
 

@@ -9,7 +9,8 @@ import numpy as np
 
 import mlx.core as mx
 
-from ..metal_cases import BF16, F32, TOL, Trial, _cpu, _fn, _linear32, _n, _rand
+from ..metal_cases import BF16, F32, TOL, Trial, _cpu, _fn, _n, _rand
+from ..metal_cases_qmatmul import _linear32
 
 
 def _experts(rng, E, N, K, bits, dt):
