@@ -7,7 +7,8 @@ workload on random weights of --shape and writes one JSON (rank 0; memory is gat
            first differing token was a near-tie (top-2 gap under --tie of the top logit)
   decode   aggregate decode tok/s at each --levels concurrency (runtime_bench.run_level; median of --repeats)
   prefill  one --prefill-token prompt, 1 token generated: prompt tokens / time to first token
-  memory   per rank: weight and cache-pool bytes, active memory after the build, peak over the run
+  memory   per rank: weight and cache-pool bytes, active memory after the build, the build's peak, and the
+           peak over the runs after it
 --only generate: load and generate --greedy-len tokens for two prompts, no timings (a shape too large for
 one device). All of it on nvidia-h200-x2: benchmarks/tp_two_gpu.sh.
 
@@ -60,11 +61,11 @@ def _median_runs(engine, concurrency, prompt_len, gen_len, repeats, seed):
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
-def _memory(model, engine, group, build_active: float) -> list[dict]:
+def _memory(model, engine, group, build: tuple[float, float]) -> list[dict]:
     mine = mx.array([sum(v.nbytes for v in model.weights.values()), sum(a.nbytes for a in engine.cache.arrays()),
-                     build_active, mx.get_peak_memory()], dtype=mx.float32) / 1e9
+                     *build, mx.get_peak_memory()], dtype=mx.float32) / 1e9
     rows = mine[None] if group is None else mx.distributed.all_gather(mine[None], group=group)
-    keys = ("weights_gb", "cache_gb", "active_after_build_gb", "peak_gb")
+    keys = ("weights_gb", "cache_gb", "active_after_build_gb", "build_peak_gb", "peak_gb")
     return [dict(zip(keys, (round(float(v), 3) for v in r))) for r in rows.tolist()]
 
 
@@ -75,7 +76,7 @@ def run(args) -> dict:
     model = builtin.random_model(config=config, seed=0, quantize=QuantSpec(args.bits, args.group_size) if args.bits
                                  else None, group=group)
     build_s = time.perf_counter() - t
-    build_active = mx.get_active_memory()
+    build = (mx.get_active_memory(), mx.get_peak_memory())  # the peak: a whole tensor drawn before its cut
     levels = [int(c) for c in args.levels.split(",")] if args.only != "generate" else [2]
     longest = max(args.prefill if args.only != "generate" else 0, args.prompt_len + args.gen_len, 320 + args.greedy_len)
     blocks = max(levels) * BlockPool.blocks_for(max(args.prompt_len + args.gen_len, 320 + args.greedy_len), 128)
@@ -93,7 +94,7 @@ def run(args) -> dict:
         pre = _median_runs(engine, 1, args.prefill, 1, args.repeats, 10_000)
         report["prefill"] = {"tokens": args.prefill, "ttft_ms": pre["ttft_max_ms"],
                              "tok_s": args.prefill / (pre["ttft_max_ms"] / 1e3)}
-    report["memory"] = _memory(model, engine, group, build_active)
+    report["memory"] = _memory(model, engine, group, build)
     return report if group is None or group.rank() == 0 else {}
 
 
@@ -113,7 +114,7 @@ def compare(one: dict, two: dict, tie: float) -> tuple[str, bool]:
     if "prefill" in one and "prefill" in two:
         a, b = one["prefill"]["tok_s"], two["prefill"]["tok_s"]
         lines.append(f"| prefill tok/s, {one['prefill']['tokens']} tokens | {a:.0f} | {b:.0f} | {b / a:.2f} |")
-    for k in ("weights_gb", "cache_gb", "peak_gb"):
+    for k in ("weights_gb", "cache_gb", "build_peak_gb", "peak_gb"):
         per = "/".join(f"{m[k]:.2f}" for m in two["memory"])
         lines.append(f"| {k[:-3]} GB per device | {one['memory'][0][k]:.2f} | {per} | |")
     ok = True

@@ -396,7 +396,8 @@ def test_tp_bench_compare_excuses_only_near_ties(tmp_path, gap, rc):
     """Two runs that part at token 1, where run one's runner-up is run two's token: a near-tie when the top-2
     gap is within --tie (2%) of the top logit, else a failure (exit 1) that says so."""
     def report(tokens, second):
-        return {"shape": "demo", "bits": 0, "ranks": 1, "memory": [{"weights_gb": 1.0, "cache_gb": 1.0, "peak_gb": 2}],
+        memory = [{"weights_gb": 1.0, "cache_gb": 1.0, "build_peak_gb": 1.5, "peak_gb": 2}]
+        return {"shape": "demo", "bits": 0, "ranks": 1, "memory": memory,
                 "greedy": [{"prompt_len": 5, "tokens": tokens,
                             "top2": [[tokens[0], 9], [tokens[1], second], [tokens[2], 9]],
                             "top2_logits": [[10.0, 5.0], [10.0, 10.0 - 10.0 * gap], [10.0, 5.0]]}]}
