@@ -149,7 +149,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", help="rank 0 writes the report here")
     ap.add_argument("--compare", nargs=2, metavar=("ONE", "TWO"), help="print two reports side by side and exit")
-    ap.add_argument("--tie", type=float, default=0.02, help="near-tie: top-2 gap at most this fraction of the top logit")
+    ap.add_argument("--tie", type=float, default=0.02,
+                    help="near-tie: a top-2 gap of at most this fraction of the top logit")
     args = ap.parse_args(argv)
     if args.compare:
         one, two = (json.loads(open(p).read()) for p in args.compare)
