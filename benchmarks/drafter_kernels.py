@@ -3,7 +3,9 @@
 spec_trace.py counts a step's kernels together; this runs the engine as spec_trace does (9B target, the
 z-lab drafter shape, forced acceptance), captures the step's drafter calls (the proposal and the context
 write) with their arguments, and replays each alone, compiled and uncompiled, under CUPTI: kernels per call
-by name, and their device time. What it answers: where the step's large bf16 copies come from.
+by name, and their device time. Before that, each compiled call is traced afresh under a dispatch census:
+per op, the calls that took the fallback, and the ops switched off. What it answers: where the step's large
+bf16 copies come from (an in-place pool write that falls back is a scatter that copies the pool).
 
     source .device/env.sh && python benchmarks/drafter_kernels.py --seqs 1 8 --n-draft 7 --json $OUT/drafter-kernels.json
 """
@@ -20,6 +22,8 @@ import time
 import mlx.core as mx
 
 import spec_bench
+from mtlqwen.kernels import dispatch
+from mtlqwen.model.compiled_draft import CompiledDraft
 from step_trace import kernel_events, short
 
 
@@ -63,6 +67,40 @@ def per_call(run, calls: int) -> dict:
     return {"wall_ms": round(statistics.median(walls), 3), "kernels": kernels}
 
 
+def dispatch_census(run) -> dict:
+    """Per op, how many of its calls in run() took the fallback (the reference or composed ops), beside all its
+    calls; and the ops switched off by then. A compiled call must be traced inside run() to be seen (a replay
+    runs no Python). An in-place write that falls back becomes a functional scatter, which copies the whole
+    pool when the pool cannot be donated: the lead for the bf16 copies."""
+    calls, fell = collections.Counter(), collections.Counter()
+    real_call = dispatch.Op.__call__
+    wrapped = {}
+
+    def counting(op, *a, **kw):
+        calls[op.name] += 1
+        if op.name not in wrapped:
+            fb = op.fallback
+            wrapped[op.name] = fb
+
+            def fallback(*a2, _fb=fb, _name=op.name, **kw2):
+                fell[_name] += 1
+                return _fb(*a2, **kw2)
+
+            op.fallback = fallback
+        return real_call(op, *a, **kw)
+
+    dispatch.Op.__call__ = counting
+    try:
+        run()
+        mx.synchronize()
+    finally:
+        dispatch.Op.__call__ = real_call
+        for name, fb in wrapped.items():
+            dispatch.OPS[name].fallback = fb
+    return {"ops": {n: {"calls": c, "fallbacks": fell[n]} for n, c in sorted(calls.items())},
+            "switched_off": {n: op.failed for n, op in dispatch.OPS.items() if op.failed}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqs", type=int, nargs="+", default=[1, 8])
@@ -85,6 +123,16 @@ def main(argv=None) -> int:
             sp = eng.spec
             cd, dc = sp.compiled_draft, sp.dcache
             rows = {}
+            # a fresh trace of each compiled call under the census (the engine's traces replay without Python)
+            fresh = CompiledDraft(sp.drafter, scratch_block=cd.scratch_block)
+            census = {}
+            if "propose" in got:
+                census["propose compiled"] = dispatch_census(
+                    lambda: mx.eval(fresh.propose(got["propose"][0], got["propose"][1], dc, got["propose"][2]),
+                                    dc.arrays()))
+            if "context" in got:
+                census["context compiled"] = dispatch_census(
+                    lambda: (fresh.write_context(*got["context"][:2], dc, got["context"][2]), mx.eval(dc.arrays())))
             if "propose" in got:
                 a, lay, n = got["propose"]
                 rows["propose compiled"] = per_call(lambda: mx.eval(cd.propose(a, lay, dc, n), dc.arrays()), args.calls)
@@ -95,13 +143,16 @@ def main(argv=None) -> int:
                 rows["context compiled"] = per_call(lambda: (cd.write_context(t, lay, dc, r), mx.eval(dc.arrays())), args.calls)
                 rows["context eager"] = per_call(lambda: (sp.drafter.write_context(tr, lay, dc), mx.eval(dc.arrays())), args.calls)
             spec_bench.cancel_all(eng)
+        for name, c in census.items():
+            fb = {n: f"{v['fallbacks']}/{v['calls']}" for n, v in c["ops"].items() if v["fallbacks"]}
+            print(f"## {S} seqs, {name} traced: fallbacks {fb or 'none'}; switched off {c['switched_off'] or 'none'}")
         for name, r in rows.items():
             ks = r["kernels"]
             print(f"## {S} seqs, {name}: {r['wall_ms']:.2f} ms a call, {sum(v['per_call'] for v in ks.values()):.0f} "
                   f"kernels, {sum(v['us_per_call'] for v in ks.values()):.0f} us of kernels", flush=True)
             for k, v in list(ks.items())[:12]:
                 print(f"   {k:50s} {v['per_call']:6.1f} {v['us_per_call']:8.1f} us")
-        out.append({"seqs": S, "n_draft": args.n_draft, "calls": rows})
+        out.append({"seqs": S, "n_draft": args.n_draft, "calls": rows, "dispatch": census})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"argv": sys.argv, "mlx": mx.__version__, "rows": out}, f, indent=1)
