@@ -280,6 +280,52 @@ def test_generate_two_ranks_prints_once_and_matches(tmp_path):
     assert "Generation: 12 tokens" in p.stdout
 
 
+def _stop(proc: subprocess.Popen, log) -> None:
+    """Interrupt the launcher's process group (the launcher does not forward it), then kill what is left."""
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+    except ProcessLookupError:
+        pass  # every process of the group has exited
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    log.close()
+
+
+def _serve_two_ranks(tmp_path: Path):
+    """(process, base URL, log) of `serve --tensor-parallel` on 2 ranks once /health answers. A start that lost
+    the HTTP or a ring port to another process in the meantime is retried on fresh ports (three tries)."""
+    import urllib.request  # noqa: PLC0415
+
+    launcher = shutil.which("mlx.launch")
+    assert launcher, "mlx.launch (installed with mlx) is not on PATH"
+    for _ in range(3):
+        ring = _free_port_pair()
+        port = next(q for q in iter(_free_port_pair, None) if q not in (ring - 1, ring, ring + 1))
+        cmd = [launcher, "-n", "2", "--backend", "ring", "--hosts", "127.0.0.1", "-p", str(ring), "--",
+               sys.executable, "-m", "mtlqwen", "serve", "--port", str(port), "--slots", "2", "--tensor-parallel"]
+        log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
+        # its own process group, so that _stop reaches the launcher and both ranks
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=tmp_path,
+                                start_new_session=True)
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if json.load(urllib.request.urlopen(f"{base}/health", timeout=5))["status"] == "ok":
+                    return proc, base, log
+            except OSError:
+                pass
+            time.sleep(0.5)
+        _stop(proc, log)
+        text = (tmp_path / "serve.log").read_text()
+        if "Couldn't bind socket" not in text and "already in use" not in text:
+            raise AssertionError(text[-3000:])
+    raise AssertionError(text[-3000:])
+
+
 def test_serve_two_ranks_answers_from_rank0(tmp_path):
     """serve --tensor-parallel: rank 0 binds and answers; its reply is the single-process engine's."""
     import urllib.request  # noqa: PLC0415
@@ -287,42 +333,13 @@ def test_serve_two_ranks_answers_from_rank0(tmp_path):
     from mtlqwen import Engine, SamplingParams  # noqa: PLC0415
     from mtlqwen.demo import load_builtin  # noqa: PLC0415
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    launcher = shutil.which("mlx.launch")
-    cmd = [launcher, "-n", "2", "--backend", "ring", "--hosts", "127.0.0.1", "-p", str(_free_port_pair()), "--",
-           sys.executable, "-m", "mtlqwen", "serve", "--port", str(port), "--slots", "2", "--tensor-parallel"]
-    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
-    # its own process group: the interrupt reaches the launcher and both ranks (the launcher does not
-    # forward it), so nothing outlives the test
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=tmp_path,
-                            start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    proc, base, log = _serve_two_ranks(tmp_path)
     try:
-        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                if json.load(urllib.request.urlopen(f"{base}/health", timeout=5))["status"] == "ok":
-                    break
-            except OSError:
-                pass
-            time.sleep(0.5)
         body = json.dumps({"prompt": "Hello there", "max_tokens": 8, "temperature": 0}).encode()
         req = urllib.request.Request(f"{base}/v1/completions", body, {"content-type": "application/json"})
         reply = json.load(urllib.request.urlopen(req, timeout=120))
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGINT)  # the launcher and any rank still alive
-        except ProcessLookupError:
-            pass  # every process of the group has exited
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        log.close()
+        _stop(proc, log)
     b = load_builtin(None)  # what serve runs without --model (the demo pair when shipped, else random weights)
     ref = Engine(b.model, tokenizer=b.tokenizer, slots=1, draft=b.drafter).generate(
         "Hello there", SamplingParams(max_tokens=8, temperature=0.0))[0]
