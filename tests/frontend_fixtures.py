@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import random
 import socket
 import subprocess
 import sys
@@ -109,10 +110,37 @@ def wait_ok(client, timeout: float = 60.0) -> None:
 
 # ---- a real server process on loopback
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_ports() -> range:
+    """The kernel's range for outgoing connections' local ports (Linux; a common default elsewhere)."""
+    try:
+        lo, hi = map(int, pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        lo, hi = 32768, 60999
+    return range(lo, hi + 1)
+
+
+def free_port(pair: bool = False) -> int:
+    """A free loopback port p (pair: p + 1 free too, e.g. the ring back-end's ports for 2 ranks), chosen below
+    the ephemeral range: a port the kernel hands out itself can be taken by any outgoing connection between
+    this check and the server's bind."""
+    ephemeral = _ephemeral_ports()
+    rng = random.Random()
+    for _ in range(200):
+        p = rng.randrange(20000, 32000)
+        ports = (p, p + 1) if pair else (p,)
+        if any(q in ephemeral for q in ports):
+            continue
+        socks = [socket.socket() for _ in ports]
+        try:
+            for s, q in zip(socks, ports):
+                s.bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free loopback port")
 
 
 def subprocess_env(**extra: str) -> dict:

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import numpy as np
 import pytest
 
 import hf_checkpoints as H
+from frontend_fixtures import free_port
 import mtlqwen
 from dflash_checkpoints import write_tiny_drafter
 from mtlqwen import Qwen35Model, SeqLayout
@@ -170,42 +170,13 @@ def test_tensor_parallel_group_of_one_is_an_error(monkeypatch):
 
 # ---- 2 ranks over the ring back-end
 
-def _ephemeral_ports() -> range:
-    """The kernel's range for outgoing connections' local ports (Linux; a common default elsewhere)."""
-    try:
-        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    except (OSError, ValueError):
-        lo, hi = 32768, 60999
-    return range(lo, hi + 1)
-
-
-def _free_port_pair() -> int:
-    """A port p with p and p + 1 free (the ring back-end listens on starting port + rank), chosen below the
-    ephemeral range: a port the kernel hands out itself can be taken by any outgoing connection between this
-    check and the ranks' bind."""
-    ephemeral = _ephemeral_ports()
-    rng = np.random.default_rng()
-    for _ in range(200):
-        p = int(rng.integers(20000, 32000))
-        if p in ephemeral or p + 1 in ephemeral:
-            continue
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", p))
-                b.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no free pair of ports")
-
-
 def _run_ring(cmd_after_port: list[str], **kw) -> subprocess.CompletedProcess:
     """mlx.launch -n 2 over the ring on 127.0.0.1; a launch whose rank lost its port to another process in the
     meantime is retried on a fresh pair (at most three tries), so a busy machine does not fail the test."""
     launcher = shutil.which("mlx.launch")
     assert launcher, "mlx.launch (installed with mlx) is not on PATH"
     for _ in range(3):
-        cmd = [launcher, "-n", "2", "--backend", "ring", "--hosts", "127.0.0.1", "-p", str(_free_port_pair()),
+        cmd = [launcher, "-n", "2", "--backend", "ring", "--hosts", "127.0.0.1", "-p", str(free_port(pair=True)),
                *cmd_after_port]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, **kw)
         if "Couldn't bind socket" not in p.stdout + p.stderr:
@@ -302,8 +273,8 @@ def _serve_two_ranks(tmp_path: Path):
     launcher = shutil.which("mlx.launch")
     assert launcher, "mlx.launch (installed with mlx) is not on PATH"
     for _ in range(3):
-        ring = _free_port_pair()
-        port = next(q for q in iter(_free_port_pair, None) if q not in (ring - 1, ring, ring + 1))
+        ring = free_port(pair=True)
+        port = next(q for q in iter(free_port, None) if q not in (ring - 1, ring, ring + 1))
         cmd = [launcher, "-n", "2", "--backend", "ring", "--hosts", "127.0.0.1", "-p", str(ring), "--",
                sys.executable, "-m", "mtlqwen", "serve", "--port", str(port), "--slots", "2", "--tensor-parallel"]
         log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
