@@ -8,6 +8,7 @@ per op, the calls that took the fallback, and the ops switched off. What it answ
 bf16 copies come from (an in-place pool write that falls back is a scatter that copies the pool).
 
     source .device/env.sh && python benchmarks/drafter_kernels.py --seqs 1 8 --n-draft 7 --json $OUT/drafter-kernels.json
+    python benchmarks/drafter_kernels.py --pretend-cuda --seqs 1 8   # the census alone, any machine (no engine)
 """
 
 from __future__ import annotations
@@ -101,6 +102,32 @@ def dispatch_census(run) -> dict:
             "switched_off": {n: op.failed for n, op in dispatch.OPS.items() if op.failed}}
 
 
+def pretend_census(shape: str, seqs: list[int], n_draft: int) -> None:
+    """The census of the compiled proposal and an (n_draft + 1)-row context write a sequence under the CUDA
+    dispatch on any machine (host_build.pretend_cuda: stand-in kernels, nothing evaluated), on synthetic
+    layouts (600 tokens of context, 8 blocks a sequence): which paths the dispatch picks at each size."""
+    import host_build  # noqa: PLC0415
+    from mtlqwen.kernels import SeqLayout  # noqa: PLC0415
+
+    model = spec_bench.build_target(shape, 4)
+    drafter = spec_bench.random_drafter(shape, model)
+    host_build.pretend_cuda()
+    B, bt = n_draft + 1, 128
+    for S in seqs:
+        dc = drafter.make_cache(model.make_cache(num_blocks=8 * S + 2, num_slots=S, block_tokens=bt))
+        cd = CompiledDraft(drafter, scratch_block=8 * S + 1)
+        tables = [list(range(8 * i, 8 * i + 8)) for i in range(S)]
+        lay = SeqLayout(list(range(S + 1)), [600] * S, tables, list(range(S)), bt)
+        clay = SeqLayout([B * i for i in range(S + 1)], [600] * S, tables, list(range(S)), bt)
+        taps = mx.zeros((B * S, drafter.fc.in_features), dtype=mx.bfloat16)
+        for name, run in (("propose compiled", lambda: cd.propose(mx.array([1] * S, dtype=mx.int32), lay, dc, n_draft)),
+                          ("context compiled", lambda: cd.write_context(taps, clay, dc))):
+            c = dispatch_census(run)
+            fb = {n: f"{v['fallbacks']}/{v['calls']}" for n, v in c["ops"].items() if v["fallbacks"]}
+            print(f"## {S} seqs, {name} traced (CUDA dispatch pretended): fallbacks {fb or 'none'}; "
+                  f"switched off {c['switched_off'] or 'none'}", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqs", type=int, nargs="+", default=[1, 8])
@@ -112,7 +139,12 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--shape", choices=["9b", "demo"], default="9b", help="demo: a CPU smoke run (no kernels recorded)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--pretend-cuda", action="store_true",
+                    help="only the dispatch census, under the CUDA dispatch on this machine (pretend_census)")
     args = ap.parse_args(argv)
+    if args.pretend_cuda:
+        pretend_census(args.shape, args.seqs, args.n_draft)
+        return 0
     model = spec_bench.build_target(args.shape, 4)
     drafter = spec_bench.random_drafter(args.shape, model)
     out = []

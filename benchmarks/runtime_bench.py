@@ -46,6 +46,14 @@ def run_level(engine: Engine, concurrency: int, prompt_len: int, gen_len: int, s
     }
 
 
+def median_level(engine: Engine, concurrency: int, prompt_len: int, gen_len: int, repeats: int,
+                 seed: int = 0) -> dict:
+    """run_level `repeats` times (seeds seed, seed + 1, ...: fresh prompts, no prefix hits between them), each
+    figure's median."""
+    runs = [run_level(engine, concurrency, prompt_len, gen_len, seed=seed + r) for r in range(repeats)]
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
@@ -83,8 +91,7 @@ def main(argv=None):
     print(header)
     for c in levels:
         mx.reset_peak_memory()
-        runs = [run_level(engine, c, args.prompt_len, args.gen_len, seed=r) for r in range(args.repeats)]
-        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        med = median_level(engine, c, args.prompt_len, args.gen_len, args.repeats)
         med.update(concurrency=c, peak_memory_gb=mx.get_peak_memory() / 1e9)
         results.append(med)
         print(f"{c:>4} {med['decode_tok_s']:>13.1f} {med['output_tok_s']:>13.1f} {med['ttft_mean_ms']:>13.1f} "

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
@@ -32,15 +31,18 @@ import mlx.core as mx
 import numpy as np
 
 from mtlqwen.model import QuantSpec, builtin
+from mtlqwen.model.distributed import tensor_parallel_group
 from mtlqwen.runtime import Engine, SamplingParams
 from mtlqwen.runtime.block_pool import BlockPool
 
-from runtime_bench import run_level
+from runtime_bench import median_level, run_level
+
+GREEDY_PROMPT_MAX = 320  # the greedy prompts' lengths: 48 up to this
 
 
 def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, size=int(rng.integers(48, 320))).tolist() for _ in range(n)]
+    return [rng.integers(0, vocab, size=int(rng.integers(48, GREEDY_PROMPT_MAX))).tolist() for _ in range(n)]
 
 
 def greedy(model, engine: Engine, n_prompts: int, gen_len: int) -> list[dict]:
@@ -56,11 +58,6 @@ def greedy(model, engine: Engine, n_prompts: int, gen_len: int) -> list[dict]:
     return rows
 
 
-def _median_runs(engine, concurrency, prompt_len, gen_len, repeats, seed):
-    runs = [run_level(engine, concurrency, prompt_len, gen_len, seed=seed + r) for r in range(repeats)]
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-
-
 def _memory(model, engine, group, build: tuple[float, float]) -> list[dict]:
     mine = mx.array([sum(v.nbytes for v in model.weights.values()), sum(a.nbytes for a in engine.cache.arrays()),
                      *build, mx.get_peak_memory()], dtype=mx.float32) / 1e9
@@ -70,7 +67,7 @@ def _memory(model, engine, group, build: tuple[float, float]) -> list[dict]:
 
 
 def run(args) -> dict:
-    group = mx.distributed.init(strict=True, backend=args.backend) if args.group else None
+    group = tensor_parallel_group(args.backend) if args.group else None  # a clear error when not launched
     config = builtin.SHAPES[args.shape]()
     t = time.perf_counter()
     model = builtin.random_model(config=config, seed=0, quantize=QuantSpec(args.bits, args.group_size) if args.bits
@@ -78,9 +75,11 @@ def run(args) -> dict:
     build_s = time.perf_counter() - t
     build = (mx.get_active_memory(), mx.get_peak_memory())  # the peak: a whole tensor drawn before its cut
     levels = [int(c) for c in args.levels.split(",")] if args.only != "generate" else [2]
-    longest = max(args.prefill if args.only != "generate" else 0, args.prompt_len + args.gen_len, 320 + args.greedy_len)
-    blocks = max(levels) * BlockPool.blocks_for(max(args.prompt_len + args.gen_len, 320 + args.greedy_len), 128)
-    engine = Engine(model, slots=max(levels), num_blocks=max(blocks, BlockPool.blocks_for(longest, 128) + 1), seed=0)
+    per_seq = max(args.prompt_len + args.gen_len, GREEDY_PROMPT_MAX + args.greedy_len)
+    prefill = args.prefill + 1 if args.only != "generate" else 0
+    # a pool for the widest level, or the one long prefill, whichever needs more (not the device-sized default)
+    blocks = max(max(levels) * BlockPool.blocks_for(per_seq, 128), BlockPool.blocks_for(prefill, 128))
+    engine = Engine(model, slots=max(levels), block_tokens=128, num_blocks=blocks, seed=0)
     report = {"shape": args.shape, "bits": args.bits, "ranks": 1 if group is None else group.size(),
               "device": str(mx.default_device()), "build_s": round(build_s, 1)}
     mx.reset_peak_memory()
@@ -89,9 +88,9 @@ def run(args) -> dict:
     report["greedy_s"] = round(time.perf_counter() - t, 1)
     if args.only != "generate":
         run_level(engine, max(levels), min(args.prompt_len, 256), min(args.gen_len, 8), seed=999)  # warm-up
-        report["decode"] = {str(c): _median_runs(engine, c, args.prompt_len, args.gen_len, args.repeats, 100 * c)
+        report["decode"] = {str(c): median_level(engine, c, args.prompt_len, args.gen_len, args.repeats, 100 * c)
                             for c in levels}
-        pre = _median_runs(engine, 1, args.prefill, 1, args.repeats, 10_000)
+        pre = median_level(engine, 1, args.prefill, 1, args.repeats, 10_000)
         report["prefill"] = {"tokens": args.prefill, "ttft_ms": pre["ttft_max_ms"],
                              "tok_s": args.prefill / (pre["ttft_max_ms"] / 1e3)}
     report["memory"] = _memory(model, engine, group, build)

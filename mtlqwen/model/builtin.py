@@ -11,7 +11,8 @@ import mlx.core as mx
 from .config import QuantSpec, Qwen35Config, parse_config
 from .quantize import ROUTER, quantizable
 from .qwen35 import Qwen35Model
-from .sharding import Shard, check_split, shard_config, shard_weights
+from .loading import rank_model
+from .sharding import Shard, check_split, shard_weights
 from .weights import expected_shapes
 
 BYTE_VOCAB = 512  # 256 byte tokens + specials + padding
@@ -128,8 +129,8 @@ def random_model(
     if group is None or group.size() == 1:
         model = Qwen35Model(config, random_weights(config, seed, dtype, quantize))
     else:
-        weights = random_weights(config, seed, dtype, quantize, Shard(group.rank(), group.size()))
-        model = Qwen35Model(shard_config(config, group.size()), weights, group=group, full_config=config)
+        model = rank_model(config, random_weights(config, seed, dtype, quantize, Shard(group.rank(), group.size())),
+                           group)
     model.source = "built-in random weights"
     return model
 

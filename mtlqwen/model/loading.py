@@ -118,7 +118,12 @@ def shard_model(config: Qwen35Config, weights: dict[str, mx.array], group, progr
     """The rank's Qwen35Model of a whole model (config + weights, e.g. `model.config, model.weights`)."""
     weights = shard_weights(weights, config, Shard(group.rank(), group.size()))
     evaluate(weights, progress)
-    return Qwen35Model(shard_config(config, group.size()), weights, group=group, full_config=config)
+    return rank_model(config, weights, group)
+
+
+def rank_model(config: Qwen35Config, rank_weights: dict[str, mx.array], group) -> Qwen35Model:
+    """The Qwen35Model of one rank from the whole model's config and that rank's tensors (already cut)."""
+    return Qwen35Model(shard_config(config, group.size()), rank_weights, group=group, full_config=config)
 
 
 def load(path_or_repo: str | Path, quantize=None, progress=None, group=None) -> Qwen35Model:
