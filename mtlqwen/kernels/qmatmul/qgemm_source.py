@@ -105,11 +105,19 @@ SB_LOAD = r"""    for (int r = tid; r < TR; r += NT) {
 """
 
 
+# the block's first output column (blocks walk the P projections' concatenated columns; PROJ_SELECT sets p)
+BLOCK_COLS = r"""  int blk = blockIdx.x;
+  int p = 0;
+  PROJ_SELECT
+  const int n0 = blk * NOUT;
+"""
+
+
 def shared_fragments(body: str) -> str:
-    """`body` with K_SPLIT, ROW_OF_FN, STAGE_PTRS, SB_LOAD and NEXT_STAGE (each on a line of its own) written
-    out; ROW_OF stays for the caller."""
-    for name, text in (("K_SPLIT", K_SPLIT), ("ROW_OF_FN", ROW_OF_FN), ("STAGE_PTRS", STAGE_PTRS),
-                       ("SB_LOAD", SB_LOAD), ("NEXT_STAGE", NEXT_STAGE)):
+    """`body` with BLOCK_COLS, K_SPLIT, ROW_OF_FN, STAGE_PTRS, SB_LOAD and NEXT_STAGE (each on a line of its
+    own) written out; PROJ_SELECT and ROW_OF stay for the caller."""
+    for name, text in (("BLOCK_COLS", BLOCK_COLS), ("K_SPLIT", K_SPLIT), ("ROW_OF_FN", ROW_OF_FN),
+                       ("STAGE_PTRS", STAGE_PTRS), ("SB_LOAD", SB_LOAD), ("NEXT_STAGE", NEXT_STAGE)):
         body = body.replace(name + "\n", text)
     return body
 
@@ -136,10 +144,7 @@ _BODY = r"""
   const int g = lane >> 2, t = lane & 3;
 
   // which projection and output rows this block owns
-  int blk = blockIdx.x;
-  int p = 0;
-  PROJ_SELECT
-  const int n0 = blk * NOUT;
+BLOCK_COLS
   const int m0 = blockIdx.y * MB;
   GROUP_SELECT
 K_SPLIT

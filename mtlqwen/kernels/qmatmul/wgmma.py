@@ -101,10 +101,7 @@ _BODY = r"""
   const int lane = tid & 31, wn = (tid >> 5) & 3, wgi = tid >> 7;
   const int g = lane >> 2, t = lane & 3;
 
-  int blk = blockIdx.x;
-  int p = 0;
-  PROJ_SELECT
-  const int n0 = blk * NOUT;
+BLOCK_COLS
   const int m0 = blockIdx.y * NB;
 K_SPLIT
   // tile row r -> (pointers, global row); EPI 1: group 0 (rows 0..63) gate, group 1 the same up rows
