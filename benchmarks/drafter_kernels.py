@@ -3,7 +3,8 @@
 spec_trace.py counts a step's kernels together; this runs the engine as spec_trace does (9B target, the
 z-lab drafter shape, forced acceptance), captures the step's drafter calls (the proposal and the context
 write) with their arguments, and replays each alone, compiled and uncompiled, under CUPTI: kernels per call
-by name, and their device time. Before that, each compiled call is traced afresh under a dispatch census:
+by name, and their device time; for the compiled calls, their graph's primitives and one call's kernels in
+launch order. Before that, each compiled call is traced afresh under a dispatch census:
 per op, the calls that took the fallback, and the ops switched off. What it answers: where the step's large
 bf16 copies come from (an in-place pool write that falls back is a scatter that copies the pool).
 
@@ -16,8 +17,10 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import re
 import statistics
 import sys
+import tempfile
 import time
 
 import mlx.core as mx
@@ -66,6 +69,26 @@ def per_call(run, calls: int) -> dict:
     kernels = {k: {"per_call": round(len(d) / calls, 2), "us_per_call": round(sum(d) / calls, 1)}
                for k, d in sorted(per.items(), key=lambda kv: -sum(kv[1]))}
     return {"wall_ms": round(statistics.median(walls), 3), "kernels": kernels}
+
+
+def kernel_order(run) -> list[str]:
+    """One call's kernels in launch order, runs of one name folded ("name x3"): which op each copy sits beside."""
+    names = [short(n) for _, _, n in sorted(kernel_events(run))]
+    out: list[list] = []
+    for n in names:
+        if out and out[-1][0] == n:
+            out[-1][1] += 1
+        else:
+            out.append([n, 1])
+    return [n if c == 1 else f"{n} x{c}" for n, c in out]
+
+
+def graph_primitives(arrays) -> dict:
+    """Primitives by name in the graph of a call's outputs before evaluation (a compiled call's: its tape's)."""
+    with tempfile.NamedTemporaryFile(suffix=".dot") as f:
+        mx.export_to_dot(f.name, *arrays)
+        txt = open(f.name).read()
+    return dict(collections.Counter(re.findall(r'label ="([A-Za-z_]+)', txt)).most_common())
 
 
 def dispatch_census(run) -> dict:
@@ -165,6 +188,20 @@ def main(argv=None) -> int:
             if "context" in got:
                 census["context compiled"] = dispatch_census(
                     lambda: (fresh.write_context(*got["context"][:2], dc, got["context"][2]), mx.eval(dc.arrays())))
+            # the compiled calls' graphs and launch order (where an unexplained copy sits)
+            where = {}
+            if "propose" in got:
+                a, lay, n = got["propose"]
+                where["propose compiled"] = {"graph": graph_primitives([cd.propose(a, lay, dc, n), *dc.arrays()]),
+                                             "order": kernel_order(lambda: mx.eval(cd.propose(a, lay, dc, n),
+                                                                                   dc.arrays()))}
+            if "context" in got:
+                t, lay, r = got["context"]
+                cd.write_context(t, lay, dc, r)
+                where["context compiled"] = {"graph": graph_primitives(dc.arrays()),
+                                             "order": kernel_order(lambda: (cd.write_context(t, lay, dc, r),
+                                                                            mx.eval(dc.arrays())))}
+            mx.eval(dc.arrays())
             if "propose" in got:
                 a, lay, n = got["propose"]
                 rows["propose compiled"] = per_call(lambda: mx.eval(cd.propose(a, lay, dc, n), dc.arrays()), args.calls)
@@ -178,13 +215,16 @@ def main(argv=None) -> int:
         for name, c in census.items():
             fb = {n: f"{v['fallbacks']}/{v['calls']}" for n, v in c["ops"].items() if v["fallbacks"]}
             print(f"## {S} seqs, {name} traced: fallbacks {fb or 'none'}; switched off {c['switched_off'] or 'none'}")
+        for name, w in where.items():
+            print(f"## {S} seqs, {name}: graph {w['graph']}")
+            print("   launch order: " + " | ".join(w["order"]))
         for name, r in rows.items():
             ks = r["kernels"]
             print(f"## {S} seqs, {name}: {r['wall_ms']:.2f} ms a call, {sum(v['per_call'] for v in ks.values()):.0f} "
                   f"kernels, {sum(v['us_per_call'] for v in ks.values()):.0f} us of kernels", flush=True)
             for k, v in list(ks.items())[:12]:
                 print(f"   {k:50s} {v['per_call']:6.1f} {v['us_per_call']:8.1f} us")
-        out.append({"seqs": S, "n_draft": args.n_draft, "calls": rows, "dispatch": census})
+        out.append({"seqs": S, "n_draft": args.n_draft, "calls": rows, "dispatch": census, "where": where})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"argv": sys.argv, "mlx": mx.__version__, "rows": out}, f, indent=1)

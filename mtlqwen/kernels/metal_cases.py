@@ -328,6 +328,31 @@ def _attn_trials() -> list[Trial]:
 
         out.append(Trial(f"mtl_attn_prep_kv_write[{_n(dt)} {hq}/{hk} heads of {hd}, {_n(wt)} norms]", run, ref,
                          [TOL[dt], TOL[dt], 0.0, TOL[dt], 0.0]))
+    # the DFlash drafter's forms: k and v read in place from its k|v projection rows [T, 2 * 8 * 128], with q (a
+    # proposal of 8 rows) and without (a context write of 16)
+    for hq, qlens in ((32, [8]), (0, [9, 7])):
+        rng = np.random.default_rng(7)
+        _, kp, vp, layout = _attn_batch(rng, BF16, past=[126, 3][:len(qlens)], qlens=qlens, nkv=8, rep=4, hd=128)
+        T = sum(qlens)
+        qg = _rand(rng, T, hq, 128, dtype=BF16) if hq else None
+        kv = _rand(rng, T, 2 * 8 * 128, dtype=BF16)
+        qn, kn = ((1 + _rand(rng, 128, dtype=BF16, scale=0.2)) for _ in range(2))
+        tables = _fn("RopeTables")(128, 1e6)
+        pos = layout.array("positions")
+
+        def run(kp=kp, vp=vp, qg=qg, kv=kv, qn=qn, kn=kn, t=tables, pos=pos, L=layout):
+            q, kk, done = _fn("prep_kv_write")(qg, kv, kv, qn, kn, 1e-6, pos, t, 128, kp, vp, L, k_off=0, v_off=1024)
+            return ([q] if qg is not None else []) + [kk, done, kp.astype(F32) + 0, vp.astype(F32) + 0]
+
+        def ref(kp=kp, vp=vp, qg=qg, kv=kv, qn=qn, kn=kn, t=tables, pos=pos, L=layout, T=T):
+            hnr = _fn("head_norm_rope_ref")
+            rk = _cpu(hnr, kv[:, :1024].reshape(T, 8, 128), kn, 1e-6, pos, t, 128)
+            wk, wv = _cpu(_fn("write_kv"), kp + 0, vp + 0, rk, kv[:, 1024:].reshape(T, 8, 128), L)
+            return (([_cpu(hnr, qg, qn, 1e-6, pos, t, 128)] if qg is not None else [])
+                    + [rk, mx.array([1], dtype=mx.int32), wk.astype(F32), wv.astype(F32)])
+
+        out.append(Trial(f"mtl_attn_prep_kv_write[bf16 {hq}/8 heads of 128, k|v rows read in place]", run, ref,
+                         ([TOL[BF16]] if hq else []) + [TOL[BF16], 0.0, TOL[BF16], 0.0]))
     return out
 
 

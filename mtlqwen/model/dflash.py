@@ -19,14 +19,12 @@ from ..kernels import (
     LinearParams,
     RopeTables,
     SeqLayout,
-    drafter_attention,
-    head_norm_rope,
+    drafter_attention_prep,
+    drafter_context_write,
     linear,
     linear_add_rms_norm,
     rms_norm,
     swiglu_linear,
-    write_kv,
-    write_kv_inplace,
 )
 from .cache import ModelCache
 from .config import ConfigError, Qwen35Config, read_config_json
@@ -178,20 +176,19 @@ class DrafterLayer:
         # kv_proj [2 * nKV * hd, H]: k rows then v rows, one GEMM (a view into the stacked context GEMM);
         # None only when k_proj and v_proj are quantized differently, then they run apart.
         self.kv_proj, self.k_proj, self.v_proj = kv, (None if kv is not None else k), (None if kv is not None else v)
-        self.kv_shape = (2, c.num_key_value_heads, c.head_dim)
+        self.kv_width = c.num_key_value_heads * c.head_dim
         self.q_norm, self.k_norm = w[f"{p}.self_attn.q_norm.weight"], w[f"{p}.self_attn.k_norm.weight"]
         self.gate_proj, self.up_proj = _lin(w, f"{p}.mlp.gate_proj", c), _lin(w, f"{p}.mlp.up_proj", c)
         self.down_proj = _lin(w, f"{p}.mlp.down_proj", c)
         self.causal, self.window = c.causal[i], c.window(i)
 
-    def project_kv(self, h: mx.array) -> tuple[mx.array, mx.array]:
-        """h [T, H] -> k, v [T, nKV, hd] (k before its norm and RoPE)."""
-        T = h.shape[0]
+    def project_kv(self, h: mx.array) -> tuple[mx.array, int, mx.array, int]:
+        """h [T, H] -> (k rows, k's offset, v rows, v's offset): rows [T, W] holding nKV x hd values from the
+        offset (k before its norm and RoPE), one k|v GEMM's output read in place by the attention."""
         if self.kv_proj is not None:
-            kv = linear(h, self.kv_proj).reshape(T, *self.kv_shape)
-            return kv[:, 0], kv[:, 1]
-        return (linear(h, self.k_proj).reshape(T, *self.kv_shape[1:]),
-                linear(h, self.v_proj).reshape(T, *self.kv_shape[1:]))
+            kv = linear(h, self.kv_proj)  # [T, 2 * nKV * hd]: k then v
+            return kv, 0, kv, self.kv_width
+        return linear(h, self.k_proj), 0, linear(h, self.v_proj), 0
 
 
 class Drafter:
@@ -248,13 +245,13 @@ class Drafter:
         return DrafterCache.like(self.config, target_cache)
 
     # -- context
-    def _context_kv(self, ctx: mx.array) -> list[tuple[mx.array, mx.array]]:
-        """ctx [T, H] -> per layer (k [T, nKV, hd] before norm/rope, v [T, nKV, hd])."""
-        c, T = self.config, ctx.shape[0]
+    def _context_kv(self, ctx: mx.array) -> list[tuple[mx.array, int, mx.array, int]]:
+        """ctx [T, H] -> per layer `DrafterLayer.project_kv`'s (k rows, offset, v rows, offset): one GEMM's
+        output [T, L * 2 * nKV * hd] for every layer when the k/v projections stack."""
         if self.ctx_kv is None:
             return [L.project_kv(ctx) for L in self.layers]
-        kv = linear(ctx, self.ctx_kv).reshape(T, c.num_hidden_layers, 2, c.num_key_value_heads, c.head_dim)
-        return [(kv[:, i, 0], kv[:, i, 1]) for i in range(c.num_hidden_layers)]
+        kv, w = linear(ctx, self.ctx_kv), self.layers[0].kv_width
+        return [(kv, 2 * i * w, kv, (2 * i + 1) * w) for i in range(len(self.layers))]
 
     def write_context(self, tap_feat: mx.array, layout: SeqLayout, cache: DrafterCache) -> None:
         """Project committed positions' taps into every drafter layer's context K/V (§1.3, §1.4).
@@ -278,13 +275,12 @@ class Drafter:
         ctx = rms_norm(linear(tap_feat, self.fc), self.hidden_norm, self.eps)  # [T, H]
         pos = layout.array("positions")
         q_shape = (ctx.shape[0], c.num_attention_heads, c.head_dim)  # what the drafter's attention reads them with
-        for i, (k, v) in enumerate(self._context_kv(ctx)):
-            k = head_norm_rope(k, self.layers[i].k_norm, self.eps, pos, self.rope, k.shape[-1])
-            kp, vp = cache.k_pools[i], cache.v_pools[i]
-            # on GPUs into the pools' own buffers (one launch, no pool copy), the handles following the write
-            written = write_kv_inplace(kp, vp, k, v, layout, q_shape, ctx.dtype)
-            cache.k_pools[i], cache.v_pools[i] = write_kv(kp, vp, k, v, layout) if written is None else \
-                mx.depends([kp, vp], [written])
+        for i, (k, ko, v, vo) in enumerate(self._context_kv(ctx)):
+            # on GPUs k's norm + RoPE and the write into the pools' own buffers in one launch (no pool copy),
+            # the handles following the write
+            cache.k_pools[i], cache.v_pools[i] = drafter_context_write(
+                k, ko, v, vo, self.layers[i].k_norm, self.eps, pos, self.rope, c.head_dim, cache.k_pools[i],
+                cache.v_pools[i], layout, q_shape, ctx.dtype)
 
     # -- drafting
     def _block_layout(self, layout: SeqLayout, n_slots: int) -> SeqLayout:
@@ -322,10 +318,10 @@ class Drafter:
         last = len(self.layers) - 1
         h = rms_norm(x, self.layers[0].input_norm, self.eps)
         for i, L in enumerate(self.layers):
-            q = head_norm_rope(linear(h, L.q_proj).reshape(T, nH, hd), L.q_norm, self.eps, pos, self.rope, hd)
-            k, v = L.project_kv(h)
-            k = head_norm_rope(k, L.k_norm, self.eps, pos, self.rope, k.shape[-1])
-            a = drafter_attention(q, k, v, cache.k_pools[i], cache.v_pools[i], bl, self.scale, L.causal, L.window)
+            # q and k normed and rotated, the block's K/V written and attended: one launch and the attention's on GPUs
+            a = drafter_attention_prep(linear(h, L.q_proj).reshape(T, nH, hd), *L.project_kv(h), L.q_norm, L.k_norm,
+                                       self.eps, pos, self.rope, hd, cache.k_pools[i], cache.v_pools[i], bl,
+                                       self.scale, L.causal, L.window)
             # on GPUs the block's rows were written into the pools in place (past kv_valid): later writers of
             # these pools (the step's context write) must follow, and MLX orders kernels only through data
             cache.k_pools[i], cache.v_pools[i] = mx.depends([cache.k_pools[i], cache.v_pools[i]], [a])

@@ -12,7 +12,7 @@ from ..rope.reference import RopeTables, head_norm_rope_ref
 from ..selection import SELECT
 from ..seqs import SeqLayout
 from . import drafter, kernels, kv_write, prefill, prep
-from .reference import drafter_attention_ref, paged_attention_gated_ref, paged_attention_ref
+from .reference import drafter_attention_ref, paged_attention_gated_ref, paged_attention_ref, write_kv
 
 _POOLS = ("k_pool", "v_pool")
 
@@ -74,11 +74,15 @@ def paged_attention_gated(q, k_pool, v_pool, layout: SeqLayout, scale: float, ga
     return _gated_ref(q, k_pool, v_pool, layout, scale, gate, after)
 
 
-def _write_kv_inplace_kernel(k_pool, v_pool, k, v, layout, q_shape, q_dtype):
-    """The in-place write, only where the attention that reads the pools next runs its kernel (which takes
-    the token) over this shape."""
+def _inplace_ok(q_shape, q_dtype, k_pool, v_pool, layout) -> bool:
+    """An in-place pool write is taken only where the attention that reads the pools next runs its kernel
+    (which takes the token) over this shape."""
     attention_on = all(OPS[n].active_kernel() is not None for n in ("paged_attention", "paged_attention_gated"))
-    if not attention_on or not kernels.covers(q_shape, q_dtype, k_pool, v_pool, layout):
+    return attention_on and kernels.covers(q_shape, q_dtype, k_pool, v_pool, layout)
+
+
+def _write_kv_inplace_kernel(k_pool, v_pool, k, v, layout, q_shape, q_dtype):
+    if not _inplace_ok(q_shape, q_dtype, k_pool, v_pool, layout):
         return None
     return kv_write.write_kv_inplace_kernel(k_pool, v_pool, k, v, layout)
 
@@ -124,18 +128,27 @@ def attention_prep(qg: mx.array, k: mx.array, v: mx.array, q_norm: mx.array, k_n
     return q, kn, write_kv_inplace(k_pool, v_pool, kn, v, layout, q.shape, q.dtype)
 
 
-def _drafter_kernel(q, k_blk, v_blk, k_pool, v_pool, layout, scale, causal=False, window=None):
-    """The block written into the pools past kv_valid, then one decode row per query (drafter.py); None
-    (the reference) for sliding-window layers or where the write or the decode kernel does not run."""
+def _drafter_forms(layout: SeqLayout, causal: bool, window) -> tuple[SeqLayout, SeqLayout] | None:
+    """The drafter blocks' (write, decode rows) layouts (drafter.py), or None where the kernels do not serve:
+    sliding-window layers (the decode kernel has no window), and a host layout without blocks for the block's
+    rows (the engine allocates them: they are the verify rows; a table that ends at the context would send
+    the write into the padding block)."""
     if window is not None:
         return None
-    # a host layout must have blocks for the block's rows (the engine allocates them: they are the verify
-    # rows); a table that ends at the context would send the write into the padding block
     if not layout.traced and any(len(t) * layout.block_tokens < kv + layout.q_len(i)
                                  for i, (t, kv) in enumerate(zip(layout.block_tables, layout.kv_valid))):
         return None
     # the same for every layer of the pass: built once per layout (a graph node costs host time)
-    write, rows = layout.derived(f"drafter_decode_form_{causal}", lambda: drafter.decode_form(layout, causal))
+    return layout.derived(f"drafter_decode_form_{causal}", lambda: drafter.decode_form(layout, causal))
+
+
+def _drafter_kernel(q, k_blk, v_blk, k_pool, v_pool, layout, scale, causal=False, window=None):
+    """The block written into the pools past kv_valid, then one decode row per query (drafter.py); None
+    (the reference) for sliding-window layers or where the write or the decode kernel does not run."""
+    forms = _drafter_forms(layout, causal, window)
+    if forms is None:
+        return None
+    write, rows = forms
     token = write_kv_inplace(k_pool, v_pool, k_blk, v_blk, write, q.shape, q.dtype)
     if token is None:
         return None
@@ -152,3 +165,69 @@ def drafter_attention(q, k_blk, v_blk, k_pool, v_pool, layout: SeqLayout, scale:
     own transient K/V. q [T, nH, hd], k_blk / v_blk [T, nKV, hd] -> [T, nH, hd]. On GPUs the block's rows
     are written into the pools past kv_valid (scratch rows) and read back by the decode kernel."""
     return drafter_attention_ref(q, k_blk, v_blk, k_pool, v_pool, layout, scale, causal, window)
+
+
+def _rows_of(src: mx.array, off: int, heads: int, head_dim: int) -> mx.array:
+    """src [T, W] -> its heads x head_dim values from element `off` of each row: [T, heads, head_dim]."""
+    return src[:, off:off + heads * head_dim].reshape(src.shape[0], heads, head_dim)
+
+
+def _drafter_prep_kernel(q, k_src, k_off, v_src, v_off, q_norm, k_norm, eps, positions, tables, head_dim, k_pool,
+                         v_pool, layout, scale, causal=False, window=None):
+    """prep.py's launch (q and k norm + RoPE, the block's K/V into the pools) then the decode rows; None where
+    `drafter_attention` would not run its kernels on these shapes."""
+    if any(OPS[n].active_kernel() is None for n in ("drafter_attention", "write_kv_inplace", "paged_attention")):
+        return None
+    forms = _drafter_forms(layout, causal, window)
+    if forms is None:
+        return None
+    write, rows = forms
+    if not (kernels.covers(q.shape, q.dtype, k_pool, v_pool, write)
+            and prep.covers(q, k_src, v_src, q_norm, k_norm, k_pool, v_pool, tables, head_dim, k_off, v_off)):
+        return None
+    qn, _, token = prep.prep_kv_write(q, k_src, v_src, q_norm, k_norm, eps, positions, tables, head_dim, k_pool,
+                                      v_pool, write, k_off=k_off, v_off=v_off)
+    return paged_attention(qn, k_pool, v_pool, rows, scale, after=token)
+
+
+# verified once tests/test_kernels_attention_prep.py's GPU tests of the packed forms pass on the H200
+@kernel_op("drafter_attention_prep", _drafter_prep_kernel, row="drafter_prep", pools=_POOLS, unverified=("cuda",))
+def drafter_attention_prep(q, k_src, k_off: int, v_src, v_off: int, q_norm, k_norm, eps: float, positions,
+                           tables: RopeTables, head_dim: int, k_pool, v_pool, layout: SeqLayout, scale: float,
+                           causal: bool = False, window: int | None = None) -> mx.array:
+    """A DFlash drafter layer's attention from its raw projections: q [T, nH, hd] before its norm and RoPE,
+    the block's k and v as rows [T, W] holding nKV x hd values from element k_off / v_off (the stacked k|v
+    projection, read in place) -> [T, nH, hd]. On GPUs one launch norms and rotates q and k and writes the
+    block's K/V into the pools, then the decode rows (`drafter_attention`'s form); else the ops it fuses."""
+    T, HK = q.shape[0], k_pool.shape[2]
+    qn = head_norm_rope(q, q_norm, eps, positions, tables, head_dim)
+    k = head_norm_rope(_rows_of(k_src, k_off, HK, head_dim), k_norm, eps, positions, tables, head_dim)
+    return drafter_attention(qn, k, _rows_of(v_src, v_off, HK, head_dim), k_pool, v_pool, layout, scale, causal,
+                             window)
+
+
+def _context_write_kernel(k_src, k_off, v_src, v_off, k_norm, eps, positions, tables, head_dim, k_pool, v_pool,
+                          layout, q_shape, q_dtype):
+    """prep.py's launch without q rows, where `write_kv_inplace` would run its kernel; -> the pools following
+    the write."""
+    if OPS["write_kv_inplace"].active_kernel() is None or not _inplace_ok(q_shape, q_dtype, k_pool, v_pool, layout):
+        return None
+    if not prep.covers(None, k_src, v_src, None, k_norm, k_pool, v_pool, tables, head_dim, k_off, v_off):
+        return None
+    _, _, token = prep.prep_kv_write(None, k_src, v_src, None, k_norm, eps, positions, tables, head_dim, k_pool,
+                                     v_pool, layout, k_off=k_off, v_off=v_off)
+    return tuple(mx.depends([k_pool, v_pool], [token]))
+
+
+@kernel_op("drafter_context_write", _context_write_kernel, row="drafter_prep", pools=_POOLS, unverified=("cuda",))
+def drafter_context_write(k_src, k_off: int, v_src, v_off: int, k_norm, eps: float, positions, tables: RopeTables,
+                          head_dim: int, k_pool, v_pool, layout: SeqLayout, q_shape, q_dtype) -> tuple[mx.array, mx.array]:
+    """A DFlash drafter layer's context K/V from its raw projection rows (as `drafter_attention_prep`'s k / v),
+    k normed and rotated, written at the layout's write slots -> (k_pool, v_pool) after the write. On GPUs one
+    launch into the pools' own buffers; else k's norm + RoPE, then `write_kv_inplace` or the functional write.
+    q_shape / q_dtype: what the drafter's attention reads the pools with."""
+    T, HK = positions.shape[0], k_pool.shape[2]
+    k = head_norm_rope(_rows_of(k_src, k_off, HK, head_dim), k_norm, eps, positions, tables, head_dim)
+    v = _rows_of(v_src, v_off, HK, head_dim)
+    written = write_kv_inplace(k_pool, v_pool, k, v, layout, q_shape, q_dtype)
+    return write_kv(k_pool, v_pool, k, v, layout) if written is None else tuple(mx.depends([k_pool, v_pool], [written]))
