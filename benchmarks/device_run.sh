@@ -20,6 +20,10 @@
 #                        SPEC is comma-separated NAME:SECONDS; $SUITE_ARGS, ';'-separated
 #                        PART=ARGS, goes to --args (SUITE_ARGS="e2e=--prefill-steps 1024 --repeats 2")
 #   demo          (120)  demo_pair_bench.py $DEMO_ARGS: the trained demo pair's acceptance, speed-up, chat hits
+#   drafter       (170)  drafter_kernels.py $DRAFTER_ARGS (default: 1 and 8 sequences): each drafter call's kernels
+#   spec-trace    (200)  spec_trace.py $SPEC_TRACE_ARGS (default: 1 sequence, 0 and 7 drafts): a speculative
+#                        step's host phases, device time, kernels and graph nodes
+#   spec-e2e      (240)  spec_e2e_bench.py $SPEC_E2E_ARGS (default: 1 and 8 requests, tau 6, 256 tokens)
 #   wait                 wait for the background parts
 # DRY=1 prints each part's command instead of running it. MTLQWEN_SELECT passes through to every part.
 #
@@ -45,6 +49,9 @@ command_for() {  # part name [spec] -> the command line of that part
     trace) echo "python benchmarks/step_trace.py ${TRACE_ARGS:---batch 1 --steps 24} --json $OUT/step-trace.json" ;;
     ncu) echo "MLX_USE_CUDA_GRAPHS=0 ncu --profile-from-start off --clock-control none --cache-control none --csv --metrics gpu__time_duration.sum,dram__bytes_read.sum,smsp__issue_active.avg.pct_of_peak_sustained_active python benchmarks/step_kernels.py --batch ${NCU_BATCH:-1} --steps 2 > $OUT/ncu.csv && python benchmarks/step_kernels.py --summarize $OUT/ncu.csv" ;;
     demo) echo "python benchmarks/demo_pair_bench.py ${DEMO_ARGS:-} --json $OUT/demo-pair.json" ;;
+    drafter) echo "python benchmarks/drafter_kernels.py ${DRAFTER_ARGS:---seqs 1 8 --steps 4 --warmup 1 --calls 5} --json $OUT/drafter-kernels.json" ;;
+    spec-trace) echo "python benchmarks/spec_trace.py ${SPEC_TRACE_ARGS:---seqs 1 --n-draft 0 7 --accept 6 --steps 6 --warmup 2} --json $OUT/spec-trace.json" ;;
+    spec-e2e) echo "python benchmarks/spec_e2e_bench.py ${SPEC_E2E_ARGS:---seqs 1 8 --accept 5 --gen 256} --json $OUT/spec-e2e.json" ;;
     suite) local a extra=""; IFS=';' read -ra a <<< "${SUITE_ARGS:-}"
            [ ${#a[@]} -gt 0 ] && extra=" --args$(printf " '%s'" "${a[@]}")"
            echo "python benchmarks/suite.py --out $OUT --parts ${2//,/ }$extra" ;;
@@ -56,6 +63,7 @@ default_limit() {  # part name [spec]
   case "$1" in
     tests-kernels) echo 200 ;; tests-model) echo 260 ;; tests-engine) echo 280 ;; qmv-sweep) echo 120 ;;
     profile) echo 110 ;; trace) echo 150 ;; ncu) echo 240 ;; demo) echo 120 ;;
+    drafter) echo 170 ;; spec-trace) echo 200 ;; spec-e2e) echo 240 ;;
     suite) local s=60 p; for p in ${2//,/ }; do s=$(( s + ${p#*:} )); done; echo $s ;;
   esac
 }
@@ -66,6 +74,7 @@ summary() {  # part name, log: the lines worth reading in the call's output
              tail -1 "$2" ;;
     qmv-sweep) tail -3 "$2" ;;
     demo) grep -E "^(tau|speed-up|chat|  )" "$2" ;;
+    drafter) grep -E "^##|launch order" "$2" | cut -c1-1500 ;;
     profile) grep '^{"B' "$2" | cut -c1-900; tail -2 "$2" ;;
     suite) grep -E "^\[" "$2" | tail -16 ;;
     *) tail -20 "$2" ;;
@@ -86,7 +95,7 @@ run_part() {  # PART[:SECONDS] -> runs it, prints rc and summary
   summary "$name" "$log"
 }
 
-[ $# -gt 0 ] || { sed -n '2,28p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,32p' "$0"; exit 2; }
 for arg in "$@"; do  # check every part before spending device time on the first
   a=${arg#+}; [ "$a" = wait ] && continue
   n=${a%%:*}; [[ "$a" == suite=* ]] && n=suite
