@@ -139,7 +139,10 @@ def trace_row(model, drafter, S: int, n: int, pipeline: bool, args, commit: str 
     with spec_bench.forced_acceptance(args.accept if n else None):
         eng = spec_bench.warm_engine(model, drafter if n else None, S, n, a, None if commit == "auto" else commit,
                                      True, pipeline)
+        cd = eng.spec.compiled_draft if eng.spec is not None else None
+        traces0 = cd.traces if cd is not None else 0
         wall = run_steps(eng, args.steps)  # uninstrumented: the step as served
+        retraced = (cd.traces if cd is not None else 0) - traces0  # drafter traces built by steady-state steps
         phases = Phases()
         undo = instrument(eng, phases)
         step = phases.wrap("step", eng.step)
@@ -163,7 +166,8 @@ def trace_row(model, drafter, S: int, n: int, pipeline: bool, args, commit: str 
         per[short(name)].append(e - s)
     top = sorted(((k, len(d) / args.steps, sum(d) / args.steps) for k, d in per.items()), key=lambda t: -t[2])
     row = {"seqs": S, "n_draft": n, "pipeline": "on" if pipeline else "off", "commit": commit, "step_ms": round(wall, 3),
-           "step_ms_instrumented": round(wall_inst, 3), "host_ms": host, "graph_nodes": graph}
+           "step_ms_instrumented": round(wall_inst, 3), "host_ms": host, "graph_nodes": graph,
+           "drafter_traces_built": retraced}
     if prof:
         row["host_profile"] = [dict(p, self_ms=round(p["self_ms"] / args.steps, 3), cum_ms=round(p["cum_ms"] / args.steps, 3))
                                for p in prof]  # per step
@@ -225,6 +229,7 @@ def main(argv=None) -> int:
                   + "; ".join(f"{t['name']} {t['per_step']:g}x {t['ms_per_step']:.2f} ms" for t in r["top"][:12]))
         for p in r.get("host_profile", [])[:15]:
             print(f"  host {p['self_ms']:7.3f} ms self {p['cum_ms']:7.3f} cum {p['calls']:6d} calls  {p['fn']}")
+        print(f"  drafter traces built in the timed steps: {r['drafter_traces_built']}")
         g = r["graph_nodes"]
         print(f"  graph: {g['total']} nodes; " + ", ".join(f"{k} {v}" for k, v in list(g.items())[1:16]))
     return 0

@@ -25,7 +25,7 @@ from mtlqwen.kernels.attention import drafter_attention_prep, drafter_context_wr
 from mtlqwen.kernels.attention.reference import drafter_attention_ref, write_kv
 from mtlqwen.kernels.rope.reference import RopeTables, head_norm_rope_ref
 
-from gpu_checks import GPU_SETTINGS, needs_gpu
+from gpu_checks import GPU_SETTINGS, n_examples, needs_gpu
 from test_kernels_attention import TOL, rel_err
 from test_kernels_drafter_attention import drafter_case, traced
 
@@ -36,7 +36,7 @@ def packed_case(data, bt, nkv, rep, hd, nseq, dt, seed):
     q, _, _, kp, vp, layout = drafter_case(data, bt, nkv, rep, hd, nseq, dt, seed)
     rng = np.random.default_rng(seed + 1)
     T, w = layout.num_tokens, nkv * hd
-    slots = data.draw(st.integers(2, 6))
+    slots = data.draw(st.sampled_from([2, 5]))  # few row widths: each (width, offsets) is one more kernel build
     ks, vs = data.draw(st.permutations(range(slots)))[:2]
     k_src = mx.array(rng.standard_normal((T, slots * w)).astype(np.float32)).astype(dt)
     v_src = k_src if data.draw(st.booleans()) else mx.array(rng.standard_normal((T, slots * w)).astype(np.float32)).astype(dt)
@@ -157,7 +157,7 @@ def test_kernels_metal_emulated(data, bt, nkv, rep, hd, nseq, causal, trace, dty
 
 @pytest.mark.gpu
 @needs_gpu
-@settings(max_examples=20, **GPU_SETTINGS)
+@settings(max_examples=n_examples(18), **GPU_SETTINGS)
 @given(bt=st.sampled_from([16, 128]), hd=st.sampled_from([64, 128]), dtype=st.sampled_from(["bfloat16", "float32"]),
        **shapes)
 def test_kernels_on_the_gpu(data, bt, nkv, rep, hd, nseq, causal, trace, dtype, seed):
