@@ -190,8 +190,8 @@ def _drafter_prep_kernel(q, k_src, k_off, v_src, v_off, q_norm, k_norm, eps, pos
     return paged_attention(qn, k_pool, v_pool, rows, scale, after=token)
 
 
-# verified once tests/test_kernels_attention_prep.py's GPU tests of the packed forms pass on the H200
-@kernel_op("drafter_attention_prep", _drafter_prep_kernel, row="drafter_prep", pools=_POOLS, unverified=("cuda",))
+# tests/test_kernels_drafter_prep.py's GPU test passed on the H200 (benchmarks/results/gpu-tests-drafter-prep.log)
+@kernel_op("drafter_attention_prep", _drafter_prep_kernel, row="drafter_prep", pools=_POOLS)
 def drafter_attention_prep(q, k_src, k_off: int, v_src, v_off: int, q_norm, k_norm, eps: float, positions,
                            tables: RopeTables, head_dim: int, k_pool, v_pool, layout: SeqLayout, scale: float,
                            causal: bool = False, window: int | None = None) -> mx.array:
@@ -219,7 +219,7 @@ def _context_write_kernel(k_src, k_off, v_src, v_off, k_norm, eps, positions, ta
     return tuple(mx.depends([k_pool, v_pool], [token]))
 
 
-@kernel_op("drafter_context_write", _context_write_kernel, row="drafter_prep", pools=_POOLS, unverified=("cuda",))
+@kernel_op("drafter_context_write", _context_write_kernel, row="drafter_prep", pools=_POOLS)
 def drafter_context_write(k_src, k_off: int, v_src, v_off: int, k_norm, eps: float, positions, tables: RopeTables,
                           head_dim: int, k_pool, v_pool, layout: SeqLayout, q_shape, q_dtype) -> tuple[mx.array, mx.array]:
     """A DFlash drafter layer's context K/V from its raw projection rows (as `drafter_attention_prep`'s k / v),
