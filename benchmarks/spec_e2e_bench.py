@@ -50,17 +50,17 @@ def decode_rate(eng: Engine, prompts: list[list[int]], gen: int, speculative: bo
     return n / (time.perf_counter() - t0), n
 
 
-def engine_for(model, drafter, S: int, args) -> Engine:
+def engine_for(model, drafter, S: int, args, pipeline: bool = False) -> Engine:
     need = BlockPool.blocks_for(args.prompt_len + args.gen + 32, 128)
-    spec = dict(draft=drafter, draft_policy=args.policy, n_draft=args.n_draft,
+    spec = dict(draft=drafter, draft_policy=args.policy, n_draft=args.n_draft, spec_pipeline=pipeline,
                 **({"draft_costs": args.costs} if args.costs else {})) if drafter is not None else {}
     return Engine(model, slots=S, block_tokens=128, num_blocks=S * need + 1, prefix_interval=0, **spec)
 
 
-def run(model, drafter, S: int, args) -> dict:
+def run(model, drafter, S: int, args, pipeline: bool = False) -> dict:
     """One batch size: a warm-up pass of each engine (compiles its traces), then the measured pass."""
     prompts = mx.random.randint(0, model.config.vocab_size, (S, args.prompt_len), key=mx.random.key(S)).tolist()
-    plain, spec = engine_for(model, None, S, args), engine_for(model, drafter, S, args)
+    plain, spec = engine_for(model, None, S, args), engine_for(model, drafter, S, args, pipeline)
     with forced_acceptance(args.accept):
         for _ in range(2):  # the first pass meets every trace of the workload; the second is timed
             plain_rate, plain_n = decode_rate(plain, prompts, args.gen, False)
@@ -69,7 +69,7 @@ def run(model, drafter, S: int, args) -> dict:
     st = spec.stats()
     d = {k: st[k] - s0[k] for k in s0}
     steps = d["spec_steps"] + d["plain_steps"]
-    return {"seqs": S, "accept": args.accept, "policy": st["draft_policy"],
+    return {"seqs": S, "accept": args.accept, "policy": st["draft_policy"], "pipeline": "on" if pipeline else "off",
             "plain_tok_s": plain_rate, "spec_tok_s": spec_rate, "speedup": spec_rate / plain_rate,
             "tau": 1 + d["accepted_tokens"] / max(1, d["spec_verifications"]),
             "verifying_step_share": d["spec_steps"] / max(1, steps), "steps": steps,
@@ -89,6 +89,8 @@ def main(argv=None) -> int:
                                                   "(default: the engine's own)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen", type=int, default=256, help="tokens generated per request")
+    ap.add_argument("--pipeline", nargs="+", choices=["off", "on"], default=["off"],
+                    help="Engine(spec_pipeline=...) of the drafter's engine, each a row")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     if args.accept < 0:
@@ -100,14 +102,15 @@ def main(argv=None) -> int:
           flush=True)
     rows = []
     for S in args.seqs:
-        rows.append(run(model, drafter, S, args))
-        print(json.dumps(rows[-1]), flush=True)
-        write_json(args, rows)  # after every row: a run cut short keeps what it measured
-    print("\n| seqs | plain tok/s | with drafter tok/s | speed-up | tau | steps that verified |")
-    print("|---|---|---|---|---|---|")
+        for pl in args.pipeline:
+            rows.append(run(model, drafter, S, args, pl == "on"))
+            print(json.dumps(rows[-1]), flush=True)
+            write_json(args, rows)  # after every row: a run cut short keeps what it measured
+    print("\n| seqs | pipeline | plain tok/s | with drafter tok/s | speed-up | tau | steps that verified |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['seqs']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {r['tau']:.2f} "
-              f"| {r['verifying_step_share']:.0%} |")
+        print(f"| {r['seqs']} | {r['pipeline']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f}x "
+              f"| {r['tau']:.2f} | {r['verifying_step_share']:.0%} |")
     return 0
 
 
