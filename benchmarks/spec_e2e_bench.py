@@ -50,26 +50,29 @@ def decode_rate(eng: Engine, prompts: list[list[int]], gen: int, speculative: bo
     return n / (time.perf_counter() - t0), n
 
 
-def engine_for(model, drafter, S: int, args, pipeline: bool = False) -> Engine:
+def engine_for(model, drafter, S: int, args, pipeline: bool | None = None) -> Engine:
     need = BlockPool.blocks_for(args.prompt_len + args.gen + 32, 128)
     spec = dict(draft=drafter, draft_policy=args.policy, n_draft=args.n_draft, spec_pipeline=pipeline,
                 **({"draft_costs": args.costs} if args.costs else {})) if drafter is not None else {}
     return Engine(model, slots=S, block_tokens=128, num_blocks=S * need + 1, prefix_interval=0, **spec)
 
 
-def run(model, drafter, S: int, args, pipeline: bool = False) -> dict:
+def run(model, drafter, S: int, args, pipeline: str = "auto") -> dict:
     """One batch size: a warm-up pass of each engine (compiles its traces), then the measured pass."""
     prompts = mx.random.randint(0, model.config.vocab_size, (S, args.prompt_len), key=mx.random.key(S)).tolist()
-    plain, spec = engine_for(model, None, S, args), engine_for(model, drafter, S, args, pipeline)
+    plain, spec = engine_for(model, None, S, args), engine_for(model, drafter, S, args,
+                                                                         {"auto": None, "on": True, "off": False}[pipeline])
     with forced_acceptance(args.accept):
         for _ in range(2):  # the first pass meets every trace of the workload; the second is timed
             plain_rate, plain_n = decode_rate(plain, prompts, args.gen, False)
-            s0 = {k: spec.stats()[k] for k in ("spec_steps", "plain_steps", "accepted_tokens", "spec_verifications")}
+            s0 = {k: spec.stats()[k] for k in ("spec_steps", "plain_steps", "accepted_tokens", "spec_verifications",
+                                              "spec_pipelined_steps")}
             spec_rate, spec_n = decode_rate(spec, prompts, args.gen, True)
     st = spec.stats()
     d = {k: st[k] - s0[k] for k in s0}
     steps = d["spec_steps"] + d["plain_steps"]
-    return {"seqs": S, "accept": args.accept, "policy": st["draft_policy"], "pipeline": "on" if pipeline else "off",
+    return {"seqs": S, "accept": args.accept, "policy": st["draft_policy"], "pipeline": pipeline,
+            "pipelined_steps": d["spec_pipelined_steps"],
             "plain_tok_s": plain_rate, "spec_tok_s": spec_rate, "speedup": spec_rate / plain_rate,
             "tau": 1 + d["accepted_tokens"] / max(1, d["spec_verifications"]),
             "verifying_step_share": d["spec_steps"] / max(1, steps), "steps": steps,
@@ -89,8 +92,8 @@ def main(argv=None) -> int:
                                                   "(default: the engine's own)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen", type=int, default=256, help="tokens generated per request")
-    ap.add_argument("--pipeline", nargs="+", choices=["off", "on"], default=["off"],
-                    help="Engine(spec_pipeline=...) of the drafter's engine, each a row")
+    ap.add_argument("--pipeline", nargs="+", choices=["auto", "off", "on"], default=["auto"],
+                    help="Engine(spec_pipeline=...) of the drafter's engine, each a row (auto: the engine's default)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     if args.accept < 0:
@@ -103,7 +106,7 @@ def main(argv=None) -> int:
     rows = []
     for S in args.seqs:
         for pl in args.pipeline:
-            rows.append(run(model, drafter, S, args, pl == "on"))
+            rows.append(run(model, drafter, S, args, pl))
             print(json.dumps(rows[-1]), flush=True)
             write_json(args, rows)  # after every row: a run cut short keeps what it measured
     print("\n| seqs | pipeline | plain tok/s | with drafter tok/s | speed-up | tau | steps that verified |")

@@ -58,9 +58,10 @@ class EngineConfig:
     # with draft_costs, else fixed
     draft_costs: Any = None  # the adaptive policy's step-cost table (StepCosts or JSON path); None: H200's
     draft_bits: int | None = None  # 8 or 4: quantize the drafter's projections at load; None: as stored
-    # launch an all-verify step while the previous one is in flight (spec_pipeline.py); off: at 1 sequence on the
-    # H200 it cut n_draft 15 steps by 30% and cost n_draft 7 steps 12% (benchmarks/spec.md)
-    spec_pipeline: bool = False
+    # launch an all-verify step while the previous one is in flight (spec_pipeline.py); None: on where the steps are
+    # compiled (the GPU kernels' default). H200, 9B, tau 6 end to end: 1.89x -> 2.33x plain at 1 request, 1.54x ->
+    # 2.25x at 8 (benchmarks/spec.md, "The pipelined step, end to end")
+    spec_pipeline: bool | None = None
 
     def __post_init__(self):
         self.validate()
@@ -87,7 +88,7 @@ class EngineConfig:
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         for name in ("pad_buckets", "compile_decode", "spec_pipeline", "prefix_in_step"):
             v = getattr(self, name)
-            if not (isinstance(v, bool) or (v is None and name == "compile_decode")):
+            if not (isinstance(v, bool) or (v is None and name in ("compile_decode", "spec_pipeline"))):
                 raise ValueError(f"{name} must be true or false, got {v!r}")
         if self.n_draft is not None and self.draft is None:
             raise ValueError("n_draft needs a drafter (draft=...)")
