@@ -169,7 +169,7 @@ def test_cancel_and_eos_mid_pipeline(model, drafter, slots):
 
 def test_fallbacks_and_option(model, drafter):
     """Temperature > 0, an uncompiled engine or a replay commit keep the synchronous rule (no pipelined
-    step); the option needs a drafter and is a bool."""
+    step); the option needs a drafter and is a bool, or None: on where the steps are compiled."""
     prompt = random_token_ids(12, 500, seed=9)
     ref = {tuple(prompt): prompt + plain(model, [prompt], [greedy(60, ignore_eos=True)], 1)[0].token_ids}
     for kw, sp in ((dict(), greedy(20, temperature=0.8, seed=3)),
@@ -189,7 +189,12 @@ def test_fallbacks_and_option(model, drafter):
         EngineConfig(spec_pipeline=True)
     with pytest.raises(ValueError, match="spec_pipeline must be true or false"):
         EngineConfig(draft="x", spec_pipeline=1)
-    assert EngineConfig().spec_pipeline is False
+    # the default (None): pipelined where the steps are compiled, with a drafter only
+    assert EngineConfig().spec_pipeline is None
+    assert Engine(model, slots=1, num_blocks=48, draft=drafter, compile_decode=True, **KW).pipeline is not None
+    assert Engine(model, slots=1, num_blocks=48, draft=drafter, compile_decode=False, **KW).pipeline is None
+    assert Engine(model, slots=1, num_blocks=48, compile_decode=True, step_tokens=64, block_tokens=8,
+                  prefix_interval=0).pipeline is None
 
 
 def test_turn_entry_after_a_stop_inside_the_pipeline(model, drafter):

@@ -362,7 +362,8 @@ def test_compiled_speculative_steps_match_plain_decoding(model, drafter, verify_
     """The same workloads with decode-with-taps and all-verify steps through `mx.compile`
     (Engine(compile_decode=True)): a trace replayed at other lengths, tables and acceptances must give
     the uncompiled plain run's tokens."""
-    eng = check_workload(model, drafter, verify_commit, w, compile_decode=True)
+    eng = check_workload(model, drafter, verify_commit, w, compile_decode=True, spec_pipeline=False)  # synchronous
+    # steps: the host oracle proposes every draft (pipelined steps: tests/test_spec_pipeline.py)
     assert eng.spec.compiled is eng.compiled is not None
 
 
@@ -401,7 +402,8 @@ def test_compiled_verification_steps(model, drafter, verify_commit):
     for compiled in (False, True):
         eng = Engine(model, slots=2, step_tokens=32, block_tokens=16, num_blocks=12, draft=drafter, n_draft=3,
                      draft_policy="fixed",  # the GPUs' default is adaptive, with different tables compiled or not
-                     prefix_interval=0, verify_commit=verify_commit, compile_decode=compiled)
+                     prefix_interval=0, verify_commit=verify_commit, compile_decode=compiled,
+                     spec_pipeline=False)  # the host oracle proposes (pipelined steps: test_spec_pipeline.py)
         eng.spec.propose = Oracle([(p, p + o.token_ids) for p, o in zip(prompts, base)], 0.0)
         outs = eng.generate(prompts, sp)
         assert [o.token_ids for o in outs] == [o.token_ids for o in base]
