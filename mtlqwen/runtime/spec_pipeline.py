@@ -1,4 +1,4 @@
-"""A pipelined speculative step (dflash.md §5.6): Engine(spec_pipeline=True).
+"""A pipelined speculative step (dflash.md §5.6): Engine(spec_pipeline=True), the default where steps are compiled.
 
 While an all-verify step N is in flight, the engine launches step N+1 for the same sequences without reading
 N back, then reads N back, so the device never waits for the host between verifications. N+1's inputs come
