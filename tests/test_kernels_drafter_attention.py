@@ -34,6 +34,20 @@ def drafter_case(data, bt, nkv, rep, hd, nseq, dt, seed):
     return q, k_blk, v_blk, kp, vp, layout
 
 
+def poisoned_pools(kp, vp, layout: SeqLayout, dt):
+    """The pools with the rows the layout's tokens occupy (the blocks' own rows, which a write fills) set to
+    NaN, so a row a write misses shows."""
+    bt = layout.block_tokens
+    mask = np.zeros(kp.shape[:2], dtype=bool)  # [num_blocks, bt]
+    for i, (table, P) in enumerate(zip(layout.block_tables, layout.kv_valid)):
+        for pos in range(P, P + layout.q_len(i)):
+            mask[table[pos // bt], pos % bt] = True
+    m = mx.array(mask)[:, :, None, None]
+    kp, vp = mx.where(m, mx.nan, kp).astype(dt), mx.where(m, mx.nan, vp).astype(dt)
+    mx.eval(kp, vp)
+    return kp, vp
+
+
 def traced(layout: SeqLayout) -> SeqLayout:
     """The layout as CompiledDraft's trace builds it: arrays only (positions, kv_valid, padded tables)."""
     return SeqLayout.for_trace(list(layout.query_start_loc), {n: layout.array(n) for n in ("positions", "kv_valid",
@@ -90,13 +104,7 @@ def test_drafter_attention_kernel_path(data, bt, nkv, rep, hd, nseq, causal, tra
     with mx.stream(mx.cpu):
         want = np.array(drafter_attention_ref(q, k_blk, v_blk, kp, vp, layout, scale, causal).astype(mx.float32),
                         dtype=np.float64)
-    poison = np.zeros(kp.shape[:2], dtype=bool)  # [num_blocks, bt]: the blocks' own rows, which the write fills
-    for i, (table, P) in enumerate(zip(layout.block_tables, layout.kv_valid)):
-        for pos in range(P, P + layout.q_len(i)):
-            poison[table[pos // bt], pos % bt] = True
-    mask = mx.array(poison)[:, :, None, None]
-    kp, vp = mx.where(mask, mx.nan, kp).astype(dt), mx.where(mask, mx.nan, vp).astype(dt)
-    mx.eval(kp, vp)
+    kp, vp = poisoned_pools(kp, vp, layout, dt)
     dispatch.reset("drafter_attention")
     assert dispatch.kernel_for("drafter_attention") is not None
     got = drafter_attention(q, k_blk, v_blk, kp, vp, traced(layout) if trace else layout, scale, causal)

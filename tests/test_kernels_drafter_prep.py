@@ -27,7 +27,7 @@ from mtlqwen.kernels.rope.reference import RopeTables, head_norm_rope_ref
 
 from gpu_checks import GPU_SETTINGS, n_examples, needs_gpu
 from test_kernels_attention import TOL, rel_err
-from test_kernels_drafter_attention import drafter_case, traced
+from test_kernels_drafter_attention import drafter_case, poisoned_pools, traced
 
 
 def packed_case(data, bt, nkv, rep, hd, nseq, dt, seed):
@@ -87,19 +87,6 @@ def test_ops_on_cpu_are_the_references(data, bt, nkv, rep, nseq, causal, trace, 
     gk, gv = drafter_context_write(*kv, kn, 1e-6, layout.array("positions"), tables, 32, kp, vp, layout, q.shape,
                                    q.dtype)
     assert mx.array_equal(gk, wk).item() and mx.array_equal(gv, wv).item()
-
-
-def poisoned_pools(kp, vp, layout, dt):
-    """The pools with the rows the layout's tokens occupy set to NaN (a row a write misses shows)."""
-    bt = layout.block_tokens
-    mask = np.zeros(kp.shape[:2], dtype=bool)
-    for i, (table, P) in enumerate(zip(layout.block_tables, layout.kv_valid)):
-        for pos in range(P, P + layout.q_len(i)):
-            mask[table[pos // bt], pos % bt] = True
-    m = mx.array(mask)[:, :, None, None]
-    kp, vp = mx.where(m, mx.nan, kp).astype(dt), mx.where(m, mx.nan, vp).astype(dt)
-    mx.eval(kp, vp)
-    return kp, vp
 
 
 def check_kernels(data, bt, nkv, rep, hd, nseq, causal, trace, dt, seed):
