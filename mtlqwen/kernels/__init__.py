@@ -33,6 +33,7 @@ from .seqs import SeqLayout
 
 __all__ = [
     "attention_prep", "LinearParams", "RopeTables", "SeqLayout", "add_rms_norm", "apply_rope", "causal_conv1d", "drafter_attention",
+    "drafter_attention_prep", "drafter_context_write",
     "force_reference", "gated_delta", "gated_delta_candidates", "gated_delta_packed", "gated_delta_packed_candidates",
     "gated_delta_packed_candidates_normed", "gated_delta_packed_normed", "gated_head_norm",
     "gated_rms_norm", "gather_linear", "gdn_in_proj_conv", "gpu_backend", "head_norm_rope", "linear", "linear_add_rms_norm",
