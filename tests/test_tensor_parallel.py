@@ -202,14 +202,15 @@ def _two_ranks(ckpt: Path, tmp_path: Path, extra=()) -> list[dict]:
 
 
 TWO_RANK_RUNS = {"dense": [], "moe": [], "tied": [], "draft": ["--draft"], "4bit": ["--quantize", "4bit-g32"],
-                 "compiled": ["--compile"]}
+                 "compiled": ["--compile"], "draft-compiled": ["--draft", "--compile"]}
 
 
 @pytest.mark.parametrize("kind", list(TWO_RANK_RUNS))
 def test_two_ranks_equal_single_process(ckpts, tmp_path, kind):
     """Batched greedy + one seeded sampled request, then a wave of prefix hits: both ranks produce the
     single-process engine's tokens and cache hits, each holding about half the weights and half the pools.
-    Also with tied embeddings, a (replicated) drafter, 4-bit weights, and decode steps through mx.compile."""
+    Also with tied embeddings, a (replicated) drafter, 4-bit weights, decode steps through mx.compile, and the
+    drafter with compiled steps (which pipelines its all-verify steps by default)."""
     ckpt = ckpts[kind if kind in ("moe", "tied") else "dense"]  # tied: one vocab shard is embedding and head
     extra = [a if a != "--draft" else f"--draft={ckpts['draft']}" for a in TWO_RANK_RUNS[kind]]
     ref = _single(ckpt, tmp_path, extra)
@@ -220,6 +221,9 @@ def test_two_ranks_equal_single_process(ckpts, tmp_path, kind):
         assert rep["size"] == 2
         assert rep["outputs"] == ref["outputs"]
         assert rep["prefix_hits"] == ref["prefix_hits"] == 3
+        assert rep.get("pipelined") == ref.get("pipelined")  # the same tokens, and pipelined steps in step
+    if kind == "draft-compiled":
+        assert ref["pipelined"]["spec_pipelined_steps"] > 0
         assert 0.49 < rep["weight_bytes"] / ref["weight_bytes"] < 0.51  # replicated: norms, router only
         assert rep["cache_bytes"] * 2 == ref["cache_bytes"]
 

@@ -60,9 +60,17 @@ def main() -> int:
         "size": 1 if group is None else group.size(),
         "outputs": outputs,
         "prefix_hits": engine.stats().get("prefix_hits"),
+
         "weight_bytes": sum(v.nbytes for v in model.weights.values()),
         "cache_bytes": sum(a.nbytes for a in engine.cache.arrays()),
     }
+    if a.draft and a.compile:
+        # greedy verifications long enough to pipeline (compiled engines pipeline all-verify steps by default):
+        # no prefix cache, whose snapshot boundaries send steps back to the synchronous rule
+        pipe = Engine(model, slots=2, step_tokens=32, block_tokens=8, num_blocks=64, prefix_interval=0, **kw)
+        outs = pipe.generate([_ids(21, 4), _ids(30, 5)], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+        report["pipelined"] = {"tokens": [o.token_ids for o in outs],
+                               "spec_pipelined_steps": pipe.stats()["spec_pipelined_steps"]}
     with open(f"{a.out}.rank{rank}.json", "w") as f:
         json.dump(report, f)
     return 0
