@@ -103,8 +103,9 @@ SELECT: dict[str, int] = {
     "attn_prep_fused": 1,
     # The DFlash drafter's q / k norm + RoPE and its block's (or context's) K/V write in one launch, k and v read
     # in place from the stacked k|v projection (attention/ops.py drafter_attention_prep, drafter_context_write):
-    # per drafter layer, 5 launches become 2 in a proposal (q and k norm + RoPE, two copies of the k and v
-    # slices, the write; then the attention) and 4 become 1 in a context write. 0 = those launches.
+    # per drafter layer, the 5 launches before the attention become 1 in a proposal (q and k norm + RoPE, MLX's
+    # copies of the k and v slices, the write) and 4 become 1 in a context write. H200, 9B drafter shape, 1 x 7
+    # drafts: 35 launches a step fewer, 9.67 against 10.19 ms in one process (benchmarks/spec.md). 0 = those launches.
     "drafter_prep": 1,
     # out_proj / o_proj / down_proj at decode sizes carry the residual add + next RMSNorm in their epilogue
     # (qmatmul/residual.py): 64 add_rms_norm launches fewer per 9B step (40 per 35B-A3B step). Its GPU test
