@@ -10,6 +10,7 @@ bf16 copies come from (an in-place pool write that falls back is a scatter that 
 
     source .device/env.sh && python benchmarks/drafter_kernels.py --seqs 1 8 --n-draft 7 --json $OUT/drafter-kernels.json
     python benchmarks/drafter_kernels.py --pretend-cuda --seqs 1 8   # the census alone, any machine (no engine)
+    source .device/env.sh && python benchmarks/drafter_kernels.py --seqs 1 8 --pool-blocks 64 2048   # copies by pool size
 """
 
 from __future__ import annotations
@@ -17,10 +18,8 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import re
 import statistics
 import sys
-import tempfile
 import time
 
 import mlx.core as mx
@@ -28,6 +27,7 @@ import mlx.core as mx
 import spec_bench
 from mtlqwen.kernels import dispatch
 from mtlqwen.model.compiled_draft import CompiledDraft
+from decode_profile import count_primitives
 from step_trace import kernel_events, short
 
 
@@ -83,14 +83,6 @@ def kernel_order(run) -> list[str]:
     return [n if c == 1 else f"{n} x{c}" for n, c in out]
 
 
-def graph_primitives(arrays) -> dict:
-    """Primitives by name in the graph of a call's outputs before evaluation (a compiled call's: its tape's)."""
-    with tempfile.NamedTemporaryFile(suffix=".dot") as f:
-        mx.export_to_dot(f.name, *arrays)
-        txt = open(f.name).read()
-    return dict(collections.Counter(re.findall(r'label ="([A-Za-z_]+)', txt)).most_common())
-
-
 def dispatch_census(run) -> dict:
     """Per op, how many of its calls in run() took the fallback (the reference or composed ops), beside all its
     calls; and the ops switched off by then. A compiled call must be traced inside run() to be seen (a replay
@@ -125,27 +117,60 @@ def dispatch_census(run) -> dict:
             "switched_off": {n: op.failed for n, op in dispatch.OPS.items() if op.failed}}
 
 
+def synthetic_calls(model, drafter, S: int, n_draft: int, num_blocks: int) -> dict:
+    """The drafter's four calls (proposal and (n_draft + 1)-row context write, compiled and eager) over S
+    synthetic sequences (600 tokens of context, blocks 8i..8i+7 each) and pools of num_blocks blocks, the last
+    the compiled context write's scratch: {name: run()} with nothing evaluated."""
+    from mtlqwen.kernels import SeqLayout  # noqa: PLC0415
+
+    B, bt = n_draft + 1, 128
+    dc = drafter.make_cache(model.make_cache(num_blocks=num_blocks, num_slots=S, block_tokens=bt))
+    cd = CompiledDraft(drafter, scratch_block=num_blocks - 1)
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(S)]
+    lay = SeqLayout(list(range(S + 1)), [600] * S, tables, list(range(S)), bt)
+    clay = SeqLayout([B * i for i in range(S + 1)], [600] * S, tables, list(range(S)), bt)
+    taps = mx.zeros((B * S, drafter.fc.in_features), dtype=mx.bfloat16)
+    anchors = mx.array([1] * S, dtype=mx.int32)
+    return {"propose compiled": lambda: [cd.propose(anchors, lay, dc, n_draft), *dc.arrays()],
+            "context compiled": lambda: (cd.write_context(taps, clay, dc), dc.arrays())[1],
+            "propose eager": lambda: [drafter.propose(anchors, lay, dc, n_draft), *dc.arrays()],
+            "context eager": lambda: (drafter.write_context(taps, clay, dc), dc.arrays())[1]}
+
+
+def pool_copies(shape: str, seqs: list[int], n_draft: int, pool_blocks: list[int], calls: int = 5) -> list[dict]:
+    """Copy kernels a call launches, by pool size (GPU): whether a call's copies grow with the drafter's pools."""
+    model = spec_bench.build_target(shape, 4)
+    drafter = spec_bench.random_drafter(shape, model)
+    out = []
+    for S in seqs:
+        for nb in pool_blocks:
+            for name, run in synthetic_calls(model, drafter, S, n_draft, nb).items():
+                for _ in range(3):
+                    mx.eval(run())
+                per = collections.defaultdict(list)
+                for s, e, k in kernel_events(lambda: [mx.eval(run()) for _ in range(calls)]):
+                    per[short(k)].append(e - s)
+                copies = {k: {"per_call": len(d) / calls, "us_per_call": round(sum(d) / calls, 1)}
+                          for k, d in per.items() if "copy" in k}
+                out.append({"seqs": S, "pool_blocks": nb, "call": name, "copies": copies})
+                print(f"## {S} seqs, pools of {nb} blocks, {name}: copies {copies or 'none'}", flush=True)
+            mx.clear_cache()
+    return out
+
+
 def pretend_census(shape: str, seqs: list[int], n_draft: int) -> None:
     """The census of the compiled proposal and an (n_draft + 1)-row context write a sequence under the CUDA
     dispatch on any machine (host_build.pretend_cuda: stand-in kernels, nothing evaluated), on synthetic
     layouts (600 tokens of context, 8 blocks a sequence): which paths the dispatch picks at each size."""
     import host_build  # noqa: PLC0415
-    from mtlqwen.kernels import SeqLayout  # noqa: PLC0415
 
     model = spec_bench.build_target(shape, 4)
     drafter = spec_bench.random_drafter(shape, model)
     host_build.pretend_cuda()
-    B, bt = n_draft + 1, 128
     for S in seqs:
-        dc = drafter.make_cache(model.make_cache(num_blocks=8 * S + 2, num_slots=S, block_tokens=bt))
-        cd = CompiledDraft(drafter, scratch_block=8 * S + 1)
-        tables = [list(range(8 * i, 8 * i + 8)) for i in range(S)]
-        lay = SeqLayout(list(range(S + 1)), [600] * S, tables, list(range(S)), bt)
-        clay = SeqLayout([B * i for i in range(S + 1)], [600] * S, tables, list(range(S)), bt)
-        taps = mx.zeros((B * S, drafter.fc.in_features), dtype=mx.bfloat16)
-        for name, run in (("propose compiled", lambda: cd.propose(mx.array([1] * S, dtype=mx.int32), lay, dc, n_draft)),
-                          ("context compiled", lambda: cd.write_context(taps, clay, dc))):
-            c = dispatch_census(run)
+        calls = synthetic_calls(model, drafter, S, n_draft, 8 * S + 2)
+        for name in ("propose compiled", "context compiled"):
+            c = dispatch_census(calls[name])
             fb = {n: f"{v['fallbacks']}/{v['calls']}" for n, v in c["ops"].items() if v["fallbacks"]}
             print(f"## {S} seqs, {name} traced (CUDA dispatch pretended): fallbacks {fb or 'none'}; "
                   f"switched off {c['switched_off'] or 'none'}", flush=True)
@@ -162,11 +187,19 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--shape", choices=["9b", "demo"], default="9b", help="demo: a CPU smoke run (no kernels recorded)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--pool-blocks", type=int, nargs="+", default=None,
+                    help="only the copy kernels of each call on synthetic layouts, by drafter pool size (pool_copies)")
     ap.add_argument("--pretend-cuda", action="store_true",
                     help="only the dispatch census, under the CUDA dispatch on this machine (pretend_census)")
     args = ap.parse_args(argv)
     if args.pretend_cuda:
         pretend_census(args.shape, args.seqs, args.n_draft)
+        return 0
+    if args.pool_blocks:
+        rows = pool_copies(args.shape, args.seqs, args.n_draft, args.pool_blocks)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"argv": sys.argv, "mlx": mx.__version__, "pool_copies": rows}, f, indent=1)
         return 0
     model = spec_bench.build_target(args.shape, 4)
     drafter = spec_bench.random_drafter(args.shape, model)
@@ -192,13 +225,13 @@ def main(argv=None) -> int:
             where = {}
             if "propose" in got:
                 a, lay, n = got["propose"]
-                where["propose compiled"] = {"graph": graph_primitives([cd.propose(a, lay, dc, n), *dc.arrays()]),
+                where["propose compiled"] = {"graph": count_primitives([cd.propose(a, lay, dc, n), *dc.arrays()]),
                                              "order": kernel_order(lambda: mx.eval(cd.propose(a, lay, dc, n),
                                                                                    dc.arrays()))}
             if "context" in got:
                 t, lay, r = got["context"]
                 cd.write_context(t, lay, dc, r)
-                where["context compiled"] = {"graph": graph_primitives(dc.arrays()),
+                where["context compiled"] = {"graph": count_primitives(dc.arrays()),
                                              "order": kernel_order(lambda: (cd.write_context(t, lay, dc, r),
                                                                             mx.eval(dc.arrays())))}
             mx.eval(dc.arrays())

@@ -6,12 +6,11 @@ CPU: the ops are the composed references exactly (fp32). Metal emulator and GPU:
 against the CPU references, the pool rows the write must fill NaN-poisoned beforehand and the kernels'
 outputs poisoned; random GQA ratios, head dims, rotary dims, block sizes, contexts around block boundaries,
 1-17 rows a block, causal and not, host and traced layouts, bf16 and fp32. The prep launch alone with packed
-rows and without q: test_kernels_attention_prep.py.
+rows, with and without q: the Metal emulator's trials (kernels/metal_cases.py, test_metal_emulator.py).
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 
 import numpy as np
@@ -31,8 +30,8 @@ from test_kernels_drafter_attention import drafter_case, poisoned_pools, traced
 
 
 def packed_case(data, bt, nkv, rep, hd, nseq, dt, seed):
-    """drafter_case's batch with the block's k and v as slots of packed rows [T, S * nkv * hd] (S drawn from
-    2-6 slots, k and v at two drawn distinct slots, or in two arrays), norm weights and RoPE tables."""
+    """drafter_case's batch with the block's k and v as slots of packed rows [T, S * nkv * hd] (S of 2 or 5
+    slots, k and v at two drawn distinct slots, of one array or of two), norm weights and RoPE tables."""
     q, _, _, kp, vp, layout = drafter_case(data, bt, nkv, rep, hd, nseq, dt, seed)
     rng = np.random.default_rng(seed + 1)
     T, w = layout.num_tokens, nkv * hd
@@ -127,15 +126,13 @@ def test_kernels_metal_emulated(data, bt, nkv, rep, hd, nseq, causal, trace, dty
     from mtlqwen.kernels import metal_emulator  # noqa: PLC0415
     from mtlqwen.kernels.attention import kernels as pa  # noqa: PLC0415
 
-    saved = dispatch.use_kernels, pa.POISON, os.environ.get("MTLQWEN_SELF_CHECK")
-    dispatch.use_kernels = lambda: True  # the default device stays the CPU here
-    os.environ["MTLQWEN_SELF_CHECK"] = "0"  # the launches below are the ops' own, no first-use reference runs
-    try:
+    # the default device stays the CPU here; no first-use reference runs, so the launches are the ops' own
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dispatch, "use_kernels", lambda: True)
+        mp.setattr(pa, "POISON", pa.POISON)
+        mp.setenv("MTLQWEN_SELF_CHECK", "0")
         with metal_emulator.emulating() as launches:
             check_kernels(data, bt, nkv, rep, hd, nseq, causal, trace, getattr(mx, dtype), seed)
-    finally:
-        dispatch.use_kernels, pa.POISON = saved[:2]
-        os.environ.pop("MTLQWEN_SELF_CHECK") if saved[2] is None else os.environ.update(MTLQWEN_SELF_CHECK=saved[2])
     # the prep launch, the decode rows (and their merge), the context write's prep launch: nothing else
     names = [ln.kernel for ln in launches]
     assert names[0] == names[-1] == "mtl_attn_prep_kv_write" and names.count("mtl_attn_prep_kv_write") == 2

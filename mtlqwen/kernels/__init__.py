@@ -3,16 +3,8 @@ qmatmul), each with its plain-MLX reference twins (what the CPU back-end runs), 
 bodies and its dispatchers. Every dispatcher goes through `dispatch.kernel_op`: the custom kernel on GPU
 back-ends, the fallback when it does not cover a shape or fails (one warning, the request goes on)."""
 
-from .attention import (
-    attention_prep,
-    drafter_attention,
-    drafter_attention_prep,
-    drafter_context_write,
-    paged_attention,
-    paged_attention_gated,
-    write_kv,
-    write_kv_inplace,
-)
+from .attention import (attention_prep, drafter_attention, drafter_attention_prep, drafter_context_write,
+                        paged_attention, paged_attention_gated, write_kv, write_kv_inplace)
 from .backend import force_reference, gpu_backend, use_kernels
 from .conv import causal_conv1d
 from .gdn import (

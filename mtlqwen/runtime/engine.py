@@ -182,7 +182,9 @@ class Engine(Generation):
         if self.spec is not None:
             self.spec.use_compiled(self.compiled, self.num_blocks)  # block num_blocks: the padding bundle
         # all-verify steps launched while the previous one is in flight (spec_pipeline.py); by default where compiled
-        pipelined = cfg.spec_pipeline if cfg.spec_pipeline is not None else (self.spec is not None and self.compiled is not None)
+        pipelined = cfg.spec_pipeline
+        if pipelined is None:
+            pipelined = self.spec is not None and self.compiled is not None
         self.pipeline = SpecPipeline(self) if pipelined else None
         self.pad_buckets = cfg.pad_buckets
         self.buckets = token_buckets(cfg.prefill_budget) if self.pad_buckets else None

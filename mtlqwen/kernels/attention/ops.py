@@ -81,6 +81,11 @@ def _inplace_ok(q_shape, q_dtype, k_pool, v_pool, layout) -> bool:
     return attention_on and kernels.covers(q_shape, q_dtype, k_pool, v_pool, layout)
 
 
+def _prep_write_ok(q_shape, q_dtype, k_pool, v_pool, layout) -> bool:
+    """prep.py's launch may write the pools where `write_kv_inplace` would run its kernel."""
+    return OPS["write_kv_inplace"].active_kernel() is not None and _inplace_ok(q_shape, q_dtype, k_pool, v_pool, layout)
+
+
 def _write_kv_inplace_kernel(k_pool, v_pool, k, v, layout, q_shape, q_dtype):
     if not _inplace_ok(q_shape, q_dtype, k_pool, v_pool, layout):
         return None
@@ -176,13 +181,11 @@ def _drafter_prep_kernel(q, k_src, k_off, v_src, v_off, q_norm, k_norm, eps, pos
                          v_pool, layout, scale, causal=False, window=None):
     """prep.py's launch (q and k norm + RoPE, the block's K/V into the pools) then the decode rows; None where
     `drafter_attention` would not run its kernels on these shapes."""
-    if any(OPS[n].active_kernel() is None for n in ("drafter_attention", "write_kv_inplace", "paged_attention")):
-        return None
-    forms = _drafter_forms(layout, causal, window)
+    forms = None if OPS["drafter_attention"].active_kernel() is None else _drafter_forms(layout, causal, window)
     if forms is None:
         return None
     write, rows = forms
-    if not (kernels.covers(q.shape, q.dtype, k_pool, v_pool, write)
+    if not (_prep_write_ok(q.shape, q.dtype, k_pool, v_pool, write)
             and prep.covers(q, k_src, v_src, q_norm, k_norm, k_pool, v_pool, tables, head_dim, k_off, v_off)):
         return None
     qn, _, token = prep.prep_kv_write(q, k_src, v_src, q_norm, k_norm, eps, positions, tables, head_dim, k_pool,
@@ -199,7 +202,7 @@ def drafter_attention_prep(q, k_src, k_off: int, v_src, v_off: int, q_norm, k_no
     the block's k and v as rows [T, W] holding nKV x hd values from element k_off / v_off (the stacked k|v
     projection, read in place) -> [T, nH, hd]. On GPUs one launch norms and rotates q and k and writes the
     block's K/V into the pools, then the decode rows (`drafter_attention`'s form); else the ops it fuses."""
-    T, HK = q.shape[0], k_pool.shape[2]
+    HK = k_pool.shape[2]
     qn = head_norm_rope(q, q_norm, eps, positions, tables, head_dim)
     k = head_norm_rope(_rows_of(k_src, k_off, HK, head_dim), k_norm, eps, positions, tables, head_dim)
     return drafter_attention(qn, k, _rows_of(v_src, v_off, HK, head_dim), k_pool, v_pool, layout, scale, causal,
@@ -210,9 +213,8 @@ def _context_write_kernel(k_src, k_off, v_src, v_off, k_norm, eps, positions, ta
                           layout, q_shape, q_dtype):
     """prep.py's launch without q rows, where `write_kv_inplace` would run its kernel; -> the pools following
     the write."""
-    if OPS["write_kv_inplace"].active_kernel() is None or not _inplace_ok(q_shape, q_dtype, k_pool, v_pool, layout):
-        return None
-    if not prep.covers(None, k_src, v_src, None, k_norm, k_pool, v_pool, tables, head_dim, k_off, v_off):
+    if not (_prep_write_ok(q_shape, q_dtype, k_pool, v_pool, layout)
+            and prep.covers(None, k_src, v_src, None, k_norm, k_pool, v_pool, tables, head_dim, k_off, v_off)):
         return None
     _, _, token = prep.prep_kv_write(None, k_src, v_src, None, k_norm, eps, positions, tables, head_dim, k_pool,
                                      v_pool, layout, k_off=k_off, v_off=v_off)
@@ -226,7 +228,7 @@ def drafter_context_write(k_src, k_off: int, v_src, v_off: int, k_norm, eps: flo
     k normed and rotated, written at the layout's write slots -> (k_pool, v_pool) after the write. On GPUs one
     launch into the pools' own buffers; else k's norm + RoPE, then `write_kv_inplace` or the functional write.
     q_shape / q_dtype: what the drafter's attention reads the pools with."""
-    T, HK = positions.shape[0], k_pool.shape[2]
+    HK = k_pool.shape[2]
     k = head_norm_rope(_rows_of(k_src, k_off, HK, head_dim), k_norm, eps, positions, tables, head_dim)
     v = _rows_of(v_src, v_off, HK, head_dim)
     written = write_kv_inplace(k_pool, v_pool, k, v, layout, q_shape, q_dtype)
