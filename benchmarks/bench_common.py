@@ -18,6 +18,16 @@ def add_model_args(ap) -> None:
     ap.add_argument("--group-size", type=int, default=64)
 
 
+DENSE_WEIGHTS = {"auto": None, "on": True, "off": False}  # --dense-weights -> Engine(dense_weights=...)
+
+
+def add_dense_weights_arg(ap) -> None:
+    ap.add_argument("--dense-weights", nargs="+", choices=sorted(DENSE_WEIGHTS), default=["auto"],
+                    help="Engine(dense_weights=...): keep dequantized copies of the projections for the GEMMs past "
+                         "qgemm's rows (auto: the engine's default, on with the CUDA kernels where they fit); "
+                         "several: each in turn, in one process")
+
+
 _BUILT: dict = {}  # one model per process: benchmarks/suite.py runs several scripts on the same weights
 
 

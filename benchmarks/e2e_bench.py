@@ -31,7 +31,7 @@ from mtlqwen import Engine, SamplingParams
 from mtlqwen.model.builtin import SHAPES
 from mtlqwen.runtime.config import EngineConfig
 
-from bench_common import build_model
+from bench_common import DENSE_WEIGHTS, add_dense_weights_arg, build_model
 
 
 class Live(dict):
@@ -68,6 +68,7 @@ def ours(config, args) -> dict:
     cache = {} if args.prefix_interval is None else {"prefix_interval": args.prefix_interval}
     if args.prefix_in_step:  # chunks cross the boundaries, the snapshots taken inside the step
         cache["prefix_in_step"] = True
+    cache["dense_weights"] = DENSE_WEIGHTS[args.dense_weights[0]]  # the others: prefill only, below
 
     def decode_rate(n_req: int, prompt_len: int, step_tokens: int):
         eng = Engine(model, slots=max(n_req, 1), step_tokens=step_tokens,
@@ -91,10 +92,14 @@ def ours(config, args) -> dict:
     res["decode_b1"], _ = median_of(lambda: decode_rate(1, args.prompt, 128)[0], args.repeats)
     for ctx in args.decode_contexts:  # batch-1 decode after a long prompt (its prefill is not timed)
         res[f"decode_b1_ctx{ctx}"], _ = median_of(lambda ctx=ctx: decode_rate(1, ctx, 128)[0], args.repeats)
-    for n in args.prefill:
-        for st in args.prefill_steps:
-            prefill_rate(min(n, 4096), st)  # warm-up at this budget
-            res[f"prefill_{n}_step{st}"], _ = median_of(lambda n=n, st=st: prefill_rate(n, st), args.repeats)
+    for dense in args.dense_weights:
+        cache["dense_weights"] = DENSE_WEIGHTS[dense]
+        tag = f"_dense-{dense}" if len(args.dense_weights) > 1 else ""
+        for n in args.prefill:
+            for st in args.prefill_steps:
+                prefill_rate(min(n, 4096), st)  # warm-up at this budget
+                res[f"prefill_{n}_step{st}{tag}"], _ = median_of(lambda n=n, st=st: prefill_rate(n, st), args.repeats)
+    cache["dense_weights"] = DENSE_WEIGHTS[args.dense_weights[0]]
     for b in ([] if args.skip_batch else args.batch):
         # warm-up at the measured prompt length: its prefill steps meet row classes (and the MoE grouped
         # GEMM's tile classes) that 64-token prompts do not, and a first compile inside the run is seconds
@@ -195,6 +200,7 @@ def main(argv=None):
     ap.add_argument("--prefix-in-step", action="store_true",
                     help="Engine(prefix_in_step=True): prefill chunks cross the snapshot boundaries and the GDN "
                          "states there are taken inside the step (model/gdn_taps.py)")
+    add_dense_weights_arg(ap)
     ap.add_argument("--skip-mlxlm", action="store_true")
     ap.add_argument("--skip-ours", action="store_true")
     ap.add_argument("--json", default=None, help="write results here too")

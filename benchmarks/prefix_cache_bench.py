@@ -33,7 +33,8 @@ import numpy as np
 from mtlqwen.runtime import Engine, SamplingParams
 from mtlqwen.runtime.block_pool import BlockPool
 
-from bench_common import add_model_args, build_model, host_profile, timed_generate, ttft_ms, write_json
+from bench_common import (DENSE_WEIGHTS, add_dense_weights_arg, add_model_args, build_model, host_profile, timed_generate,
+                          ttft_ms, write_json)
 
 
 def tokens(rng, n: int, vocab: int) -> list[int]:
@@ -92,12 +93,12 @@ def chat(engine: Engine, vocab: int, args, seed: int) -> tuple[dict, list[list[i
     return {"ttft_ms": ttft, "cached_tokens": cached, "last_over_first": ttft[-1] / ttft[0]}, replies
 
 
-def run_chat(model, args, mode: str, outputs: dict) -> dict:
+def run_chat(model, args, mode: str, outputs: dict, dense=None) -> dict:
     chat_len = args.chat_turns * (args.turn_len + args.turn_gen)
     blocks = 3 * BlockPool.blocks_for(chat_len, args.block_tokens)  # the conversation, plus what entries hold
     engine = Engine(model, slots=1, step_tokens=args.step_tokens, block_tokens=args.block_tokens, num_blocks=blocks,
                     prefix_interval=0 if mode == "chat-off" else args.interval, max_model_len=chat_len + 1,
-                    prefix_in_step=args.in_step and mode != "chat-off")
+                    prefix_in_step=args.in_step and mode != "chat-off", dense_weights=dense)
     warm = tokens(np.random.default_rng(999), min(chat_len, 2 * args.step_tokens), model.config.vocab_size)
     engine.generate([warm], SamplingParams(max_tokens=2, ignore_eos=True))  # compile the kernels
     runs, answers = [], []
@@ -119,57 +120,20 @@ def run_chat(model, args, mode: str, outputs: dict) -> dict:
     return med
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(ap)
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--system-len", type=int, default=2048)
-    ap.add_argument("--question-len", type=int, default=64)
-    ap.add_argument("--gen-len", type=int, default=32)
-    ap.add_argument("--interval", type=int, default=512, help="prefix_interval when the cache is on")
-    ap.add_argument("--in-step", action="store_true",
-                    help="Engine(prefix_in_step=True) when the cache is on: prefill chunks cross the boundaries")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--step-tokens", type=int, default=128)
-    ap.add_argument("--block-tokens", type=int, default=128)
-    ap.add_argument("--modes", default="off,cold,warm,chat-off,chat")
-    ap.add_argument("--chat-turns", type=int, default=10)
-    ap.add_argument("--turn-len", type=int, default=200, help="new tokens in each chat turn's prompt")
-    ap.add_argument("--turn-gen", type=int, default=128, help="tokens generated in each chat turn")
-    ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="also run each mode's prompts once (one token each) under cProfile; keep the N Python "
-                         "functions with the most self time")
-    ap.add_argument("--phases", action="store_true",
-                    help="after each shared-prompt mode's repeats, one more run with one token each, its host time by step phase")
-    ap.add_argument("--json", help="also write the results to this file")
-    args = ap.parse_args(argv)
-
-    t = time.perf_counter()
-    model, name = build_model(args)
-    print(f"model: {name} (built/loaded in {time.perf_counter() - t:.1f} s) | device: {mx.default_device()}", flush=True)
+def run_modes(model, args, modes: list[str], system: list[int], blocks: int, dense) -> dict:
+    """Every mode with Engine(dense_weights=dense): {mode: medians and stats}, printed as they come."""
     vocab, n = model.config.vocab_size, args.requests
-    rng = np.random.default_rng(0)
-    system = tokens(rng, args.system_len, vocab)
     prompt_len = args.system_len + args.question_len
-    # room for every request, plus the entries' references to the system prompt's blocks
-    blocks = (n + 2) * BlockPool.blocks_for(prompt_len + args.gen_len, args.block_tokens)
-    print(f"{n} requests x ({args.system_len} shared + {args.question_len} own) tokens, generate {args.gen_len}; "
-          f"interval {args.interval}, step_tokens {args.step_tokens}, block_tokens {args.block_tokens}, pool {blocks} blocks, "
-          f"{args.repeats} repeats (median)", flush=True)
-
     results, outputs = {}, {}
     header = f"{'mode':>5} {'TTFT mean ms':>13} {'TTFT max ms':>12} {'total s':>9} {'hit tokens':>11} {'prompt tok':>11}"
-    modes = args.modes.split(",")
-    unknown = set(modes) - {"off", "cold", "warm", "chat-off", "chat"}
-    if unknown:
-        ap.error(f"unknown modes {sorted(unknown)}")
     for mode in modes:
         if mode.startswith("chat"):
-            results[mode] = run_chat(model, args, mode, outputs)
+            results[mode] = run_chat(model, args, mode, outputs, dense)
             continue
         interval = 0 if mode == "off" else args.interval
         engine = Engine(model, slots=n, step_tokens=max(args.step_tokens, n), block_tokens=args.block_tokens,
-                        num_blocks=blocks, prefix_interval=interval, prefix_in_step=args.in_step and interval > 0)
+                        num_blocks=blocks, prefix_interval=interval, prefix_in_step=args.in_step and interval > 0,
+                        dense_weights=dense)
         warm = tokens(np.random.default_rng(999), min(prompt_len, 2 * args.step_tokens), vocab)
         engine.generate([warm] * n, SamplingParams(max_tokens=2, ignore_eos=True))  # compile the kernels
         runs, answers = [], []
@@ -224,6 +188,59 @@ def main(argv=None):
         off, on = results["off"], results["cold"]
         print(f"cold vs off: TTFT mean {on['ttft_mean_ms'] / off['ttft_mean_ms']:.0%} of off, "
               f"total {on['wall_s'] / off['wall_s']:.0%} of off")
+    return results
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap)
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--system-len", type=int, default=2048)
+    ap.add_argument("--question-len", type=int, default=64)
+    ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--interval", type=int, default=512, help="prefix_interval when the cache is on")
+    ap.add_argument("--in-step", action="store_true",
+                    help="Engine(prefix_in_step=True) when the cache is on: prefill chunks cross the boundaries")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--step-tokens", type=int, default=128)
+    ap.add_argument("--block-tokens", type=int, default=128)
+    ap.add_argument("--modes", default="off,cold,warm,chat-off,chat")
+    ap.add_argument("--chat-turns", type=int, default=10)
+    ap.add_argument("--turn-len", type=int, default=200, help="new tokens in each chat turn's prompt")
+    ap.add_argument("--turn-gen", type=int, default=128, help="tokens generated in each chat turn")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also run each mode's prompts once (one token each) under cProfile; keep the N Python "
+                         "functions with the most self time")
+    ap.add_argument("--phases", action="store_true",
+                    help="after each shared-prompt mode's repeats, one more run with one token each, its host time by step phase")
+    add_dense_weights_arg(ap)
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args(argv)
+
+    t = time.perf_counter()
+    model, name = build_model(args)
+    print(f"model: {name} (built/loaded in {time.perf_counter() - t:.1f} s) | device: {mx.default_device()}", flush=True)
+    n = args.requests
+    rng = np.random.default_rng(0)
+    system = tokens(rng, args.system_len, model.config.vocab_size)
+    prompt_len = args.system_len + args.question_len
+    # room for every request, plus the entries' references to the system prompt's blocks
+    blocks = (n + 2) * BlockPool.blocks_for(prompt_len + args.gen_len, args.block_tokens)
+    print(f"{n} requests x ({args.system_len} shared + {args.question_len} own) tokens, generate {args.gen_len}; "
+          f"interval {args.interval}, step_tokens {args.step_tokens}, block_tokens {args.block_tokens}, pool {blocks} blocks, "
+          f"{args.repeats} repeats (median)", flush=True)
+
+    modes = args.modes.split(",")
+    unknown = set(modes) - {"off", "cold", "warm", "chat-off", "chat"}
+    if unknown:
+        ap.error(f"unknown modes {sorted(unknown)}")
+    results = {}
+    for dense in args.dense_weights:  # each setting runs every mode; keys tagged when there are several
+        tag = f" dense={dense}" if len(args.dense_weights) > 1 else ""
+        if tag:
+            print(f"-- dense_weights={dense}", flush=True)
+        res = run_modes(model, args, modes, system, blocks, DENSE_WEIGHTS[dense])
+        results.update({f"{mode}{tag}": r for mode, r in res.items()})
     write_json(args.json, name, args, results)
     return 0
 

@@ -34,11 +34,13 @@ import time
 
 import mlx.core as mx
 
+from bench_common import DENSE_WEIGHTS, add_dense_weights_arg
 from decode_profile import count_primitives, set_pools, step_fn
 from host_build import warm_layout
 from mtlqwen.kernels.selection import parse_rows, selected
 from mtlqwen.model.builtin import SHAPES, random_model
 from mtlqwen.model.config import QuantSpec
+from mtlqwen.runtime.dense_weights import keep_dense_weights, resolve as resolve_dense
 
 
 def kernel_events(run) -> list[tuple[float, float, str]]:
@@ -208,6 +210,7 @@ def main():
     ap.add_argument("--prefill-only", action="store_true", help="with --prefill: leave out the decode steps")
     ap.add_argument("--prefill-seqs", type=int, default=1, help="the prefill chunk split over this many sequences")
     ap.add_argument("--prefill-context", type=int, default=0, help="tokens each of them has cached already")
+    add_dense_weights_arg(ap)
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.prefill and (a.prefill_seqs < 1 or a.prefill % a.prefill_seqs or a.prefill_context < 0):
@@ -231,7 +234,10 @@ def main():
         print("| kernel | per step | µs each | µs per step | share of busy |\n|---|---|---|---|---|")
         for k in r["kernels"][: a.top]:
             print(f"| {k['name']} | {k['per_step']:g} | {k['us_each']:.1f} | {k['us_per_step']:.0f} | {100 * k['share']:.1f}% |")
-    for spec, rows in (variants.items() if a.prefill else ()):
+    prefill_runs = [(f"{spec}{f' dense={d}' if len(a.dense_weights) > 1 else ''}", rows, d)
+                    for d in a.dense_weights for spec, rows in variants.items()] if a.prefill else []
+    for spec, rows, dense in prefill_runs:
+        keep_dense_weights(model, resolve_dense(model, DENSE_WEIGHTS[dense]))  # what an engine would keep
         r = res.setdefault("prefill_trace", {})[spec] = trace_prefill(model, a.prefill, 5, rows, a.prefill_seqs, a.prefill_context)
         print(f"\n## prefill of {a.prefill} tokens ({a.prefill_seqs} x {a.prefill // a.prefill_seqs} over "
               f"{a.prefill_context} cached), {spec}: wall {r['wall_us']:.0f} µs ({r['tokens_per_s']:.0f} tok/s)"

@@ -62,6 +62,10 @@ class EngineConfig:
     # compiled (the GPU kernels' default). H200, 9B, tau 6 end to end: 1.89x -> 2.33x plain at 1 request, 1.54x ->
     # 2.25x at 8 (benchmarks/spec.md, "The pipelined step, end to end")
     spec_pipeline: bool | None = None
+    # keep a dequantized copy of each quantized decoder projection for the GEMMs past qgemm's rows (prefill
+    # chunks), which otherwise dequantize every step (dense_weights.py); None: on with the CUDA kernels where
+    # the copies fit in a third of the device memory the weights leave
+    dense_weights: bool | None = None
 
     def __post_init__(self):
         self.validate()
@@ -86,9 +90,9 @@ class EngineConfig:
         _int("prefix_cache_bytes", self.prefix_cache_bytes, 0, optional=True)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        for name in ("pad_buckets", "compile_decode", "spec_pipeline", "prefix_in_step"):
+        for name in ("pad_buckets", "compile_decode", "spec_pipeline", "prefix_in_step", "dense_weights"):
             v = getattr(self, name)
-            if not (isinstance(v, bool) or (v is None and name in ("compile_decode", "spec_pipeline"))):
+            if not (isinstance(v, bool) or (v is None and name in ("compile_decode", "spec_pipeline", "dense_weights"))):
                 raise ValueError(f"{name} must be true or false, got {v!r}")
         if self.n_draft is not None and self.draft is None:
             raise ValueError("n_draft needs a drafter (draft=...)")

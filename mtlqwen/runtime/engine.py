@@ -24,6 +24,7 @@ from .admission import as_params, check_request, prompt_ids
 from .batch import PackedBatch, pack, token_buckets
 from .draft_policy import make_policy
 from .config import EngineConfig
+from .dense_weights import keep_dense_weights, resolve as resolve_dense
 from .failures import EvalFailed, Failures, reason
 from .generate import Generation
 from .memory import plan_memory
@@ -118,6 +119,11 @@ class Engine(Generation):
     says when it falls back to the synchronous rule); default on where the steps are compiled (benchmarks/spec.md:
     1.89x -> 2.33x plain at 1 request and 1.54x -> 2.25x at 8 on the H200, tau 6).
 
+    dense_weights: keep a dequantized copy of each quantized decoder projection (the scales' dtype: 4x a 4-bit
+    model's projections) for the GEMMs past qgemm's rows (prefill chunks, wide verifications), which otherwise
+    dequantize their weights every step (runtime/dense_weights.py); default on with the CUDA kernels where the
+    copies fit in a third of the device memory the weights leave, else off. `engine.dense_bytes`: what they hold.
+
     Not thread-safe: one thread calls submit/step/cancel (a server feeds it through a queue)."""
 
     def __init__(
@@ -146,6 +152,7 @@ class Engine(Generation):
         draft_costs=_UNSET,
         draft_bits: int | None = _UNSET,
         spec_pipeline: bool | None = _UNSET,
+        dense_weights: bool | None = _UNSET,
     ):
         if config is not None and not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__} (options go by keyword)")
@@ -157,6 +164,8 @@ class Engine(Generation):
         self.max_model_len = min(ctx, cfg.max_model_len) if cfg.max_model_len else ctx
         self.block_tokens, self.slots = block_tokens, slots = cfg.block_tokens, cfg.slots
         drafter, n_draft = load_draft(model, cfg.draft, cfg.n_draft, slots, cfg.step_tokens, cfg.draft_bits)
+        # before the KV pool is sized from the memory left: the copies take their share first
+        self.dense_bytes = keep_dense_weights(model, resolve_dense(model, cfg.dense_weights))
         self.step_tokens = step_tokens = cfg.step_budget(n_draft)  # the default grows so every slot can verify
         mem = plan_memory(self.config, model.dtype, cfg, self.max_model_len,
                           Speculator.bytes_per_block(drafter, block_tokens, model.dtype))  # drafter K/V share the bundles

@@ -218,7 +218,10 @@ def small_k_rows(x2: mx.array, ps: list[LinearParams]) -> bool:
 
 
 def dequant_linear(x2: mx.array, p: LinearParams) -> mx.array:
-    """x2 [M, K] @ W^T with W dequantized to x2's dtype (the dequantize kernel where it covers p)."""
+    """x2 [M, K] @ W^T with W dequantized to x2's dtype: the copy kept in memory, else the dequantize kernel
+    where it covers p."""
+    if p.dense is not None and p.dense.dtype == x2.dtype:
+        return x2 @ p.dense.T
     if SELECT["dequant_kernel"] and dequant.supported(p, x2.dtype):
         return x2 @ dequant.dequantize(p, x2.dtype).T
     return x2 @ p.dequantized().astype(x2.dtype).T
@@ -252,11 +255,26 @@ def _stacked(x2: mx.array, ps: list[LinearParams]) -> mx.array | None:
             and not _use_qgemm(x2, ps) and dequant.stackable(ps, x2.dtype)
             and all(_dequant_route(x2, p) for p in ps)):
         return None
-    return dequant.dequantize_stack(ps, x2.dtype)
+    kept = kept_stack(ps, x2.dtype)
+    return kept if kept is not None else dequant.dequantize_stack(ps, x2.dtype)
+
+
+def kept_stack(ps: list[LinearParams], dtype) -> mx.array | None:
+    """The stacked copy kept in memory for exactly ps, in this order, of `dtype` (dense_weights.py), or None."""
+    if ps[0].dense_stack is None:
+        return None
+    w = ps[0].dense_stack[0]
+    if w.dtype != dtype or w.shape[0] != sum(p.out_features for p in ps):
+        return None
+    ok = all(p.dense_stack is not None and p.dense_stack[0] is w and p.dense_stack[1] == i for i, p in enumerate(ps))
+    return w if ok else None
 
 
 def _row_slices(w: mx.array, ps: list[LinearParams]) -> list[mx.array]:
-    """The stacked matrix's row ranges, one [N_p, K] a projection: contiguous, so no GEMM copies them."""
+    """The stacked matrix's row ranges, one [N_p, K] a projection: contiguous, so no GEMM copies them (a
+    kept stack's are kept as its projections' `dense`: no slice node a step)."""
+    if ps[0].dense_stack is not None and w is ps[0].dense_stack[0]:
+        return [p.dense for p in ps]
     out, r = [], 0
     for p in ps:
         out.append(w[r:r + p.out_features])

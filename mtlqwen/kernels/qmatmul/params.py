@@ -17,6 +17,12 @@ class LinearParams:
     biases: mx.array | None = None
     bits: int = 0
     group_size: int = 0
+    # A dequantized copy kept in memory (model/dense_weights.py) for the GEMMs past qgemm's rows, which would
+    # otherwise dequantize W at every step: `dense` [out, in] in the scales' dtype; where projections of one
+    # input were dequantized together, a row range of their stacked matrix, and `dense_stack` is (that
+    # matrix [sum out, in], this projection's place among them).
+    dense: mx.array | None = None
+    dense_stack: tuple[mx.array, int] | None = None
 
     @property
     def quantized(self) -> bool:
