@@ -134,8 +134,9 @@ def _prefill(model, ids, lens):
         qsl.append(qsl[-1] + n)
     cache = model.make_cache(64, len(lens), 16)
     tables = [list(range(16 * i, 16 * i + 16)) for i in range(len(lens))]
-    out = model.forward(mx.array(ids, dtype=mx.int32), SeqLayout(qsl, [0] * len(lens), tables,
-                                                                  list(range(len(lens))), 16), cache)
+    layout = SeqLayout(qsl, [0] * len(lens), tables, list(range(len(lens))), 16)
+    # each sequence's last row, as the engine scores a prefill step (the LM head has no copy)
+    out = model.forward(mx.array(ids, dtype=mx.int32), layout, cache, logits_rows=mx.array([q - 1 for q in qsl[1:]]))
     mx.eval(out, cache.arrays())
     return np.array(out.astype(mx.float32)), [np.array(a.astype(mx.float32)) for a in cache.arrays()]
 
@@ -143,8 +144,8 @@ def _prefill(model, ids, lens):
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_prefill_with_the_copies_is_bit_identical_and_dequantizes_nothing(qmodel):
-    """Two sequences of 150 + 61 rows (past qgemm's 128): logits and every pool equal bit for bit with the
-    copies kept and without, and with them no dequantize launch is built."""
+    """Two sequences of 150 + 61 rows (past qgemm's 128): the last rows' logits and every pool equal bit for
+    bit with the copies kept and without, and with them no dequantize launch is built."""
     ids = random_token_ids(211, qmodel.config.vocab_size, seed=5)
     dense_weights.keep_dense_weights(qmodel, False)
     want, want_cache = _prefill(qmodel, ids, [150, 61])
