@@ -12,6 +12,8 @@ probe, y_{i+1} = probe(y_i, extras), on 256 floats (the device time is ~2 us a l
                 every launch), and ~64 KB
     inputs16    the short kernel with 15 extra (unused) inputs, as the MoE gate+up launch has
     big_input   the short kernel with one extra unused input of 256 MB (a layer's stacked experts)
+    matmul      MLX's matmul of [16, 16] by [16, 16] (cuBLASLt: MLX builds the descriptors and asks for an
+                algorithm at every call), per link also two reshapes (the `reshape` row's cost)
 
 Per variant: `encode` = wall time of mx.async_eval on the lazily built chain (MLX encodes every launch on
 the calling thread), `total` = until the result is on the host, both per launch, median of R; `compiled`
@@ -92,8 +94,10 @@ def main() -> int:
     backend = gpu_backend()
     x = mx.zeros((N,), dtype=mx.float32)
     # reshape: a node with no kernel (a view), two per link, to price the graph node alone
+    w16 = mx.eye(16, dtype=mx.float32)
     variants = {"builtin": (lambda y, extras: y + 1.0, []),
-                "reshape": (lambda y, extras: y.reshape(16, 16).reshape(N), [])}
+                "reshape": (lambda y, extras: y.reshape(16, 16).reshape(N), []),
+                "matmul": (lambda y, extras: (y.reshape(16, 16) @ extras[0]).reshape(N), [w16])}
     if backend is not None:
         small = [mx.zeros((N,), dtype=mx.float32) for _ in range(15)]
         big = [mx.zeros((64 * 2**20,), dtype=mx.float32)]  # 256 MB
