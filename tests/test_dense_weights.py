@@ -12,7 +12,7 @@ import pytest
 
 from mtlqwen.kernels import SeqLayout, backend
 from mtlqwen.kernels.qmatmul import dequant, gemv
-from mtlqwen.kernels.selection import SELECT, selected
+from mtlqwen.kernels.selection import SELECT
 from mtlqwen.model import QuantSpec
 from mtlqwen.model.builtin import random_model
 from mtlqwen.model.qwen35 import GDNMixer
@@ -101,11 +101,9 @@ def test_a_kept_stack_serves_exactly_its_projections_in_order(qmodel):
     assert gemv.kept_stack(g, dt) is None
 
 
-@pytest.mark.parametrize("one_gemm", [0, 1])
-def test_past_qgemm_rows_the_gemms_read_the_copies(qmodel, one_gemm):
+def test_past_qgemm_rows_the_gemms_read_the_copies(qmodel):
     """CPU (qgemm unavailable, so 129+ bf16 rows take dequantize + GEMM): linear_multi, swiglu_linear and
-    linear run on the kept matrices, never the dequantize kernel, with the products of the dequantized weights
-    (with dequant_stack_one_gemm, linear_multi's outputs are the column ranges of one product)."""
+    linear run on the kept matrices, never the dequantize kernel, with the products of the dequantized weights."""
     dense_weights.keep_dense_weights(qmodel, True)
     groups = dense_weights.projection_groups(qmodel)
     mix, gu, down = groups[0], groups[2], groups[3][0]
@@ -116,19 +114,14 @@ def test_past_qgemm_rows_the_gemms_read_the_copies(qmodel, one_gemm):
     real = dequant.dequantize_stack
     dequant.dequantize_stack = lambda *a: calls.append(a) or real(*a)
     try:
-        with selected({"dequant_stack_one_gemm": one_gemm}):
-            ys = gemv.linear_multi_kernel(x, mix)
+        ys = gemv.linear_multi_kernel(x, mix)
         h = gemv.swiglu_linear_kernel(x, *gu)
         y_down = gemv.linear_kernel(h, down)
     finally:
         dequant.dequantize_stack = real
     assert calls == []
     for y, p in zip(ys, mix):
-        want = x @ p.dense.T
-        assert y.shape == want.shape
-        assert np.allclose(np.array(y.astype(mx.float32)), np.array(want.astype(mx.float32)), rtol=1e-2, atol=1e-2)
-        if not one_gemm:
-            assert mx.array_equal(y, want).item()
+        assert mx.array_equal(y, x @ p.dense.T).item()
     g, u = x @ gu[0].dense.T, x @ gu[1].dense.T
     assert np.allclose(np.array(h.astype(mx.float32)), np.array(((g * mx.sigmoid(g)) * u).astype(mx.float32)),
                        atol=2e-2, rtol=2e-2)  # the fused SwiGLU rounds once
@@ -167,20 +160,6 @@ def test_gpu_prefill_with_the_copies_is_bit_identical_and_dequantizes_nothing(qm
     assert calls == []
     assert np.array_equal(got, want)
     assert all(np.array_equal(g, w) for g, w in zip(got_cache, want_cache))
-
-
-@pytest.mark.gpu
-@needs_gpu
-def test_gpu_one_gemm_a_stack_gives_the_same_logits_within_rounding(qmodel):
-    """dequant_stack_one_gemm: the stacked projections as one GEMM (its column ranges read by the layers'
-    kernels) against a GEMM a projection, both on the copies: logits within bf16 rounding of each other."""
-    ids = random_token_ids(211, qmodel.config.vocab_size, seed=6)
-    dense_weights.keep_dense_weights(qmodel, True)
-    want, _ = _prefill(qmodel, ids, [150, 61])
-    with selected({"dequant_stack_one_gemm": 1}):
-        got, got_cache = _prefill(qmodel, ids, [150, 61])
-    assert np.isfinite(got).all() and all(np.isfinite(c).all() for c in got_cache)
-    assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
 
 
 @pytest.mark.gpu

@@ -240,11 +240,6 @@ SELECT: dict[str, int] = {
     # 31.3 against 35.2 ms (step_trace.py); warm TTFT 35.7 against 45.6 ms in one process (benchmarks/
     # prefix_cache.md). Its GPU tests passed on the H200. 0 = one dequantize + GEMM a projection.
     "dequant_stack": 1,
-    # The stacked projections (a GDN layer's four, attention's q/k/v) as one GEMM [M, sum N] whose column
-    # ranges are the outputs, where each of their GEMMs would be a cuBLAS call (MLX builds its descriptors and
-    # asks for an algorithm at every call: host time) and b / a a split-K pair; the readers copy the ranges
-    # they need contiguous. 0 = a GEMM a projection on its rows of the stack.
-    "dequant_stack_one_gemm": 0,
     # qgemm: 16-row weight tiles per warp (1 or 2; SwiGLU always pairs 2): 2 was faster at 35 of the 42
     # (matrix, rows) points of the 9B sweep (benchmarks/qgemm.md); how many waves of blocks over the SMs
     # split-K aims for when N / tile * M / tile blocks are too few.
