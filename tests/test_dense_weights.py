@@ -188,3 +188,16 @@ def test_gpu_auto_keeps_them_on_cuda(qmodel):
     """A small model's copies fit easily: the default keeps them, and the KV pool is sized after them."""
     assert dense_weights.resolve(qmodel, None) is True
     assert Engine(qmodel, slots=1, block_tokens=16).dense_bytes == dense_weights.dense_bytes(qmodel)
+
+
+def test_the_server_flag_reaches_the_engine():
+    """serve --dense-weights: auto leaves the engine's default, on / off force it; --help names it."""
+    from mtlqwen.cli import build_parser  # noqa: PLC0415
+    from mtlqwen.frontends.server import _engine_kwargs  # noqa: PLC0415
+
+    parser = build_parser()
+    for flag, want in (([], None), (["--dense-weights", "on"], True), (["--dense-weights", "off"], False)):
+        args = parser.parse_args(["serve", *flag])
+        assert _engine_kwargs(args).get("dense_weights") == want
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--dense-weights", "yes"])
