@@ -12,6 +12,7 @@ kernel call's node. Use it to find and cut Python overhead; confirm on the devic
 
     python benchmarks/host_build.py                                # 9B warm prefix hit: 8 x 64 over 2,048
     python benchmarks/host_build.py --seqs 1 --tokens 1024 --context 0 --profile 30
+    python benchmarks/host_build.py --dense-weights                # with the engine's kept copies (CUDA default)
 """
 
 from __future__ import annotations
@@ -48,6 +49,21 @@ def pretend_cuda() -> None:
     mx.async_eval = lambda *a, **k: None
 
 
+def stand_in_dense(model) -> None:
+    """Kept copies as runtime/dense_weights.py attaches them, of lazy zeros (nothing is dequantized here)."""
+    from mtlqwen.runtime.dense_weights import projection_groups  # noqa: PLC0415
+
+    for g in projection_groups(model):
+        dt, K = g[0].scales.dtype, g[0].in_features
+        if len(g) == 1:
+            g[0].dense = mx.zeros((g[0].out_features, K), dtype=dt)
+            continue
+        w, r = mx.zeros((sum(p.out_features for p in g), K), dtype=dt), 0
+        for i, p in enumerate(g):
+            p.dense, p.dense_stack = w[r:r + p.out_features], (w, i)
+            r += p.out_features
+
+
 def warm_layout(S: int, T: int, context: int, bt: int) -> SeqLayout:
     """S sequences of T new tokens over `context` cached ones each, own blocks and slots."""
     per = -(-(context + T) // bt)
@@ -65,10 +81,15 @@ def main(argv=None) -> int:
     ap.add_argument("--block-tokens", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="keep the N functions with the most self time")
+    ap.add_argument("--dense-weights", action="store_true",
+                    help="the projections' kept dequantized copies (lazy stand-ins of their shapes), as the engine's "
+                         "default on CUDA: the GEMMs past qgemm's rows read them instead of dequantizing")
     args = ap.parse_args(argv)
     pretend_cuda()
     model = builtin.random_model(config=builtin.SHAPES[args.shape](), seed=0,
                                  quantize=QuantSpec(args.bits, 64) if args.bits else None)
+    if args.dense_weights:
+        stand_in_dense(model)
     S, T, bt = args.seqs, args.tokens, args.block_tokens
     per = -(-(args.context + T) // bt)
     cache = model.make_cache(num_blocks=S * per + 1, num_slots=S, block_tokens=bt)

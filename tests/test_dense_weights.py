@@ -72,13 +72,19 @@ def test_copies_are_the_dequantized_weights_and_stacks_share_one_buffer(qmodel):
     assert all(p.dense is None and p.dense_stack is None for g in dense_weights.projection_groups(qmodel) for p in g)
 
 
-def test_the_engine_switch(qmodel):
-    """Default off on the CPU references; True keeps them (engine.dense_bytes), False drops them; bad values
-    are refused."""
-    assert Engine(qmodel, slots=1, num_blocks=8, block_tokens=16).dense_bytes == 0
-    assert dense_weights.kept_bytes(qmodel) == 0
+def test_the_engine_switch(qmodel, monkeypatch):
+    """Never on the CPU references (they read the quantized weights), True or not; where the kernels run (faked
+    here) True keeps them (engine.dense_bytes, stats' dense_weight_bytes), False drops them; bad values are
+    refused."""
+    if backend.use_kernels():
+        pytest.skip("the CPU references' rule")
+    for setting in (None, True):
+        eng = Engine(qmodel, slots=1, num_blocks=8, block_tokens=16, dense_weights=setting)
+        assert eng.dense_bytes == eng.stats()["dense_weight_bytes"] == dense_weights.kept_bytes(qmodel) == 0
+    monkeypatch.setattr(dense_weights, "use_kernels", lambda: True)
     on = Engine(qmodel, slots=1, num_blocks=8, block_tokens=16, dense_weights=True)
-    assert on.dense_bytes == dense_weights.dense_bytes(qmodel) == dense_weights.kept_bytes(qmodel)
+    assert on.dense_bytes == on.stats()["dense_weight_bytes"] == dense_weights.dense_bytes(qmodel) > 0
+    assert dense_weights.kept_bytes(qmodel) == on.dense_bytes
     assert Engine(qmodel, slots=1, num_blocks=8, block_tokens=16, dense_weights=False).dense_bytes == 0
     assert dense_weights.kept_bytes(qmodel) == 0
     with pytest.raises(ValueError, match="dense_weights must be true or false"):
@@ -179,7 +185,7 @@ def test_auto_is_off_off_cuda(qmodel):
     if backend.gpu_backend() == "cuda" and backend.use_kernels():
         pytest.skip("CUDA: the default depends on the device's memory (test_gpu_auto_keeps_them_on_cuda)")
     assert dense_weights.resolve(qmodel, None) is False
-    assert dense_weights.resolve(qmodel, True) is True
+    assert dense_weights.resolve(qmodel, True) is backend.use_kernels()  # Metal: as asked; CPU: never
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ are built with the kernel the step would run (bit-identical GEMM inputs) in the 
 them: a GDN layer's four input projections, attention's q / k / v, an MLP's gate + up.
 
 Engine(dense_weights=None) keeps them where it measured the gain (the CUDA kernels) and they fit in
-DENSE_SHARE of the device memory the weights leave; True / False force it.
+DENSE_SHARE of the device memory the weights leave; True / False force it where the GPU kernels run.
 """
 
 from __future__ import annotations
@@ -85,11 +85,14 @@ def keep_dense_weights(model, on: bool) -> int:
 
 
 def resolve(model, setting: bool | None) -> bool:
-    """Engine(dense_weights=setting): True / False as given; None: on with the CUDA kernels when the copies fit
-    in DENSE_SHARE of the usable device memory left after what is allocated now (the weights)."""
+    """Engine(dense_weights=setting): never off the GPU kernels (the CPU references read the quantized weights,
+    so copies would only take memory); there True / False as given; None: on with the CUDA kernels when the
+    copies fit in DENSE_SHARE of the usable device memory left after what is allocated now (the weights)."""
+    if not use_kernels():
+        return False
     if setting is not None:
         return setting
-    if not (use_kernels() and gpu_backend() == "cuda"):
+    if gpu_backend() != "cuda":
         return False
     total, free = device_memory()
     if total is None:

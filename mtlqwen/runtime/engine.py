@@ -122,7 +122,8 @@ class Engine(Generation):
     dense_weights: keep a dequantized copy of each quantized decoder projection (the scales' dtype: 4x a 4-bit
     model's projections) for the GEMMs past qgemm's rows (prefill chunks, wide verifications), which otherwise
     dequantize their weights every step (runtime/dense_weights.py); default on with the CUDA kernels where the
-    copies fit in a third of the device memory the weights leave, else off. `engine.dense_bytes`: what they hold.
+    copies fit in a third of the device memory the weights leave, else off; never on the CPU references, which read
+    the quantized weights. `engine.dense_bytes` (stats' `dense_weight_bytes`): what they hold.
 
     Not thread-safe: one thread calls submit/step/cancel (a server feeds it through a queue)."""
 
@@ -437,6 +438,7 @@ class Engine(Generation):
             "slots": self.slots,
             "step_tokens": self.step_tokens,
             "kv_cache_usage": self.pool.num_used / self.pool.num_blocks,
+            "dense_weight_bytes": self.dense_bytes,
             **self.scheduler.stats(),
             **self.counters,
             **self.kv.stats(),
