@@ -51,17 +51,11 @@ def pretend_cuda() -> None:
 
 def stand_in_dense(model) -> None:
     """Kept copies as runtime/dense_weights.py attaches them, of lazy zeros (nothing is dequantized here)."""
-    from mtlqwen.runtime.dense_weights import projection_groups  # noqa: PLC0415
+    from mtlqwen.runtime.dense_weights import attach, projection_groups  # noqa: PLC0415
 
     for g in projection_groups(model):
         dt, K = g[0].scales.dtype, g[0].in_features
-        if len(g) == 1:
-            g[0].dense = mx.zeros((g[0].out_features, K), dtype=dt)
-            continue
-        w, r = mx.zeros((sum(p.out_features for p in g), K), dtype=dt), 0
-        for i, p in enumerate(g):
-            p.dense, p.dense_stack = w[r:r + p.out_features], (w, i)
-            r += p.out_features
+        attach(g, [mx.zeros((sum(p.out_features for p in g), K), dtype=dt)])
 
 
 def warm_layout(S: int, T: int, context: int, bt: int) -> SeqLayout:

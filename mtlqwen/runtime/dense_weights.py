@@ -72,16 +72,22 @@ def keep_dense_weights(model, on: bool) -> int:
             continue
         mats = _dequantized(g)
         mx.eval(mats)  # one group at a time: the peak is one group's matrices, not the model's
-        if len(mats) == 1 and len(g) > 1:
-            w, r = mats[0], 0
-            for i, p in enumerate(g):
-                p.dense, p.dense_stack = w[r:r + p.out_features], (w, i)  # views of w's buffer
-                r += p.out_features
-            mx.eval([p.dense for p in g])
-        else:
-            for p, w in zip(g, mats):
-                p.dense, p.dense_stack = w, None
+        attach(g, mats)
+        mx.eval([p.dense for p in g])
     return kept_bytes(model)
+
+
+def attach(g: list[LinearParams], mats: list[mx.array]) -> None:
+    """g's copies from one stacked matrix [sum out, in] (each projection a row range of it, a view of its
+    buffer, with dense_stack naming its place) or one matrix a projection."""
+    if len(mats) == 1 and len(g) > 1:
+        w, r = mats[0], 0
+        for i, p in enumerate(g):
+            p.dense, p.dense_stack = w[r:r + p.out_features], (w, i)
+            r += p.out_features
+        return
+    for p, w in zip(g, mats):
+        p.dense, p.dense_stack = w, None
 
 
 def resolve(model, setting: bool | None) -> bool:

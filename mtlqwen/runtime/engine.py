@@ -24,7 +24,7 @@ from .admission import as_params, check_request, prompt_ids
 from .batch import PackedBatch, pack, token_buckets
 from .draft_policy import make_policy
 from .config import EngineConfig
-from .dense_weights import keep_dense_weights, resolve as resolve_dense
+from .dense_weights import keep_dense_weights, kept_bytes, resolve as resolve_dense
 from .failures import EvalFailed, Failures, reason
 from .generate import Generation
 from .memory import plan_memory
@@ -166,7 +166,7 @@ class Engine(Generation):
         self.block_tokens, self.slots = block_tokens, slots = cfg.block_tokens, cfg.slots
         drafter, n_draft = load_draft(model, cfg.draft, cfg.n_draft, slots, cfg.step_tokens, cfg.draft_bits)
         # before the KV pool is sized from the memory left: the copies take their share first
-        self.dense_bytes = keep_dense_weights(model, resolve_dense(model, cfg.dense_weights))
+        keep_dense_weights(model, resolve_dense(model, cfg.dense_weights))
         self.step_tokens = step_tokens = cfg.step_budget(n_draft)  # the default grows so every slot can verify
         mem = plan_memory(self.config, model.dtype, cfg, self.max_model_len,
                           Speculator.bytes_per_block(drafter, block_tokens, model.dtype))  # drafter K/V share the bundles
@@ -429,6 +429,12 @@ class Engine(Generation):
     def prefix(self):
         """The KV manager's prefix cache, None when off (read-only view)."""
         return self.kv.prefix
+
+    @property
+    def dense_bytes(self) -> int:
+        """Bytes of the projections' dequantized copies the model holds (dense_weights.py); read from the model,
+        which another engine on it may have equipped or stripped since."""
+        return kept_bytes(self.model)
 
     def stats(self) -> dict:
         s = {
