@@ -33,8 +33,8 @@ import numpy as np
 from mtlqwen.runtime import Engine, SamplingParams
 from mtlqwen.runtime.block_pool import BlockPool
 
-from bench_common import (DENSE_WEIGHTS, add_dense_weights_arg, add_model_args, build_model, host_profile, timed_generate,
-                          ttft_ms, write_json)
+from bench_common import (DENSE_WEIGHTS, ENCODE_THREAD, add_dense_weights_arg, add_encode_thread_arg, add_model_args,
+                          build_model, host_profile, timed_generate, ttft_ms, write_json)
 
 
 def tokens(rng, n: int, vocab: int) -> list[int]:
@@ -93,12 +93,12 @@ def chat(engine: Engine, vocab: int, args, seed: int) -> tuple[dict, list[list[i
     return {"ttft_ms": ttft, "cached_tokens": cached, "last_over_first": ttft[-1] / ttft[0]}, replies
 
 
-def run_chat(model, args, mode: str, outputs: dict, dense=None) -> dict:
+def run_chat(model, args, mode: str, outputs: dict, engine_kw: dict) -> dict:
     chat_len = args.chat_turns * (args.turn_len + args.turn_gen)
     blocks = 3 * BlockPool.blocks_for(chat_len, args.block_tokens)  # the conversation, plus what entries hold
     engine = Engine(model, slots=1, step_tokens=args.step_tokens, block_tokens=args.block_tokens, num_blocks=blocks,
                     prefix_interval=0 if mode == "chat-off" else args.interval, max_model_len=chat_len + 1,
-                    prefix_in_step=args.in_step and mode != "chat-off", dense_weights=dense)
+                    prefix_in_step=args.in_step and mode != "chat-off", **engine_kw)
     warm = tokens(np.random.default_rng(999), min(chat_len, 2 * args.step_tokens), model.config.vocab_size)
     engine.generate([warm], SamplingParams(max_tokens=2, ignore_eos=True))  # compile the kernels
     runs, answers = [], []
@@ -120,20 +120,20 @@ def run_chat(model, args, mode: str, outputs: dict, dense=None) -> dict:
     return med
 
 
-def run_modes(model, args, modes: list[str], system: list[int], blocks: int, dense) -> dict:
-    """Every mode with Engine(dense_weights=dense): {mode: medians and stats}, printed as they come."""
+def run_modes(model, args, modes: list[str], system: list[int], blocks: int, engine_kw: dict) -> dict:
+    """Every mode with Engine(**engine_kw): {mode: medians and stats}, printed as they come."""
     vocab, n = model.config.vocab_size, args.requests
     prompt_len = args.system_len + args.question_len
     results, outputs = {}, {}
     header = f"{'mode':>5} {'TTFT mean ms':>13} {'TTFT max ms':>12} {'total s':>9} {'hit tokens':>11} {'prompt tok':>11}"
     for mode in modes:
         if mode.startswith("chat"):
-            results[mode] = run_chat(model, args, mode, outputs, dense)
+            results[mode] = run_chat(model, args, mode, outputs, engine_kw)
             continue
         interval = 0 if mode == "off" else args.interval
         engine = Engine(model, slots=n, step_tokens=max(args.step_tokens, n), block_tokens=args.block_tokens,
                         num_blocks=blocks, prefix_interval=interval, prefix_in_step=args.in_step and interval > 0,
-                        dense_weights=dense)
+                        **engine_kw)
         warm = tokens(np.random.default_rng(999), min(prompt_len, 2 * args.step_tokens), vocab)
         engine.generate([warm] * n, SamplingParams(max_tokens=2, ignore_eos=True))  # compile the kernels
         runs, answers = [], []
@@ -147,6 +147,7 @@ def run_modes(model, args, modes: list[str], system: list[int], blocks: int, den
             runs.append(res)
             answers.append(toks)
         med = {k: statistics.median(x[k] for x in runs) for k in runs[0]}
+        med["ttft_mean_ms_runs"] = [round(x["ttft_mean_ms"], 2) for x in runs]
         if args.phases:
             engine.clear_prefix_cache()
             if mode == "warm":
@@ -214,6 +215,7 @@ def main(argv=None):
     ap.add_argument("--phases", action="store_true",
                     help="after each shared-prompt mode's repeats, one more run with one token each, its host time by step phase")
     add_dense_weights_arg(ap)
+    add_encode_thread_arg(ap)
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
 
@@ -236,11 +238,14 @@ def main(argv=None):
         ap.error(f"unknown modes {sorted(unknown)}")
     results = {}
     for dense in args.dense_weights:  # each setting runs every mode; keys tagged when there are several
-        tag = f" dense={dense}" if len(args.dense_weights) > 1 else ""
-        if tag:
-            print(f"-- dense_weights={dense}", flush=True)
-        res = run_modes(model, args, modes, system, blocks, DENSE_WEIGHTS[dense])
-        results.update({f"{mode}{tag}": r for mode, r in res.items()})
+        for enc in args.encode_thread:
+            tag = (f" dense={dense}" if len(args.dense_weights) > 1 else "") + \
+                (f" encode_thread={enc}" if len(args.encode_thread) > 1 else "")
+            if tag:
+                print(f"--{tag}", flush=True)
+            kw = {"dense_weights": DENSE_WEIGHTS[dense], "encode_thread": ENCODE_THREAD[enc]}
+            res = run_modes(model, args, modes, system, blocks, kw)
+            results.update({f"{mode}{tag}": r for mode, r in res.items()})
     write_json(args.json, name, args, results)
     return 0
 

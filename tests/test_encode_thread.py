@@ -1,0 +1,183 @@
+"""The encoder thread (model/encode_thread.py, Engine(encode_thread=True)): groups of an eager forward's layers
+are evaluated on a worker thread, in order, while this thread builds the next; the engine drains it before
+anything is read back. Outputs, groups and failures are those of the single-thread path."""
+
+import gc
+import sys
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mtlqwen.kernels import SeqLayout
+from mtlqwen.kernels.selection import selected
+from mtlqwen.model import encode_thread
+from mtlqwen.model.encode_thread import EncodeThread, eval_group, scope
+from mtlqwen.runtime import Engine, EngineConfig
+
+from engine_checks import assert_idle, assert_reference, greedy
+from hf_checkpoints import random_token_ids
+
+ROWS = {"prefill_eval_layers": 2, "prefill_eval_min_rows": 16, "prefill_eval_tail": 0, "prefill_eval_first": 0}
+
+
+def test_groups_run_in_order_and_drain_waits_for_them():
+    enc = EncodeThread()
+    try:
+        with mx.stream(enc.stream):
+            a = mx.arange(6, dtype=mx.float32)
+            steps = []
+            for k in range(5):  # each group reads the one before it
+                a = a * 2 + k
+                steps.append(a)
+                enc.submit(a)
+            enc.drain()
+        assert enc.groups == 5
+        assert np.array(steps[-1]).tolist() == [((((x * 2) * 2 + 1) * 2 + 2) * 2 + 3) * 2 + 4 for x in range(6)]
+    finally:
+        enc.close()
+
+
+def test_a_worker_error_is_raised_at_drain_and_drops_the_groups_after_it():
+    """An array built on this thread's own stream is one the worker cannot evaluate (MLX: no such stream in
+    its thread): the protocol's one way to go wrong, and it raises rather than racing."""
+    enc = EncodeThread()
+    try:
+        enc.submit(mx.ones((3,)) * 2)  # built outside mx.stream(enc.stream)
+        with mx.stream(enc.stream):
+            later = mx.ones((3,)) * 5
+            enc.submit(later)
+            with pytest.raises(RuntimeError, match="in current thread"):
+                enc.drain()
+            assert enc.groups == 0  # neither group counted: the second was dropped, not encoded
+            enc.drain()  # the error was handed over once
+            enc.submit(later)  # the worker goes on with the next step's groups
+            enc.drain()
+        assert enc.groups == 1 and np.array(later).tolist() == [5, 5, 5]
+    finally:
+        enc.close()
+
+
+def test_scope_routes_groups_to_the_worker_and_restores_everything():
+    """Outside a scope eval_group evaluates here (mx.async_eval); inside, on the worker; on exit the worker
+    is drained and the switch interval and routing are back, also when the body raises."""
+    enc = EncodeThread()
+    interval = sys.getswitchinterval()
+    wrong = mx.ones((2,)) * 0  # on this thread's stream: the worker raises on it
+    try:
+        with mx.stream(enc.stream):
+            eval_group(mx.ones((2,)))
+            assert enc.groups == 0 and not encode_thread.threaded()
+            with scope(enc):
+                assert encode_thread.threaded() and sys.getswitchinterval() <= encode_thread.SWITCH_INTERVAL_S
+                x = mx.full((4,), 3.0)
+                eval_group(x)
+                eval_group(x + 1)
+            assert enc.groups == 2 and not encode_thread.threaded()
+            assert sys.getswitchinterval() == interval
+            with pytest.raises(KeyError):
+                with scope(enc):
+                    eval_group(wrong)
+                    raise KeyError("built wrong")  # the body's error wins; the worker's is dropped
+            assert not encode_thread.threaded() and sys.getswitchinterval() == interval
+            with scope(None):  # no encoder: groups evaluate on this thread
+                eval_group(mx.ones((2,)))
+            assert enc.groups == 2
+    finally:
+        enc.close()
+
+
+def forward(model, ids, lens, enc=None):
+    qsl = [0]
+    for n in lens:
+        qsl.append(qsl[-1] + n)
+    cache = model.make_cache(12, len(lens), 8)
+    tables = [[2 * i, 2 * i + 1, 8 + i] for i in range(len(lens))]
+    lay = SeqLayout(qsl, [0] * len(lens), tables, list(range(len(lens))), 8)
+    with scope(enc):
+        out = model.forward(mx.array(ids, dtype=mx.int32), lay, cache)
+    mx.eval(out, cache.arrays())
+    return np.array(out), [np.array(a) for a in cache.arrays()]
+
+
+def test_a_threaded_forward_gives_the_same_logits_and_states(model):
+    """8 layers in groups of 2 (threshold 16 rows): the worker evaluates the groups after layers 2, 4, 6 and the
+    last one (8), while this thread builds; logits and cache contents equal one evaluation's, bit for bit."""
+    ids = random_token_ids(19, 500, seed=2)
+    want, want_cache = forward(model, ids, [13, 6])
+    enc = EncodeThread()
+    try:
+        with mx.stream(enc.stream), selected(ROWS):
+            got, got_cache = forward(model, ids, [13, 6], enc)
+        assert len(model.layers) == 8 and enc.groups == 4
+        assert np.array_equal(got, want)
+        assert all(np.array_equal(g, w) for g, w in zip(got_cache, want_cache))
+    finally:
+        enc.close()
+
+
+def test_engine_outputs_with_the_encoder_thread_are_the_models_own(model):
+    """Greedy generations of prompts that prefill in grouped chunks, with prefix-cache hits (a shared prompt),
+    equal the single-request reference; the worker evaluated groups; nothing leaks."""
+    shared = random_token_ids(40, 500, seed=7)
+    prompts = [random_token_ids(n, 500, seed=n) for n in (37, 21, 50)] + [shared + random_token_ids(9, 500, seed=s)
+                                                                          for s in (8, 9)]
+    with selected(ROWS):
+        eng = Engine(model, slots=3, step_tokens=32, block_tokens=8, num_blocks=60, prefix_interval=16,
+                     encode_thread=True)
+        outs = eng.generate(prompts[:3], greedy(5)) + eng.generate(prompts[3:4], greedy(5))
+        outs += eng.generate(prompts[4:], greedy(5))
+    assert eng.encoder.groups > 0 and outs[-1].cached_tokens == 32  # the snapshot at 2 x 16 of the shared 40
+    for p, o in zip(prompts, outs):
+        assert_reference(model, p, o, 5)
+    assert_idle(eng)
+
+
+def test_a_device_error_in_a_threaded_group_fails_the_step_and_nothing_else(model, monkeypatch, caplog):
+    """A first-group layer output that fails to evaluate on the worker: the error comes back when the step's
+    build drains the worker, so the step's requests fail as a build failure, without a cache reset; the next
+    request gets its own greedy tokens and nothing leaks."""
+    layer = model.layers[0]
+    real = type(layer).__call__
+    armed = []
+
+    def faulty(self, h, *args, **kw):
+        h2, x2 = real(self, h, *args, **kw)
+        if self is layer and armed:
+            armed.clear()
+            bad = mx.linalg.inv(mx.zeros((2, 2)), stream=mx.cpu).sum() * 0
+            return h2 + bad.astype(h2.dtype), x2
+        return h2, x2
+
+    monkeypatch.setattr(type(layer), "__call__", faulty)
+    with selected(ROWS):
+        eng = Engine(model, slots=2, step_tokens=32, block_tokens=8, num_blocks=40, encode_thread=True)
+        armed.append(1)
+        (out,) = eng.generate([random_token_ids(30, 500, seed=4)], greedy(4))
+        assert out.finish_reason == "error" and "LU factorization failed" in out.error
+        assert "failed while it was built" in caplog.text
+        nxt = random_token_ids(25, 500, seed=5)
+        (ok,) = eng.generate([nxt], greedy(5))
+    assert ok.finish_reason == "length"
+    assert_reference(model, nxt, ok, 5)
+    assert_idle(eng)
+
+
+def test_the_worker_ends_with_its_engine(model):
+    eng = Engine(model, slots=1, block_tokens=8, num_blocks=8, encode_thread=True)
+    name = eng.encoder._thread.name
+    assert any(t.name == name and t.is_alive() for t in threading.enumerate())
+    thread = eng.encoder._thread
+    del eng
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+
+
+def test_config_checks():
+    assert EngineConfig().encode_thread is None
+    with pytest.raises(ValueError, match="encode_thread must be true or false"):
+        EngineConfig(encode_thread="yes")
+    with pytest.raises(ValueError, match="without a drafter"):
+        EngineConfig(encode_thread=True, draft="some/drafter")
