@@ -32,11 +32,11 @@ last came up is spared once, moved to the most recent end, and loses the mark.
 
 from __future__ import annotations
 
+import struct
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import mlx.core as mx
-import numpy as np
 import xxhash
 
 from .block_pool import BlockPool
@@ -58,7 +58,9 @@ def chunk_key(parent: int, tokens) -> int:
 
 
 def token_bytes(tokens) -> bytes:
-    return np.asarray(tokens, dtype="<i4").tobytes()
+    """Token ids as int32 little-endian bytes (ids are checked to lie in [0, vocab) at admission). struct packs a
+    list twice as fast as numpy converts it: a warm hit compares a 2,048-token prefix several times a step."""
+    return struct.pack(f"<{len(tokens)}i", *tokens)
 
 
 def prefix_keys(root: int, tokens, interval: int) -> list[int]:
