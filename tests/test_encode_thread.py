@@ -138,3 +138,13 @@ def test_config_checks():
         EngineConfig(encode_thread="yes")
     with pytest.raises(ValueError, match="without a drafter"):
         EngineConfig(encode_thread=True, draft="some/drafter")
+
+
+def test_the_server_flag_reaches_the_engine():
+    """serve --encode-thread turns it on; left out, the engine's default stands."""
+    from mtlqwen.cli import build_parser  # noqa: PLC0415
+    from mtlqwen.frontends.server import _engine_kwargs  # noqa: PLC0415
+
+    parser = build_parser()
+    assert "encode_thread" not in _engine_kwargs(parser.parse_args(["serve"]))
+    assert _engine_kwargs(parser.parse_args(["serve", "--encode-thread"]))["encode_thread"] is True
