@@ -40,7 +40,7 @@ from decode_profile import count_primitives, set_pools, step_fn
 from host_build import warm_layout
 from mtlqwen.kernels.selection import parse_rows, selected
 from mtlqwen.model.builtin import SHAPES, random_model
-from mtlqwen.model.encode_thread import EncodeThread, scope, settle
+from mtlqwen.kernels.encode_thread import EncodeThread, scope, settle
 from mtlqwen.model.config import QuantSpec
 from mtlqwen.runtime.dense_weights import keep_dense_weights, resolve as resolve_dense
 

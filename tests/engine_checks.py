@@ -77,10 +77,10 @@ def in_flight_verifications(eng):
 
 def packed_forward(model, ids, lens, encoder=None):
     """Logits and every cache pool (numpy) of one eager forward of fresh sequences of `lens` tokens (8-token
-    blocks, two a sequence plus one), evaluated once at the end; with `encoder` (model/encode_thread.py) its
+    blocks, two a sequence plus one), evaluated once at the end; with `encoder` (kernels/encode_thread.py) its
     layer groups are evaluated on the worker while the forward is built."""
     from mtlqwen.kernels import SeqLayout  # noqa: PLC0415
-    from mtlqwen.model.encode_thread import scope  # noqa: PLC0415
+    from mtlqwen.kernels.encode_thread import scope  # noqa: PLC0415
 
     qsl = [0]
     for n in lens:

@@ -1,4 +1,4 @@
-"""The encoder thread (model/encode_thread.py, Engine(encode_thread=True)): groups of an eager forward's layers
+"""The encoder thread (kernels/encode_thread.py, Engine(encode_thread=True)): groups of an eager forward's layers
 are evaluated on a worker thread, in order, while this thread builds the next; the engine drains it before
 anything is read back. Outputs, groups and failures are those of the single-thread path (a failing group:
 tests/test_prefill_eval.py, with the thread and without)."""
@@ -6,14 +6,15 @@ tests/test_prefill_eval.py, with the thread and without)."""
 import gc
 import sys
 import threading
+import time
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from mtlqwen.kernels.selection import selected
-from mtlqwen.model import encode_thread
-from mtlqwen.model.encode_thread import EncodeThread, eval_group, scope
+from mtlqwen.kernels import encode_thread
+from mtlqwen.kernels.encode_thread import EncodeThread, eval_group, scope
 from mtlqwen.runtime import Engine, EngineConfig
 
 from engine_checks import assert_idle, assert_reference, greedy, packed_forward
@@ -84,6 +85,63 @@ def test_scope_routes_groups_to_the_worker_and_restores_everything():
             with scope(None):  # no encoder: groups evaluate on this thread
                 eval_group(mx.ones((2,)))
             assert enc.groups == 2
+    finally:
+        enc.close()
+
+
+def test_quiesce_waits_for_the_workers_groups(monkeypatch):
+    """quiesce(): nothing outside a scope; inside, it returns once the worker has encoded what it holds."""
+    real, done = mx.async_eval, []
+
+    def slow(*arrays):
+        time.sleep(0.2)
+        real(*arrays)
+        done.append(time.perf_counter())
+
+    encode_thread.quiesce()  # no scope: returns at once
+    enc = EncodeThread()
+    try:
+        with mx.stream(enc.stream):
+            monkeypatch.setattr(mx, "async_eval", slow)  # the worker looks it up at each group
+            with scope(enc):
+                eval_group(mx.ones((3,)) * 2)
+                encode_thread.quiesce()
+                back = time.perf_counter()
+                assert done and done[0] <= back and enc._pending == 0
+    finally:
+        monkeypatch.undo()
+        enc.close()
+
+
+def test_a_kernels_first_use_inside_a_threaded_forward_waits_for_the_worker(model, monkeypatch):
+    """A kernel's first use evaluates on the building thread (dispatch.py's check): from layer 5 on, after the
+    worker took the groups of layers 1-2 and 3-4, it runs only with the worker idle; the logits are unchanged."""
+    from mtlqwen.kernels import dispatch  # noqa: PLC0415
+
+    ids = random_token_ids(19, 500, seed=3)
+    want, _ = packed_forward(model, ids, [13, 6])
+    layer5, real_layer = model.layers[5], type(model.layers[5]).__call__
+    enc = EncodeThread()
+    seen = []
+    real_quiesce = encode_thread.quiesce
+
+    def spy():
+        real_quiesce()
+        seen.append((enc.groups, enc._pending))
+
+    def reset_at_5(self, *a, **kw):
+        if self is layer5:
+            dispatch.reset("add_rms_norm")  # the op's next use (this layer's) is a first use again
+        return real_layer(self, *a, **kw)
+
+    monkeypatch.setattr(encode_thread, "quiesce", spy)
+    monkeypatch.setattr(type(layer5), "__call__", reset_at_5)
+    try:
+        fallback = dispatch.OPS["add_rms_norm"].fallback  # as the op's "kernel": it runs on the CPU too
+        with mx.stream(enc.stream), selected(ROWS), dispatch.inject("add_rms_norm", fallback):
+            got, _ = packed_forward(model, ids, [13, 6], enc)
+        assert np.allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert any(groups >= 2 for groups, _ in seen) and all(pending == 0 for _, pending in seen)
     finally:
         enc.close()
 

@@ -36,8 +36,8 @@ from ..kernels import (
     write_kv,
 )
 from ..kernels.selection import SELECT
-from . import encode_thread
-from .encode_thread import eval_group
+from ..kernels import encode_thread
+from ..kernels.encode_thread import eval_group
 from .cache import GDNStash, ModelCache, VerifyStash
 from .config import Qwen35Config
 from .gdn_taps import has_taps, tapped_gdn

@@ -67,7 +67,7 @@ class EngineConfig:
     # the copies fit in a third of the device memory the weights leave
     dense_weights: bool | None = None
     # a second thread encodes each group of an eager forward's layers while this one builds the next
-    # (model/encode_thread.py); without a drafter only. None: off
+    # (kernels/encode_thread.py); without a drafter only. None: off
     encode_thread: bool | None = None
 
     def __post_init__(self):

@@ -21,9 +21,9 @@ from typing import Any
 import mlx.core as mx
 
 from ..kernels import use_kernels
-from ..model import encode_thread
+from ..kernels import encode_thread
 from ..model.compiled import CompiledDecode
-from ..model.encode_thread import EncodeThread
+from ..kernels.encode_thread import EncodeThread
 from .admission import as_params, check_request, prompt_ids
 from .batch import PackedBatch, pack, token_buckets
 from .draft_policy import make_policy
@@ -130,7 +130,7 @@ class Engine(Generation):
     the quantized weights. `engine.dense_bytes` (stats' `dense_weight_bytes`): what they hold.
 
     encode_thread (without a drafter): a worker thread encodes each group of an eager forward's layers (SELECT
-    "prefill_eval_layers") while this thread builds the next (model/encode_thread.py); the engine then builds its
+    "prefill_eval_layers") while this thread builds the next (kernels/encode_thread.py); the engine then builds its
     arrays on a stream of its own (`mx.new_thread_unsafe_stream`, one per engine: MLX cannot free a stream).
     Default off.
 

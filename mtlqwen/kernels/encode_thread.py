@@ -10,7 +10,8 @@ encoder for every thread, and MLX leaves the locking to us. The protocol that ma
 - every array the worker may evaluate is built on `EncodeThread.stream` (the engine runs its steps and its
   construction under `mx.stream(...)`), so the worker never meets another thread's stream;
 - while the worker holds submitted groups, the engine's thread only builds (no eval, no read-back): `scope`
-  drains the worker before the step's last evaluation and read-back, on errors too;
+  drains the worker before the step's last evaluation and read-back, on errors too, and code that must
+  evaluate while it builds (a kernel's first-use check, dispatch.py) calls `quiesce()` first;
 - groups are encoded in submission order, each after the ones it reads from.
 """
 
@@ -65,10 +66,14 @@ class EncodeThread:
             self._pending += 1
         self._queue.put(arrays)
 
-    def drain(self, raise_error: bool = True) -> None:
-        """Wait until every submitted group is encoded; then raise the worker's first error, if any."""
+    def wait_idle(self) -> None:
+        """Wait until every submitted group is encoded (or dropped after an error)."""
         with self._idle:
             self._idle.wait_for(lambda: self._pending == 0)
+
+    def drain(self, raise_error: bool = True) -> None:
+        """Wait until every submitted group is encoded; then raise the worker's first error, if any."""
+        self.wait_idle()
         err, self._error = self._error, None
         if err is not None and raise_error:
             raise err
@@ -120,6 +125,15 @@ def scope(encoder: EncodeThread | None):
         _local.encoder = prev
         sys.setswitchinterval(interval)
         encoder.drain(raise_error=ok)
+
+
+def quiesce() -> None:
+    """Call before this thread evaluates anything while it builds (a kernel's first-use check, a table grown on
+    demand): inside a scope, waits until the worker has encoded every group, so that the stream's one encoder
+    is free. Errors stay with the worker, for the scope's drain."""
+    encoder = getattr(_local, "encoder", None)
+    if encoder is not None:
+        encoder.wait_idle()
 
 
 def threaded() -> bool:
