@@ -89,6 +89,34 @@ def test_scope_routes_groups_to_the_worker_and_restores_everything():
         enc.close()
 
 
+def test_overlapping_scopes_on_two_threads_restore_the_switch_interval():
+    """The first scope to open shortens the interval, the last to close restores it, whatever the order."""
+    interval = sys.getswitchinterval()
+    encs = [EncodeThread(), EncodeThread()]
+    entered, release = threading.Barrier(2), threading.Event()
+    inside = []
+
+    def body(enc):
+        with mx.stream(enc.stream), scope(enc):
+            entered.wait()
+            inside.append(sys.getswitchinterval())
+            release.wait(5)
+
+    try:
+        threads = [threading.Thread(target=body, args=(e,)) for e in encs]
+        for t in threads:
+            t.start()
+        threads[0].join(0.2)  # both are inside
+        release.set()
+        for t in threads:
+            t.join(5)
+        assert inside and all(v <= encode_thread.SWITCH_INTERVAL_S for v in inside)
+        assert sys.getswitchinterval() == interval
+    finally:
+        for e in encs:
+            e.close()
+
+
 def test_quiesce_waits_for_the_workers_groups(monkeypatch):
     """quiesce(): nothing outside a scope; inside, it returns once the worker has encoded what it holds."""
     real, done = mx.async_eval, []

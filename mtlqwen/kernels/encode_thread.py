@@ -115,16 +115,31 @@ def scope(encoder: EncodeThread | None):
         yield
         return
     prev, _local.encoder = getattr(_local, "encoder", None), encoder
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
+    _short_switches(+1)
     ok = False
     try:
         yield
         ok = True
     finally:
         _local.encoder = prev
-        sys.setswitchinterval(interval)
+        _short_switches(-1)
         encoder.drain(raise_error=ok)
+
+
+_switch = {"scopes": 0, "saved": None}
+_switch_lock = threading.Lock()
+
+
+def _short_switches(delta: int) -> None:
+    """The process's switch interval is short while any thread is inside a scope: set by the first to
+    enter, restored by the last to leave (engines on several threads)."""
+    with _switch_lock:
+        if _switch["scopes"] == 0:
+            _switch["saved"] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_switch["saved"], SWITCH_INTERVAL_S))
+        _switch["scopes"] += delta
+        if _switch["scopes"] == 0:
+            sys.setswitchinterval(_switch["saved"])
 
 
 def quiesce() -> None:
