@@ -207,6 +207,22 @@ def test_engine_outputs_with_the_encoder_thread_are_the_models_own(model):
     assert_idle(eng)
 
 
+def test_the_engine_settles_what_the_model_built_lazily(model):
+    """An array the model holds unevaluated, built on this thread's stream, is one the worker could not run:
+    the engine evaluates every array the model reaches at construction (settle)."""
+    lazy = mx.ones((3,)) * 2
+    model.layers[0].probe = lazy
+    try:
+        eng = Engine(model, slots=1, block_tokens=8, num_blocks=8, encode_thread=True)
+        with mx.stream(eng.encoder.stream):
+            y = lazy * 3
+        eng.encoder.submit(y)
+        eng.encoder.drain()  # "no Stream(...) in current thread" if `lazy` were still a graph
+        assert np.array(y).tolist() == [6.0, 6.0, 6.0]
+    finally:
+        del model.layers[0].probe
+
+
 def test_the_worker_ends_with_its_engine(model):
     eng = Engine(model, slots=1, block_tokens=8, num_blocks=8, encode_thread=True)
     name = eng.encoder._thread.name
