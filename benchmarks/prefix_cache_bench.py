@@ -216,6 +216,10 @@ def main(argv=None):
                     help="after each shared-prompt mode's repeats, one more run with one token each, its host time by step phase")
     add_dense_weights_arg(ap)
     add_encode_thread_arg(ap)
+    ap.add_argument("--interleave", action="store_true",
+                    help="with several settings: run them in turn, one repeat each per round (a fresh engine each), "
+                         "--repeats rounds, so that drift within the process falls on every setting alike; medians over "
+                         "the rounds")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
 
@@ -236,18 +240,55 @@ def main(argv=None):
     unknown = set(modes) - {"off", "cold", "warm", "chat-off", "chat"}
     if unknown:
         ap.error(f"unknown modes {sorted(unknown)}")
-    results = {}
-    for dense in args.dense_weights:  # each setting runs every mode; keys tagged when there are several
+    settings = []  # each runs every mode; keys tagged when there are several
+    for dense in args.dense_weights:
         for enc in args.encode_thread:
             tag = (f" dense={dense}" if len(args.dense_weights) > 1 else "") + \
                 (f" encode_thread={enc}" if len(args.encode_thread) > 1 else "")
+            settings.append((tag, {"dense_weights": DENSE_WEIGHTS[dense], "encode_thread": ENCODE_THREAD[enc]}))
+    results = {}
+    if args.interleave and len(settings) > 1:
+        rounds: dict[str, list[dict]] = {}
+        one = argparse.Namespace(**{**vars(args), "repeats": 1})
+        for r in range(args.repeats):
+            for tag, kw in settings:
+                print(f"-- round {r + 1} of {args.repeats}:{tag}", flush=True)
+                for mode, res in run_modes(model, one, modes, system, blocks, kw).items():
+                    rounds.setdefault(f"{mode}{tag}", []).append(res)
+        results = {key: median_of_rounds(rs) for key, rs in rounds.items()}
+        print("medians over the rounds:")
+        for key, res in results.items():
+            if "ttft_mean_ms" in res:
+                print(f"  {key:>28}: TTFT mean {res['ttft_mean_ms']:.1f} ms (rounds: {res['ttft_mean_ms_runs']})")
+        for tag, _ in settings:
+            off, warm = results.get(f"off{tag}"), results.get(f"warm{tag}")
+            if off and warm:
+                ratios = [w / o for w, o in zip(warm["ttft_mean_ms_runs"], off["ttft_mean_ms_runs"])]
+                print(f"  warm / off{tag}: {warm['ttft_mean_ms'] / off['ttft_mean_ms']:.2%} "
+                      f"(each round: {', '.join(f'{x:.2%}' for x in ratios)})")
+    else:
+        for tag, kw in settings:
             if tag:
                 print(f"--{tag}", flush=True)
-            kw = {"dense_weights": DENSE_WEIGHTS[dense], "encode_thread": ENCODE_THREAD[enc]}
             res = run_modes(model, args, modes, system, blocks, kw)
             results.update({f"{mode}{tag}": r for mode, r in res.items()})
     write_json(args.json, name, args, results)
     return 0
+
+
+def median_of_rounds(rounds: list[dict]) -> dict:
+    """One setting's mode over interleaved rounds: numbers (and lists of numbers, element by element) as medians,
+    the rest as the last round had them; ttft_mean_ms_runs: each round's."""
+    out = dict(rounds[-1])
+    for k, v in rounds[-1].items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = statistics.median(r[k] for r in rounds)
+        elif isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
+            out[k] = [statistics.median(r[k][i] for r in rounds) for i in range(len(v))]
+    if "ttft_mean_ms" in out:
+        out["ttft_mean_ms_runs"] = [round(r["ttft_mean_ms"], 2) for r in rounds]
+    out["rounds"] = len(rounds)
+    return out
 
 
 if __name__ == "__main__":
