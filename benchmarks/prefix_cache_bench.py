@@ -79,6 +79,26 @@ def ttft_phases(engine: Engine, prompts: list[list[int]]) -> dict:
             **{k: round(1e3 * v, 2) for k, v in sorted(phases.total.items(), key=lambda kv: -kv[1])}}
 
 
+def kernel_summary(engine: Engine, prompts: list[list[int]], top: int) -> dict:
+    """The prompts once more, one token each, under CUPTI (step_trace.kernel_events): the call's wall time, the
+    kernels it ran (count, busy time, first-to-last span) and the `top` kernels by total time, with counts."""
+    from step_trace import busy_us, kernel_events, short  # noqa: PLC0415
+
+    mx.synchronize()
+    t0 = time.perf_counter()
+    ks = kernel_events(lambda: engine.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True)))
+    wall = 1e3 * (time.perf_counter() - t0)
+    if not ks:
+        return {"wall_ms": round(wall, 2), "kernels": 0}
+    per: dict[str, list[float]] = {}
+    for a, b, name in ks:
+        per.setdefault(short(name), []).append(b - a)
+    rows = sorted(per.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"wall_ms_profiled": round(wall, 2), "kernels": len(ks), "busy_ms": round(busy_us(ks) / 1e3, 2),
+            "span_ms": round((ks[-1][1] - ks[0][0]) / 1e3, 2),
+            "top": [f"{n} x{len(d)} {sum(d) / 1e3:.2f} ms" for n, d in rows]}
+
+
 def chat(engine: Engine, vocab: int, args, seed: int) -> tuple[dict, list[list[int]]]:
     """One conversation, turn by turn: (TTFT and cached tokens per turn, each turn's reply)."""
     rng = np.random.default_rng(seed)
@@ -154,6 +174,12 @@ def run_modes(model, args, modes: list[str], system: list[int], blocks: int, eng
                 earlier_request(engine, system, args.question_len, vocab, 999)
             med["phases"] = ttft_phases(engine, prompts)
             print(f"{mode} phases (host ms, one token each): {med['phases']}", flush=True)
+        if args.kernels:  # the same once more under CUPTI: what the device runs before the first tokens
+            engine.clear_prefix_cache()
+            if mode == "warm":
+                earlier_request(engine, system, args.question_len, vocab, 999)
+            med["kernels"] = kernel_summary(engine, prompts, args.kernels)
+            print(f"{mode} kernels (one token each): {med['kernels']}", flush=True)
         if args.profile:  # the same once more under cProfile: the host's Python by function
             engine.clear_prefix_cache()
             if mode == "warm":
@@ -212,6 +238,9 @@ def main(argv=None):
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also run each mode's prompts once (one token each) under cProfile; keep the N Python "
                          "functions with the most self time")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="after each shared-prompt mode's repeats, one more run with one token each under CUPTI: the "
+                         "kernels it ran, their busy time and span, and the N that took the most time")
     ap.add_argument("--phases", action="store_true",
                     help="after each shared-prompt mode's repeats, one more run with one token each, its host time by step phase")
     add_dense_weights_arg(ap)
