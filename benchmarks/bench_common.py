@@ -28,15 +28,6 @@ def add_dense_weights_arg(ap) -> None:
                          "several: each in turn, in one process")
 
 
-ENCODE_THREAD = {"off": False, "on": True}  # --encode-thread -> Engine(encode_thread=...)
-
-
-def add_encode_thread_arg(ap) -> None:
-    ap.add_argument("--encode-thread", nargs="+", choices=sorted(ENCODE_THREAD), default=["off"],
-                    help="Engine(encode_thread=...): a worker thread encodes each group of a prefill step's layers "
-                         "while the host builds the next (kernels/encode_thread.py); several: each in turn, in one process")
-
-
 _BUILT: dict = {}  # one model per process: benchmarks/suite.py runs several scripts on the same weights
 
 

@@ -31,7 +31,7 @@ from mtlqwen import Engine, SamplingParams
 from mtlqwen.model.builtin import SHAPES
 from mtlqwen.runtime.config import EngineConfig
 
-from bench_common import DENSE_WEIGHTS, ENCODE_THREAD, add_dense_weights_arg, add_encode_thread_arg, build_model
+from bench_common import DENSE_WEIGHTS, add_dense_weights_arg, build_model
 
 
 class Live(dict):
@@ -69,7 +69,6 @@ def ours(config, args) -> dict:
     if args.prefix_in_step:  # chunks cross the boundaries, the snapshots taken inside the step
         cache["prefix_in_step"] = True
     cache["dense_weights"] = DENSE_WEIGHTS[args.dense_weights[0]]  # the others: prefill only, below
-    cache["encode_thread"] = ENCODE_THREAD[args.encode_thread[0]]
 
     def decode_rate(n_req: int, prompt_len: int, step_tokens: int):
         eng = Engine(model, slots=max(n_req, 1), step_tokens=step_tokens,
@@ -94,17 +93,13 @@ def ours(config, args) -> dict:
     for ctx in args.decode_contexts:  # batch-1 decode after a long prompt (its prefill is not timed)
         res[f"decode_b1_ctx{ctx}"], _ = median_of(lambda ctx=ctx: decode_rate(1, ctx, 128)[0], args.repeats)
     for dense in args.dense_weights:
-        for enc in args.encode_thread:
-            cache["dense_weights"], cache["encode_thread"] = DENSE_WEIGHTS[dense], ENCODE_THREAD[enc]
-            tag = (f"_dense-{dense}" if len(args.dense_weights) > 1 else "") + \
-                (f"_encode-thread-{enc}" if len(args.encode_thread) > 1 else "")
-            for n in args.prefill:
-                for st in args.prefill_steps:
-                    prefill_rate(min(n, 4096), st)  # warm-up at this budget
-                    res[f"prefill_{n}_step{st}{tag}"], _ = median_of(lambda n=n, st=st: prefill_rate(n, st),
-                                                                     args.repeats)
+        cache["dense_weights"] = DENSE_WEIGHTS[dense]
+        tag = f"_dense-{dense}" if len(args.dense_weights) > 1 else ""
+        for n in args.prefill:
+            for st in args.prefill_steps:
+                prefill_rate(min(n, 4096), st)  # warm-up at this budget
+                res[f"prefill_{n}_step{st}{tag}"], _ = median_of(lambda n=n, st=st: prefill_rate(n, st), args.repeats)
     cache["dense_weights"] = DENSE_WEIGHTS[args.dense_weights[0]]
-    cache["encode_thread"] = ENCODE_THREAD[args.encode_thread[0]]
     for b in ([] if args.skip_batch else args.batch):
         # warm-up at the measured prompt length: its prefill steps meet row classes (and the MoE grouped
         # GEMM's tile classes) that 64-token prompts do not, and a first compile inside the run is seconds
@@ -206,7 +201,6 @@ def main(argv=None):
                     help="Engine(prefix_in_step=True): prefill chunks cross the snapshot boundaries and the GDN "
                          "states there are taken inside the step (model/gdn_taps.py)")
     add_dense_weights_arg(ap)
-    add_encode_thread_arg(ap)
     ap.add_argument("--skip-mlxlm", action="store_true")
     ap.add_argument("--skip-ours", action="store_true")
     ap.add_argument("--json", default=None, help="write results here too")

@@ -33,8 +33,8 @@ import numpy as np
 from mtlqwen.runtime import Engine, SamplingParams
 from mtlqwen.runtime.block_pool import BlockPool
 
-from bench_common import (DENSE_WEIGHTS, ENCODE_THREAD, add_dense_weights_arg, add_encode_thread_arg, add_model_args,
-                          build_model, host_profile, timed_generate, ttft_ms, write_json)
+from bench_common import (DENSE_WEIGHTS, add_dense_weights_arg, add_model_args, build_model, host_profile, timed_generate,
+                          ttft_ms, write_json)
 
 
 def tokens(rng, n: int, vocab: int) -> list[int]:
@@ -244,7 +244,6 @@ def main(argv=None):
     ap.add_argument("--phases", action="store_true",
                     help="after each shared-prompt mode's repeats, one more run with one token each, its host time by step phase")
     add_dense_weights_arg(ap)
-    add_encode_thread_arg(ap)
     ap.add_argument("--interleave", action="store_true",
                     help="with several settings: run them in turn, one repeat each per round (a fresh engine each), "
                          "--repeats rounds, so that drift within the process falls on every setting alike; medians over "
@@ -269,12 +268,9 @@ def main(argv=None):
     unknown = set(modes) - {"off", "cold", "warm", "chat-off", "chat"}
     if unknown:
         ap.error(f"unknown modes {sorted(unknown)}")
-    settings = []  # each runs every mode; keys tagged when there are several
-    for dense in args.dense_weights:
-        for enc in args.encode_thread:
-            tag = (f" dense={dense}" if len(args.dense_weights) > 1 else "") + \
-                (f" encode_thread={enc}" if len(args.encode_thread) > 1 else "")
-            settings.append((tag, {"dense_weights": DENSE_WEIGHTS[dense], "encode_thread": ENCODE_THREAD[enc]}))
+    # each setting runs every mode; keys tagged when there are several
+    settings = [(f" dense={dense}" if len(args.dense_weights) > 1 else "", {"dense_weights": DENSE_WEIGHTS[dense]})
+                for dense in args.dense_weights]
     results = {}
     if args.interleave and len(settings) > 1:
         rounds: dict[str, list[dict]] = {}

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
 import os
 import re
@@ -35,12 +34,11 @@ import time
 
 import mlx.core as mx
 
-from bench_common import DENSE_WEIGHTS, ENCODE_THREAD, add_dense_weights_arg, add_encode_thread_arg
+from bench_common import DENSE_WEIGHTS, add_dense_weights_arg
 from decode_profile import count_primitives, set_pools, step_fn
 from host_build import warm_layout
 from mtlqwen.kernels.selection import parse_rows, selected
 from mtlqwen.model.builtin import SHAPES, random_model
-from mtlqwen.kernels.encode_thread import EncodeThread, scope, settle
 from mtlqwen.model.config import QuantSpec
 from mtlqwen.runtime.dense_weights import keep_dense_weights, resolve as resolve_dense
 
@@ -165,15 +163,12 @@ def trace_variant(model, B: int, past: int, steps: int, rows: dict) -> dict:
         return out
 
 
-def trace_prefill(model, T: int, steps: int, rows: dict, seqs: int = 1, context: int = 0,
-                  encoder: EncodeThread | None = None) -> dict:
+def trace_prefill(model, T: int, steps: int, rows: dict, seqs: int = 1, context: int = 0) -> dict:
     """One prefill chunk of T tokens, split evenly over `seqs` sequences that each have `context` tokens
     cached already (the pools as allocated: the kernels' time does not depend on the values; a warm prefix
     hit's step is 8 x 64 over 2048), as the engine runs a prefill step: eager, logits of each sequence's last
-    row. Kernels per chunk, and the chunk's wall time without the profiler. encoder: its worker encodes the
-    layer groups while this thread builds (Engine(encode_thread=True)), everything built on its stream."""
-    stream = mx.stream(encoder.stream) if encoder is not None else contextlib.nullcontext()
-    with selected(rows), stream:
+    row. Kernels per chunk, and the chunk's wall time without the profiler."""
+    with selected(rows):
         per = T // seqs
         nb = -(-(context + per) // 128)
         cache = model.make_cache(seqs * nb + 1, seqs, 128)
@@ -184,8 +179,7 @@ def trace_prefill(model, T: int, steps: int, rows: dict, seqs: int = 1, context:
 
         def run(n):
             for _ in range(n):
-                with scope(encoder):
-                    out = mx.argmax(model.forward(ids, lay, cache, logits_rows=last), axis=-1)
+                out = mx.argmax(model.forward(ids, lay, cache, logits_rows=last), axis=-1)
                 out.tolist()
 
         run(2)  # first-use compiles
@@ -217,7 +211,6 @@ def main():
     ap.add_argument("--prefill-seqs", type=int, default=1, help="the prefill chunk split over this many sequences")
     ap.add_argument("--prefill-context", type=int, default=0, help="tokens each of them has cached already")
     add_dense_weights_arg(ap)
-    add_encode_thread_arg(ap)
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.prefill and (a.prefill_seqs < 1 or a.prefill % a.prefill_seqs or a.prefill_context < 0):
@@ -241,17 +234,11 @@ def main():
         print("| kernel | per step | µs each | µs per step | share of busy |\n|---|---|---|---|---|")
         for k in r["kernels"][: a.top]:
             print(f"| {k['name']} | {k['per_step']:g} | {k['us_each']:.1f} | {k['us_per_step']:.0f} | {100 * k['share']:.1f}% |")
-    prefill_runs = [(f"{spec}{f' dense={d}' if len(a.dense_weights) > 1 else ''}"
-                     f"{f' encode_thread={e}' if len(a.encode_thread) > 1 else ''}", rows, d, e)
-                    for d in a.dense_weights for e in a.encode_thread for spec, rows in variants.items()] \
-        if a.prefill else []
-    encoder = EncodeThread() if any(ENCODE_THREAD[e] for e in a.encode_thread) else None
-    if encoder is not None:  # the random weights were built lazily on this thread's stream
-        settle(model)
-    for spec, rows, dense, enc in prefill_runs:
+    prefill_runs = [(f"{spec}{f' dense={d}' if len(a.dense_weights) > 1 else ''}", rows, d)
+                    for d in a.dense_weights for spec, rows in variants.items()] if a.prefill else []
+    for spec, rows, dense in prefill_runs:
         keep_dense_weights(model, resolve_dense(model, DENSE_WEIGHTS[dense]))  # what an engine would keep
-        r = res.setdefault("prefill_trace", {})[spec] = trace_prefill(
-            model, a.prefill, 5, rows, a.prefill_seqs, a.prefill_context, encoder if ENCODE_THREAD[enc] else None)
+        r = res.setdefault("prefill_trace", {})[spec] = trace_prefill(model, a.prefill, 5, rows, a.prefill_seqs, a.prefill_context)
         print(f"\n## prefill of {a.prefill} tokens ({a.prefill_seqs} x {a.prefill // a.prefill_seqs} over "
               f"{a.prefill_context} cached), {spec}: wall {r['wall_us']:.0f} µs ({r['tokens_per_s']:.0f} tok/s)"
               + (f", kernels busy {r['busy_us']:.0f} µs, span {r['span_us']:.0f}, {r['kernels_per_step']:.0f} kernels"

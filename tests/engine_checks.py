@@ -73,22 +73,3 @@ def in_flight_verifications(eng):
         fl = eng._inflight
         if fl is not None and fl.spec is not None:
             yield fl.spec
-
-
-def packed_forward(model, ids, lens, encoder=None):
-    """Logits and every cache pool (numpy) of one eager forward of fresh sequences of `lens` tokens (8-token
-    blocks, two a sequence plus one), evaluated once at the end; with `encoder` (kernels/encode_thread.py) its
-    layer groups are evaluated on the worker while the forward is built."""
-    from mtlqwen.kernels import SeqLayout  # noqa: PLC0415
-    from mtlqwen.kernels.encode_thread import scope  # noqa: PLC0415
-
-    qsl = [0]
-    for n in lens:
-        qsl.append(qsl[-1] + n)
-    cache = model.make_cache(12, len(lens), 8)
-    tables = [[2 * i, 2 * i + 1, 8 + i] for i in range(len(lens))]
-    lay = SeqLayout(qsl, [0] * len(lens), tables, list(range(len(lens))), 8)
-    with scope(encoder):
-        out = model.forward(mx.array(ids, dtype=mx.int32), lay, cache)
-    mx.eval(out, cache.arrays())
-    return np.array(out), [np.array(a) for a in cache.arrays()]

@@ -11,7 +11,7 @@ from mtlqwen.kernels.selection import selected
 from mtlqwen.model.qwen35 import _eval_points
 from mtlqwen.runtime import Engine
 
-from engine_checks import assert_idle, assert_reference, greedy, packed_forward
+from engine_checks import assert_idle, assert_reference, greedy
 from hf_checkpoints import random_token_ids
 
 
@@ -27,16 +27,28 @@ def counting(monkeypatch) -> list:
     return calls
 
 
+def forward(model, ids, lens):
+    qsl = [0]
+    for n in lens:
+        qsl.append(qsl[-1] + n)
+    cache = model.make_cache(12, len(lens), 8)
+    tables = [[2 * i, 2 * i + 1, 8 + i] for i in range(len(lens))]
+    lay = SeqLayout(qsl, [0] * len(lens), tables, list(range(len(lens))), 8)
+    out = model.forward(mx.array(ids, dtype=mx.int32), lay, cache)
+    mx.eval(out, cache.arrays())
+    return np.array(out), [np.array(a) for a in cache.arrays()]
+
+
 @pytest.mark.parametrize("every, tail, evals", [(1, 0, 7), (3, 0, 2), (8, 0, 0), (3, 1, 3), (8, 1, 3)])
 def test_grouped_launches_give_the_same_logits_and_states(model, monkeypatch, every, tail, evals):
     """8 layers, 2 sequences of 13 + 6 rows (threshold 16): `evals` partial evaluations of two arrays (the
     residual stream and the normed input; with the halved tail at 3, 6, 7 or 4, 6, 7), then logits and
     cache contents equal to one evaluation's."""
     ids = random_token_ids(19, 500, seed=2)
-    want, want_cache = packed_forward(model, ids, [13, 6])
+    want, want_cache = forward(model, ids, [13, 6])
     calls = counting(monkeypatch)
     with selected({"prefill_eval_layers": every, "prefill_eval_min_rows": 16, "prefill_eval_tail": tail}):
-        got, got_cache = packed_forward(model, ids, [13, 6])
+        got, got_cache = forward(model, ids, [13, 6])
     assert len(model.layers) == 8 and calls == [2] * evals
     assert np.array_equal(got, want)
     assert all(np.array_equal(g, w) for g, w in zip(got_cache, want_cache))
@@ -86,14 +98,12 @@ def test_engine_outputs_are_the_models_own_with_grouped_prefill(model):
     assert_idle(eng)
 
 
-@pytest.mark.parametrize("encode_thread", [False, True])
-def test_a_device_error_in_an_early_group_fails_the_step_and_nothing_else(model, monkeypatch, caplog, encode_thread):
+def test_a_device_error_in_an_early_group_fails_the_step_and_nothing_else(model, monkeypatch, caplog):
     """A layer of the first group (evaluated early by mx.async_eval) whose output fails to evaluate. The error
-    surfaces while the step is still being built (a later group's evaluation waits on it; with the encoder
-    thread, when the step's build drains the worker), so the engine fails the step's requests as a build
-    failure, without a cache reset, although part of the step ran. What that part wrote is the failed
-    sequences' own (their slot's states, their new blocks' K/V): the next request gets its own greedy tokens,
-    and nothing leaks."""
+    surfaces while the step is still being built (a later group's evaluation waits on it), so the engine fails
+    the step's requests as a build failure, without a cache reset, although part of the step ran. What that
+    part wrote is the failed sequences' own (their slot's states, their new blocks' K/V): the next request
+    gets its own greedy tokens, and nothing leaks."""
     layer = model.layers[0]
     real = type(layer).__call__
     armed = []
@@ -108,7 +118,7 @@ def test_a_device_error_in_an_early_group_fails_the_step_and_nothing_else(model,
 
     monkeypatch.setattr(type(layer), "__call__", faulty)
     with selected({"prefill_eval_layers": 2, "prefill_eval_min_rows": 16}):
-        eng = Engine(model, slots=2, step_tokens=32, block_tokens=8, num_blocks=40, encode_thread=encode_thread)
+        eng = Engine(model, slots=2, step_tokens=32, block_tokens=8, num_blocks=40)
         armed.append(1)
         (out,) = eng.generate([random_token_ids(30, 500, seed=4)], greedy(4))
         assert out.finish_reason == "error" and "LU factorization failed" in out.error

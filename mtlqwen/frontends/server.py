@@ -49,9 +49,6 @@ def register(subparsers) -> None:
                         "otherwise dequantize the weights every step: faster prefill for 4x the projections' 4-bit "
                         "memory (auto, the default: on with the CUDA kernels where the copies fit in a third of the "
                         "memory the weights leave)")
-    s.add_argument("--encode-thread", action="store_true",
-                   help="a second thread encodes each group of a prefill step's layers while the first builds the "
-                        "next (not with --draft; off by default: not yet measured against one thread)")
     s.add_argument("--step-tokens", type=int, default=None,
                    help="tokens per engine step, shared by all slots (default 128; with a drafter at least "
                         "slots x (n_draft + 1), so every slot can verify its drafts)")
@@ -101,8 +98,6 @@ def _engine_kwargs(args) -> dict:
     dense = getattr(args, "dense_weights", "auto")
     if dense != "auto":
         kw["dense_weights"] = dense == "on"
-    if getattr(args, "encode_thread", False):
-        kw["encode_thread"] = True
     return kw
 
 

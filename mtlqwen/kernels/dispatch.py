@@ -39,7 +39,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from . import encode_thread, portable
+from . import portable
 from .backend import gpu_backend, use_kernels
 from .selection import SELECT
 from .seqs import SeqLayout
@@ -113,7 +113,6 @@ class Op:
         log.warning("kernel for op %r switched off, its fallback runs from now on: %s", self.name, why)
 
     def _first_use(self, new: list, kern, out, args, kw):
-        encode_thread.quiesce()  # it evaluates here: not while an encoder thread holds launches of this step
         if not _concrete(args, kw):  # inside an mx.compile trace: check a concrete copy instead
             covered, why = self._check(kern, *self._probe(args, kw))
             if why is not None:

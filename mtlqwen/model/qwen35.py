@@ -36,8 +36,6 @@ from ..kernels import (
     write_kv,
 )
 from ..kernels.selection import SELECT
-from ..kernels import encode_thread
-from ..kernels.encode_thread import eval_group
 from .cache import GDNStash, ModelCache, VerifyStash
 from .config import Qwen35Config
 from .gdn_taps import has_taps, tapped_gdn
@@ -336,9 +334,7 @@ class Qwen35Model:
             if i in taps:
                 captured.append(h)
             if i + 1 in points:
-                eval_group(h, x)  # these layers run while the host builds the next ones
-        if points and encode_thread.threaded():  # the last group too: it encodes while the head is built
-            eval_group(h, x)
+                mx.async_eval(h, x)  # these layers run while the host builds the next ones
         return x, captured
 
     def embed_rows(self, ids: mx.array) -> mx.array:

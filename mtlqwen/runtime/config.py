@@ -66,9 +66,6 @@ class EngineConfig:
     # chunks), which otherwise dequantize every step (dense_weights.py); None: on with the CUDA kernels where
     # the copies fit in a third of the device memory the weights leave
     dense_weights: bool | None = None
-    # a second thread encodes each group of an eager forward's layers while this one builds the next
-    # (kernels/encode_thread.py); without a drafter only. None: off
-    encode_thread: bool | None = None
 
     def __post_init__(self):
         self.validate()
@@ -93,10 +90,9 @@ class EngineConfig:
         _int("prefix_cache_bytes", self.prefix_cache_bytes, 0, optional=True)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        optional = ("compile_decode", "spec_pipeline", "dense_weights", "encode_thread")
-        for name in ("pad_buckets", "prefix_in_step", *optional):
+        for name in ("pad_buckets", "compile_decode", "spec_pipeline", "prefix_in_step", "dense_weights"):
             v = getattr(self, name)
-            if not (isinstance(v, bool) or (v is None and name in optional)):
+            if not (isinstance(v, bool) or (v is None and name in ("compile_decode", "spec_pipeline", "dense_weights"))):
                 raise ValueError(f"{name} must be true or false, got {v!r}")
         if self.n_draft is not None and self.draft is None:
             raise ValueError("n_draft needs a drafter (draft=...)")
@@ -113,8 +109,6 @@ class EngineConfig:
             raise ValueError("draft_costs is the adaptive policy's table (draft_policy='adaptive')")
         if self.draft_bits is not None and (isinstance(self.draft_bits, bool) or self.draft_bits not in (4, 8)):
             raise ValueError(f"draft_bits must be 4, 8 or None, got {self.draft_bits!r}")
-        if self.encode_thread and self.draft is not None:
-            raise ValueError("encode_thread runs without a drafter (a speculative step evaluates as it builds)")
         for name in ("draft_policy", "draft_costs", "draft_bits", "spec_pipeline"):
             if getattr(self, name) not in (None, False) and self.draft is None:
                 raise ValueError(f"{name} needs a drafter (draft=...)")

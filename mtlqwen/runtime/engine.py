@@ -10,10 +10,8 @@ MLX's data dependencies through the pool arrays).
 
 from __future__ import annotations
 
-import contextlib
 import random
 import time
-import weakref
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -21,9 +19,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..kernels import use_kernels
-from ..kernels import encode_thread
 from ..model.compiled import CompiledDecode
-from ..kernels.encode_thread import EncodeThread
 from .admission import as_params, check_request, prompt_ids
 from .batch import PackedBatch, pack, token_buckets
 from .draft_policy import make_policy
@@ -129,11 +125,6 @@ class Engine(Generation):
     copies fit in a third of the device memory the weights leave, else off; never on the CPU references, which read
     the quantized weights. `engine.dense_bytes` (stats' `dense_weight_bytes`): what they hold.
 
-    encode_thread (without a drafter): a worker thread encodes each group of an eager forward's layers (SELECT
-    "prefill_eval_layers") while this thread builds the next (kernels/encode_thread.py); the engine then builds its
-    arrays on a stream of its own (`mx.new_thread_unsafe_stream`, one per engine: MLX cannot free a stream).
-    Default off.
-
     Not thread-safe: one thread calls submit/step/cancel (a server feeds it through a queue)."""
 
     def __init__(
@@ -163,28 +154,13 @@ class Engine(Generation):
         draft_bits: int | None = _UNSET,
         spec_pipeline: bool | None = _UNSET,
         dense_weights: bool | None = _UNSET,
-        encode_thread: bool | None = _UNSET,
     ):
         if config is not None and not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__} (options go by keyword)")
         given = {k: v for k, v in locals().items() if v is not _UNSET and k in _OPTIONS}
         cfg = self.engine_config = EngineConfig.build(config, **given)  # unset keywords: config's, or the defaults
-        # the engine's arrays are built on the encoder's stream, which its worker thread may evaluate
-        self.encoder = EncodeThread() if cfg.encode_thread else None
-        if self.encoder is not None:
-            weakref.finalize(self, self.encoder.close)
-        with self._on_stream():
-            self._construct(cfg, model_or_path, tokenizer)
-
-    def _on_stream(self):
-        """Where the engine builds arrays: the encoder's stream with the encoder thread, else as the caller."""
-        return mx.stream(self.encoder.stream) if self.encoder is not None else contextlib.nullcontext()
-
-    def _construct(self, cfg: EngineConfig, model_or_path, tokenizer) -> None:
         model, tokenizer = _load(model_or_path, tokenizer)
         self.model, self.config, self.tokenizer = model, model.config, tokenizer
-        if self.encoder is not None:  # what the model built lazily on the caller's stream, the worker cannot run
-            encode_thread.settle(model)
         ctx = self.config.max_position_embeddings
         self.max_model_len = min(ctx, cfg.max_model_len) if cfg.max_model_len else ctx
         self.block_tokens, self.slots = block_tokens, slots = cfg.block_tokens, cfg.slots
@@ -264,8 +240,7 @@ class Engine(Generation):
         seq = self._seqs.get(request_id)
         if seq is None:
             return False
-        with self._on_stream():  # a finished request may keep a turn entry: arrays
-            self._events.append(self._finish(seq, "cancelled", [], time.perf_counter()))
+        self._events.append(self._finish(seq, "cancelled", [], time.perf_counter()))
         return True
 
     def has_work(self) -> bool:
@@ -283,11 +258,10 @@ class Engine(Generation):
 
     def _advance(self) -> list[Delta]:
         out, self._events = self._events, []
-        with self._on_stream():
-            try:
-                self._step(out)
-            except Exception as e:  # not attributable to a step: treat the device state as unsound
-                out += self._fail_all(e, [self._inflight])
+        try:
+            self._step(out)
+        except Exception as e:  # not attributable to a step: treat the device state as unsound
+            out += self._fail_all(e, [self._inflight])
         return out
 
     def _step(self, deltas: list[Delta]) -> None:
@@ -344,9 +318,18 @@ class Engine(Generation):
         spec, failed = None, []
         if self.spec is not None:  # drafting, taps, verification (speculative.py)
             tokens, spec, failed = self.spec.launch(plan, plan_batch, cache)
+        elif plan_batch.logits_rows is None:  # mid-prompt chunks only: no head, no sampling
+            self.model.hidden(plan_batch.input_ids, plan_batch.layout, cache)
+            tokens = None
         else:
-            with encode_thread.scope(self.encoder):  # nothing is evaluated here until it has drained
-                tokens, failed = self._build(plan_batch, cache)
+            if self.compiled is not None and self.compiled.eligible(plan_batch.layout):
+                logits = self.compiled(plan_batch.input_ids, plan_batch.layout, cache, plan_batch.logits_rows)
+            else:
+                logits = self.model.forward(plan_batch.input_ids, plan_batch.layout, cache, plan_batch.logits_rows)
+            samp = plan_batch.sampling
+            tokens, bad = sample_isolating(logits, [s.seq.params for s in samp], [s.seq.seed for s in samp],
+                                           [s.sample_index for s in samp])
+            failed = [(samp[r].seq, e) for r, e in bad.items()]
         flight = _InFlight([s.seq for s in scheduled], plan_batch.sampling, tokens,
                            {s.seq: r for r, s in enumerate(plan_batch.sampling)}, snapshots, spec, failed)
         try:  # the CPU evaluates part of the graph here already: a failing kernel can raise now
@@ -355,21 +338,6 @@ class Engine(Generation):
         except Exception as e:
             raise EvalFailed(e, flight) from e
         return flight
-
-    def _build(self, plan_batch: PackedBatch, cache) -> tuple[mx.array | None, list]:
-        """A step without a drafter: the forward and the sampler (tokens [R], or None for mid-prompt chunks
-        only), and the requests whose own sampling raised."""
-        if plan_batch.logits_rows is None:  # mid-prompt chunks only: no head, no sampling
-            self.model.hidden(plan_batch.input_ids, plan_batch.layout, cache)
-            return None, []
-        if self.compiled is not None and self.compiled.eligible(plan_batch.layout):
-            logits = self.compiled(plan_batch.input_ids, plan_batch.layout, cache, plan_batch.logits_rows)
-        else:
-            logits = self.model.forward(plan_batch.input_ids, plan_batch.layout, cache, plan_batch.logits_rows)
-        samp = plan_batch.sampling
-        tokens, bad = sample_isolating(logits, [s.seq.params for s in samp], [s.seq.seed for s in samp],
-                                       [s.sample_index for s in samp])
-        return tokens, [(samp[r].seq, e) for r, e in bad.items()]
 
     def _commit(self, flight: _InFlight) -> list[Delta]:
         """Read the step's tokens (the one sync) and apply them: append, check stops, finish. A failed

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .. import encode_thread
 from ..backend import gpu_backend
 from ..norms.kernels import FLOATS, eps_array
 from ..portable import KernelExample, portable_kernel
@@ -167,7 +166,6 @@ def arrival_counter(p: LinearParams) -> mx.array:
     if key not in _COUNTERS:
         # 8 elements (only the first is used): Metal passes arrays under 8 elements in constant memory
         _COUNTERS[key] = mx.zeros((8,), dtype=mx.uint32)
-        encode_thread.quiesce()  # evaluated while a step is built
         mx.eval(_COUNTERS[key])
     return _COUNTERS[key]
 

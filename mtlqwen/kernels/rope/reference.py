@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .. import encode_thread
 from ..norms.reference import rms_norm_ref
 
 
@@ -21,7 +20,6 @@ class RopeTables:
     def _grow(self, n: int) -> None:
         phase = mx.arange(n, dtype=mx.float32)[:, None] * self.inv_freq[None, :]
         self.cos, self.sin = mx.cos(phase), mx.sin(phase)
-        encode_thread.quiesce()  # evaluated while a step is built
         mx.eval(self.cos, self.sin)
         self.size = n
 
