@@ -131,16 +131,17 @@ def test_capture_publish_hit_restore_through_the_snapshot_hook():
     assert kv.clear() == 1 and pool.num_free == 8 and all(r == 0 for r in pool.ref_counts)
 
 
-def scatters(a: mx.array, tmp_path) -> int:
-    """Scatter nodes in the lazy graph of a."""
+def scatters(a: mx.array, tmp_path, label: str = "Scatter") -> int:
+    """Nodes of one kind (Scatter by default) in the lazy graph of a."""
     path = tmp_path / "g.dot"
     mx.export_to_dot(str(path), a)
-    return path.read_text().count('label ="Scatter')
+    return path.read_text().count(f'label ="{label}')
 
 
-def test_restores_of_one_step_are_one_scatter_per_pool(tmp_path):
-    """Two hits restored in one step beside a slot to zero: each state pool and each K/V pool gets one
-    scatter (the host pays per op), with the values the sequential copies gave."""
+def test_restores_of_one_step_scatter_each_entry_once_per_pool(tmp_path):
+    """Two hits of one entry restored in one step beside a slot to zero: each state pool gets one scatter for the
+    zeroed slot and one for the entry (its state broadcast over both slots: no copy per hit, the host pays per
+    op), each K/V pool one for the entry's tail, with the values the sequential copies gave."""
     kv = KVManager(12, 4, prefix_interval=6, identity="x")
     cache = fake_cache(slots=4, blocks=12)
     owner = seq("owner", range(10), slot=0)
@@ -160,8 +161,9 @@ def test_restores_of_one_step_are_one_scatter_per_pool(tmp_path):
     cache.rec_states[0][3] = 77.0
     mx.eval(cache.conv_states, cache.rec_states, cache.k_pools, cache.v_pools)
     kv.step_snapshots([ScheduledSeq(a, 6, 1, True, 0, True), ScheduledSeq(b, 6, 2, True, 0, True)], [1, 2, 3], cache)
-    assert [scatters(p, tmp_path) for p in (*cache.conv_states, *cache.rec_states, *cache.k_pools, *cache.v_pools)] \
-        == [1, 1, 1, 1]
+    pools = (*cache.conv_states, *cache.rec_states, *cache.k_pools, *cache.v_pools)
+    assert [scatters(p, tmp_path) for p in pools] == [2, 2, 1, 1]
+    assert [scatters(p, tmp_path, "Concatenate") + scatters(p, tmp_path, "Copy") for p in pools] == [0, 0, 0, 0]
     np.testing.assert_array_equal(np.array(cache.rec_states[0]), [[5.0] * 3, [5.0] * 3, [5.0] * 3, [0.0] * 3])
     np.testing.assert_array_equal(np.array(cache.conv_states[0]), [[6.0] * 2, [6.0] * 2, [6.0] * 2, [0.0] * 2])
     for blk in (2, 3):

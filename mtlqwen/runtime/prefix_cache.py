@@ -106,6 +106,21 @@ class Capture:
         return self.state + (self.tail or [])
 
 
+def _group(seqs: list, row) -> list[tuple[PrefixEntry, mx.array]]:
+    """The restored entries in first-seen order, each with the pool rows (int32) of the seqs restoring it."""
+    groups: dict[int, tuple[PrefixEntry, list[int]]] = {}
+    for seq in seqs:
+        groups.setdefault(id(seq.restore), (seq.restore, []))[1].append(row(seq))
+    return [(e, mx.array(rows, dtype=mx.int32)) for e, rows in groups.values()]
+
+
+def _spread(part: mx.array, rows: mx.array) -> mx.array:
+    """An entry's [1, ...] array as the update of len(rows) rows: a broadcast (stride 0), which a scatter reads
+    without a copy."""
+    n = rows.shape[0]
+    return part if n == 1 else mx.broadcast_to(part, (n, *part.shape[1:]))
+
+
 def _state_pools(cache) -> list[mx.array]:
     return [*cache.conv_states, *cache.rec_states]
 
@@ -195,23 +210,26 @@ class PrefixCache:
 
     def restore(self, seqs: list, cache, zero_slots: list[int] = ()) -> None:
         """Zero the GDN state of zero_slots and copy each seq's hit (seq.restore) into its slot, and its
-        partial block into seq's own block, lazily in the step's graph: one scatter per pool for the whole
-        step (each op costs the host ~20 us on CUDA: 8 restores of the 9B were 432 scatters, now 48 + the
-        tails'). The entries' arrays are only read."""
+        partial block into seq's own block, lazily in the step's graph: per pool, one scatter for the zeroed
+        rows and one for each entry restored, reading the entry's [1, ...] state broadcast over its rows. Each
+        op costs the host ~20-40 us on CUDA: a concatenation of the parts launched a copy per part, so 8
+        restores of one 9B entry were 48 scatters + 384 copies, now 48 scatters (benchmarks/prefix_cache.md).
+        The entries' arrays are only read."""
         mine = {seq.slot for seq in seqs}
         zero = [r for r in zero_slots if r not in mine]  # a restored slot is overwritten: no zeroing first
-        rows = mx.array(zero + [seq.slot for seq in seqs], dtype=mx.int32)
+        by_entry = _group(seqs, lambda seq: seq.slot)
+        zero_rows = mx.array(zero, dtype=mx.int32) if zero else None
         for i, pool in enumerate(_state_pools(cache)):  # pool [slots, ...]; entry state [1, ...]
-            parts = ([mx.zeros((len(zero), *pool.shape[1:]), pool.dtype)] if zero else []) \
-                + [seq.restore.state[i] for seq in seqs]
-            pool[rows] = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+            if zero_rows is not None:
+                pool[zero_rows] = mx.zeros((), pool.dtype)
+            for e, rows in by_entry:
+                pool[rows] = _spread(e.state[i], rows)
         tailed = [seq for seq in seqs if seq.restore.tail is not None]
         if tailed:
             bt = self.block_tokens
-            dst = mx.array([seq.block_table[seq.restore.length // bt] for seq in tailed], dtype=mx.int32)
             for i, pool in enumerate(_kv_pools(cache)):  # pool [blocks, ...]; entry tail [1, ...]
-                parts = [seq.restore.tail[i] for seq in tailed]
-                pool[dst] = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+                for e, rows in _group(tailed, lambda seq: seq.block_table[seq.restore.length // bt]):
+                    pool[rows] = _spread(e.tail[i], rows)
 
     # ---- capture (at launch) and publish (at read-back)
     def capture(self, seq, end: int, cache, state: list[mx.array] | None = None) -> Capture | None:
