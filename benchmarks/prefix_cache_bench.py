@@ -89,7 +89,7 @@ def kernel_summary(engine: Engine, prompts: list[list[int]], top: int) -> dict:
     ks = kernel_events(lambda: engine.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True)))
     wall = 1e3 * (time.perf_counter() - t0)
     if not ks:
-        return {"wall_ms": round(wall, 2), "kernels": 0}
+        return {"wall_ms_profiled": round(wall, 2), "kernels": 0}  # no CUPTI (a CPU run)
     per: dict[str, list[float]] = {}
     for a, b, name in ks:
         per.setdefault(short(name), []).append(b - a)
@@ -168,22 +168,21 @@ def run_modes(model, args, modes: list[str], system: list[int], blocks: int, eng
             answers.append(toks)
         med = {k: statistics.median(x[k] for x in runs) for k in runs[0]}
         med["ttft_mean_ms_runs"] = [round(x["ttft_mean_ms"], 2) for x in runs]
-        if args.phases:
+        def once_more():  # the mode's starting point again, for one more run of the same prompts
             engine.clear_prefix_cache()
             if mode == "warm":
                 earlier_request(engine, system, args.question_len, vocab, 999)
+
+        if args.phases:
+            once_more()
             med["phases"] = ttft_phases(engine, prompts)
             print(f"{mode} phases (host ms, one token each): {med['phases']}", flush=True)
         if args.kernels:  # the same once more under CUPTI: what the device runs before the first tokens
-            engine.clear_prefix_cache()
-            if mode == "warm":
-                earlier_request(engine, system, args.question_len, vocab, 999)
+            once_more()
             med["kernels"] = kernel_summary(engine, prompts, args.kernels)
             print(f"{mode} kernels (one token each): {med['kernels']}", flush=True)
         if args.profile:  # the same once more under cProfile: the host's Python by function
-            engine.clear_prefix_cache()
-            if mode == "warm":
-                earlier_request(engine, system, args.question_len, vocab, 999)
+            once_more()
             med["host_profile"] = host_profile(
                 lambda: engine.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True)), args.profile)
             for p in med["host_profile"][:15]:
@@ -268,11 +267,13 @@ def main(argv=None):
     unknown = set(modes) - {"off", "cold", "warm", "chat-off", "chat"}
     if unknown:
         ap.error(f"unknown modes {sorted(unknown)}")
+    if args.interleave and len(args.dense_weights) < 2:
+        ap.error("--interleave alternates several settings: give --dense-weights two or more")
     # each setting runs every mode; keys tagged when there are several
     settings = [(f" dense={dense}" if len(args.dense_weights) > 1 else "", {"dense_weights": DENSE_WEIGHTS[dense]})
                 for dense in args.dense_weights]
     results = {}
-    if args.interleave and len(settings) > 1:
+    if args.interleave:
         rounds: dict[str, list[dict]] = {}
         one = argparse.Namespace(**{**vars(args), "repeats": 1})
         for r in range(args.repeats):

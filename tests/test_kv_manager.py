@@ -176,6 +176,46 @@ def test_restores_of_one_step_scatter_each_entry_once_per_pool(tmp_path):
     assert kv.clear() == 1 and all(r == 0 for r in kv.pool.ref_counts)
 
 
+def test_restores_of_two_entries_scatter_once_per_entry_and_pool(tmp_path):
+    """Hits of two entries in one step (two of the first, one of the second) beside a slot to zero: each state
+    pool gets three scatters (the zeroed slot, then one per entry), each K/V pool two (one per entry's tail), no
+    copies; every slot and block ends with its own entry's values."""
+    kv = KVManager(14, 4, prefix_interval=6, identity="x")
+    cache = fake_cache(slots=6, blocks=14)
+    owners = [seq("o1", range(10), slot=0), seq("o2", range(100, 110), slot=1)]
+    for o in owners:
+        kv.admit(o)
+        kv.allocate(o, 6)
+        kv.advance(o, 6)
+    assert [o.block_table for o in owners] == [[0, 1], [2, 3]]
+
+    def forward():  # each owner's state and half-full second block after its first 6 tokens
+        for i, o in enumerate(owners):
+            cache.conv_states[0][o.slot], cache.rec_states[0][o.slot] = 6.0 + 10 * i, 5.0 + 10 * i
+            cache.k_pools[0][o.block_table[1]], cache.v_pools[0][o.block_table[1]] = 9.0 + 10 * i, 8.0 + 10 * i
+
+    snapshot_step(kv, [ScheduledSeq(o, 0, 6, False, 0, True) for o in owners], cache, reset=[0, 1],
+                  forward=forward).publish()
+    hits = [seq("a", list(range(6)) + [50], slot=2), seq("b", list(range(6)) + [60], slot=3),
+            seq("c", list(range(100, 106)) + [70], slot=4)]
+    for h in hits:
+        kv.admit(h)
+    assert [h.restore.length for h in hits] == [6, 6, 6] and hits[0].restore is hits[1].restore is not hits[2].restore
+    own = [h.block_table[1] for h in hits]
+    mx.eval(cache.conv_states, cache.rec_states, cache.k_pools, cache.v_pools)
+    kv.step_snapshots([ScheduledSeq(h, 6, 1, True, 0, True) for h in hits], [2, 3, 4, 5], cache)
+    pools = (*cache.conv_states, *cache.rec_states, *cache.k_pools, *cache.v_pools)
+    assert [scatters(p, tmp_path) for p in pools] == [3, 3, 2, 2]
+    assert [scatters(p, tmp_path, "Concatenate") + scatters(p, tmp_path, "Copy") for p in pools] == [0, 0, 0, 0]
+    rec, conv = np.array(cache.rec_states[0]), np.array(cache.conv_states[0])
+    assert rec[2:, 0].tolist() == [5.0, 5.0, 15.0, 0.0] and conv[2:, 0].tolist() == [6.0, 6.0, 16.0, 0.0]
+    assert [float(np.array(cache.k_pools[0][b]).max()) for b in own] == [9.0, 9.0, 19.0]
+    assert [float(np.array(cache.v_pools[0][b]).min()) for b in own] == [8.0, 8.0, 18.0]
+    for s_ in (*owners, *hits):
+        kv.free(s_)
+    assert kv.clear() == 2 and all(r == 0 for r in kv.pool.ref_counts)
+
+
 def test_a_hit_without_room_for_its_copy_is_a_miss():
     kv = KVManager(3, 4, prefix_interval=6, identity="x")
     pool, cache = kv.pool, fake_cache(blocks=4)
