@@ -19,7 +19,8 @@ submitted at once and run to completion (EOS ignored: each generates exactly --g
 Before the modes, one short generate compiles the kernels. Each mode then runs --discard untimed repeats
 (1) of its own workload with other questions: the first run at the real shapes pays first-use compiles
 (several times a clean run's TTFT; benchmarks/prefix_cache.md), which would turn a median of 3 into the
-worse of the two clean repeats. Reported per mode
+worse of the two clean repeats. --variants runs selection rows (kernels/selection.py) beside the defaults,
+each a fresh engine in this process (--interleave alternates the settings round by round). Reported per mode
 (median over --repeats): TTFT mean and max over the requests, total wall time, prompt tokens served from
 the cache.
 """
@@ -34,6 +35,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from mtlqwen.kernels.selection import parse_rows, selected
 from mtlqwen.runtime import Engine, SamplingParams
 from mtlqwen.runtime.block_pool import BlockPool
 
@@ -256,6 +258,9 @@ def main(argv=None):
                     help="with several settings: run them in turn, one repeat each per round (a fresh engine each), "
                          "--repeats rounds, so that drift within the process falls on every setting alike; medians over "
                          "the rounds")
+    ap.add_argument("--variants", nargs="*", default=[], metavar="ROW=V[,ROW=V]",
+                    help="selection rows (mtlqwen/kernels/selection.py) to run besides the defaults, each variant a fresh "
+                         "engine in this process; with --interleave, rounds alternate them")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
 
@@ -278,36 +283,44 @@ def main(argv=None):
         ap.error(f"unknown modes {sorted(unknown)}")
     if args.repeats < 1 or args.discard < 0:
         ap.error("--repeats must be >= 1 and --discard >= 0")
-    if args.interleave and len(args.dense_weights) < 2:
-        ap.error("--interleave alternates several settings: give --dense-weights two or more")
-    # each setting runs every mode; keys tagged when there are several
-    settings = [(f" dense={dense}" if len(args.dense_weights) > 1 else "", {"dense_weights": DENSE_WEIGHTS[dense]})
-                for dense in args.dense_weights]
+    try:
+        variants = {"defaults": {}, **{v: parse_rows(v, source="--variants") for v in args.variants}}
+    except ValueError as e:
+        ap.error(str(e))
+    # each setting (dense weights x selection variant) runs every mode; keys tagged when there are several
+    settings = [(f" dense={dense}" * (len(args.dense_weights) > 1) + f" {name}" * (len(variants) > 1),
+                 {"dense_weights": DENSE_WEIGHTS[dense]}, rows)
+                for dense in args.dense_weights for name, rows in variants.items()]
+    if args.interleave and len(settings) < 2:
+        ap.error("--interleave alternates several settings: give --dense-weights two or more, or --variants")
     results = {}
     if args.interleave:
         rounds: dict[str, list[dict]] = {}
         one = argparse.Namespace(**{**vars(args), "repeats": 1})
         for r in range(args.repeats):
-            for tag, kw in settings:
+            for tag, kw, rows in settings:
                 print(f"-- round {r + 1} of {args.repeats}:{tag}", flush=True)
-                for mode, res in run_modes(model, one, modes, system, blocks, kw).items():
+                with selected(rows):
+                    res = run_modes(model, one, modes, system, blocks, kw)
+                for mode, res in res.items():
                     rounds.setdefault(f"{mode}{tag}", []).append(res)
         results = {key: median_of_rounds(rs) for key, rs in rounds.items()}
         print("medians over the rounds:")
         for key, res in results.items():
             if "ttft_mean_ms" in res:
                 print(f"  {key:>28}: TTFT mean {res['ttft_mean_ms']:.1f} ms (rounds: {res['ttft_mean_ms_runs']})")
-        for tag, _ in settings:
+        for tag, _, _ in settings:
             off, warm = results.get(f"off{tag}"), results.get(f"warm{tag}")
             if off and warm:
                 ratios = [w / o for w, o in zip(warm["ttft_mean_ms_runs"], off["ttft_mean_ms_runs"])]
                 print(f"  warm / off{tag}: {warm['ttft_mean_ms'] / off['ttft_mean_ms']:.2%} "
                       f"(each round: {', '.join(f'{x:.2%}' for x in ratios)})")
     else:
-        for tag, kw in settings:
+        for tag, kw, rows in settings:
             if tag:
                 print(f"--{tag}", flush=True)
-            res = run_modes(model, args, modes, system, blocks, kw)
+            with selected(rows):
+                res = run_modes(model, args, modes, system, blocks, kw)
             results.update({f"{mode}{tag}": r for mode, r in res.items()})
     write_json(args.json, name, args, results)
     return 0
