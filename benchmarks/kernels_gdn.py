@@ -1,7 +1,7 @@
 """GDN / conv kernels vs their plain-MLX references on the Qwen3.5-9B GDN shape
 (Hk=16, Hv=32, dk=dv=128, conv_dim=8192), bf16 activations, fp32 state.
 
-`python benchmarks/kernels_gdn.py [--out results.json]` on a GPU back-end. Each case is checked against
+`python benchmarks/kernels_gdn.py [--out results.json] [--only normed]` on a GPU back-end. Each case is checked against
 the reference once, then timed two ways after warm-up: `chain` = N independent launches (each on other
 state slots of a 64-slot pool, so the state comes from HBM, not L2), graph built first, then one
 mx.eval timed, per launch (`host` = building that graph, per launch); `eval` = build one launch + mx.eval,
@@ -26,8 +26,11 @@ import mlx.core as mx  # noqa: E402
 
 from mtlqwen.kernels.conv import causal_conv1d_ref  # noqa: E402
 from mtlqwen.kernels.conv.kernels import run_conv  # noqa: E402
-from mtlqwen.kernels.gdn import gated_delta_candidates_ref, gated_delta_ref  # noqa: E402
+from mtlqwen.kernels.gdn import (gated_delta_candidates_ref, gated_delta_packed_candidates_normed_ref,  # noqa: E402
+                                 gated_delta_packed_normed_ref, gated_delta_ref)
 from mtlqwen.kernels.gdn.kernels import run_gdn  # noqa: E402
+from mtlqwen.kernels.gdn.normed import run_gdn_normed  # noqa: E402
+from mtlqwen.kernels.selection import selected  # noqa: E402
 from mtlqwen.kernels.seqs import SeqLayout  # noqa: E402
 
 HK, HV, DK, DV, CONV, SLOTS = 16, 32, 128, 128, 8192, 64
@@ -129,6 +132,33 @@ def bench_gdn(case: str, lens: list[int], n_chain: int, ref_iters: int, variants
     report(case, "reference", None, te, nbytes)
 
 
+def bench_normed(case: str, lens: list[int], n_chain: int, stages: list[int], cand=False):
+    """The recurrence with its gated norm fused (gdn/normed.py) on the packed conv output, as the model runs
+    it, for each SELECT["gdn_normed_stage"] in stages (0: the unstaged body)."""
+    T, B = sum(lens), len(lens)
+    y, z = rand(T, 2 * HK * DK + HV * DV), rand(T, HV * DV)
+    w = mx.array((1 + 0.2 * rng.standard_normal(DV)).astype(np.float32))
+    x = {n: a for n, a in gdn_inputs(T).items() if n in ("a", "b", "A_log", "dt_bias")}
+    pool = rand(SLOTS, HV, DV, DK, dtype=mx.float32, scale=0.1)
+    mx.eval(pool, y, z, w, *x.values())
+    lays = layouts(lens, n_chain)
+    heads = (HK, DK, HV, DV)
+    nbytes = 2 * B * STATE + T * (2 * HK * DK + 3 * HV * DV) * 2 + (T * STATE if cand else 0)
+    ref_fn = gated_delta_packed_candidates_normed_ref if cand else gated_delta_packed_normed_ref
+    ref = ref_fn(y, z, w, 1e-6, **x, state_pool=pool, layout=lays[0], heads=heads)
+    mx.eval(ref)
+    for tb in stages:
+        with selected({"gdn_normed_stage": tb}):
+            def call(L=lays[0]):
+                return run_gdn_normed(y, z, w, 1e-6, **x, state_pool=pool, layout=L, heads=heads, candidates=cand)
+
+            out = call()
+            err = max(rel(o, r) for o, r in zip(out, ref))
+            tc = time_chain([lambda L=L: call(L) for L in lays])
+            te = time_eval(call, 30)
+        report(case, f"normed stage={tb}" + (" +cand" if cand else ""), tc, te, nbytes, err)
+
+
 def bench_conv(case: str, lens: list[int], n_chain: int, ref_iters: int):
     T, B = sum(lens), len(lens)
     xx, w = rand(T, CONV), rand(CONV, 4, scale=0.5)
@@ -148,8 +178,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="fewer cases (short TPR sweep, no crossover, no 4 x 1024)")
+    ap.add_argument("--only", choices=["normed"], help="only the fused recurrence + norm cases (staged or not)")
     args = ap.parse_args()
     print(f"MLX {mx.__version__}, device {mx.default_device()}", flush=True)
+    bench_normed("warm hit 8 x 64", [64] * 8, 8, [0, 4, 8, 16])
+    bench_normed("prefill 1 x 64", [64], 16, [0, 8, 16])
+    bench_normed("verify 1 x 8", [8], 32, [0, 8], cand=True)
+    bench_normed("verify 8 x 8", [8] * 8, 16, [0, 8], cand=True)
+    if args.only == "normed":
+        return write_rows(args.out)
     rec = [dict(chunk=False, tpr=t) for t in ((8, 16) if args.quick else (8, 16, 32))]
     chunks = [dict(chunk=True, tpr=4), dict(chunk=True, tpr=8)]
     bench_gdn("decode B=1", [1], 64, 10, rec)
@@ -165,8 +202,12 @@ def main() -> None:
     bench_conv("conv decode B=1", [1], 64, 10)
     bench_conv("conv decode B=8", [1] * 8, 16, 10)
     bench_conv("conv prefill T=4096", [4096], 4, 3)
-    if args.out:
-        Path(args.out).write_text(json.dumps(dict(mlx=mx.__version__, rows=ROWS), indent=1))
+    write_rows(args.out)
+
+
+def write_rows(path: str | None) -> None:
+    if path:
+        Path(path).write_text(json.dumps(dict(mlx=mx.__version__, rows=ROWS), indent=1))
 
 
 if __name__ == "__main__":

@@ -368,22 +368,13 @@ def test_packed_candidates_normed_reference(seed, lens, geom, fused):
     assert rel(ref[1], nstates) < 1e-4 and rel(ref[2], nall) < 1e-4
 
 
-@pytest.mark.gpu
-@needs_gpu
-@settings(max_examples=n_examples(18), **GPU_SETTINGS)  # device_run.sh runs a third of them
-@given(seed=st.integers(0, 2**31), lens=st.lists(st.one_of(st.integers(1, 4), st.integers(5, 64)), min_size=1,
-                                                  max_size=4),
-       geom=st.sampled_from(GEOMS), dtype=st.sampled_from([mx.float32, mx.bfloat16]),
-       wdt=st.sampled_from([mx.float32, mx.bfloat16]), mode=st.sampled_from(["states", "inplace", "candidates"]))
-@example(seed=3, lens=[1, 1, 1], geom=(1, 2, 128, 128), dtype=mx.bfloat16, wdt=mx.float32, mode="inplace")  # decode
-@example(seed=5, lens=[8], geom=(1, 2, 128, 128), dtype=mx.bfloat16, wdt=mx.float32, mode="candidates")  # 1 x 7 drafts
-def test_gdn_fused_norm_kernel(seed, lens, geom, dtype, wdt, mode):
-    """The gate for SELECT["gdn_fused_norm"] (and, mode "candidates", "gdn_fused_norm_candidates"): the
-    recurrence with the gated RMSNorm fused in (one threadgroup per sequence and value head), reading q, k, v
-    where they lie in the conv output. The normed output (poisoned first) == the reference; its states are
-    returned ("states"), or written into the sequences' pool rows with every other row untouched ("inplace"),
-    or returned with every token's state and the pool only read ("candidates": a verification's)."""
+def check_fused_norm(seed, lens, geom, dtype, wdt, mode, stage):
+    """Run the fused recurrence + gated norm (gdn/normed.py) with SELECT["gdn_normed_stage"] = stage, outputs
+    poisoned with NaN, against the reference: the normed output; the states returned ("states"), or written into
+    the sequences' pool rows with every other row untouched ("inplace"), or returned with every token's state
+    and the pool only read ("candidates": a verification's)."""
     from mtlqwen.kernels.gdn.normed import run_gdn_normed  # noqa: PLC0415
+    from mtlqwen.kernels.selection import selected  # noqa: PLC0415
 
     args, layout = make_case(seed, lens, *geom, dtype=dtype)
     y, heads = packed_case(args)
@@ -395,10 +386,11 @@ def test_gdn_fused_norm_kernel(seed, lens, geom, dtype, wdt, mode):
     cand = mode == "candidates"
     ref = on_cpu(gated_delta_packed_candidates_normed_ref if cand else gated_delta_packed_normed_ref, y, z, w, eps,
                  **rest, state_pool=mx.array(before), layout=layout, heads=heads)
-    out = run_gdn_normed(y, z, w, eps, **rest, state_pool=args["state_pool"], layout=layout, heads=heads,
-                         inplace=mode == "inplace", candidates=cand, init_value=float("nan"))
-    assert out is not None
-    mx.eval(out)
+    with selected({"gdn_normed_stage": stage}):
+        out = run_gdn_normed(y, z, w, eps, **rest, state_pool=args["state_pool"], layout=layout, heads=heads,
+                             inplace=mode == "inplace", candidates=cand, init_value=float("nan"))
+        assert out is not None
+        mx.eval(out)
     assert out[0].shape == (T, Hv * dv) and out[0].dtype == dtype
     assert rel(out[0], ref[0]) < TOL[dtype]
     stol = 1e-4 if dtype == mx.float32 else 1e-3
@@ -413,6 +405,47 @@ def test_gdn_fused_norm_kernel(seed, lens, geom, dtype, wdt, mode):
     assert rel(mx.array(after[rows]), ref[1]) < stol
     others = [i for i in range(after.shape[0]) if i not in rows]
     assert np.array_equal(after[others], before[others])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@settings(max_examples=n_examples(18), **GPU_SETTINGS)  # device_run.sh runs a third of them
+@given(seed=st.integers(0, 2**31), lens=st.lists(st.one_of(st.integers(1, 4), st.integers(5, 64)), min_size=1,
+                                                  max_size=4),
+       geom=st.sampled_from(GEOMS), dtype=st.sampled_from([mx.float32, mx.bfloat16]),
+       wdt=st.sampled_from([mx.float32, mx.bfloat16]), mode=st.sampled_from(["states", "inplace", "candidates"]),
+       stage=st.sampled_from([0, 3, 8]))
+@example(seed=3, lens=[1, 1, 1], geom=(1, 2, 128, 128), dtype=mx.bfloat16, wdt=mx.float32, mode="inplace",
+         stage=0)  # decode
+@example(seed=5, lens=[8], geom=(1, 2, 128, 128), dtype=mx.bfloat16, wdt=mx.float32, mode="candidates",
+         stage=0)  # 1 x 7 drafts
+@example(seed=7, lens=[64, 64, 63], geom=(1, 2, 128, 128), dtype=mx.bfloat16, wdt=mx.float32, mode="inplace",
+         stage=8)  # the warm prefix hit's segments, staged
+def test_gdn_fused_norm_kernel(seed, lens, geom, dtype, wdt, mode, stage):
+    """The gate for SELECT["gdn_fused_norm"] (mode "candidates": "gdn_fused_norm_candidates"; stage > 0:
+    "gdn_normed_stage"): the recurrence with the gated RMSNorm fused in (one threadgroup per sequence and value
+    head), reading q, k, v where they lie in the conv output (check_fused_norm)."""
+    check_fused_norm(seed, lens, geom, dtype, wdt, mode, stage)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the Metal emulator")
+@settings(max_examples=6, deadline=None, database=None)
+@given(seed=st.integers(0, 2**31), lens=st.lists(st.integers(1, 19), min_size=1, max_size=3),
+       geom=st.sampled_from([g for g in GEOMS if g[2] <= 64 and g[3] <= 64]),
+       dtype=st.sampled_from([mx.float32, mx.bfloat16]), mode=st.sampled_from(["states", "inplace", "candidates"]),
+       stage=st.sampled_from([1, 3, 4, 8]))
+@example(seed=11, lens=[8, 9, 1], geom=(2, 3, 32, 48), dtype=mx.float32, mode="inplace", stage=4)  # whole + partial blocks
+def test_gdn_fused_norm_staged_metal_emulated(seed, lens, geom, dtype, mode, stage):
+    """The staged body's Metal rendering on the emulator (outputs NaN there until written): segments of one
+    block, several, and a partial last one, a decode row beside them, GQA ratios, dk != dv, a padded SIMD group
+    (dv = 48); the launch is the staged kernel."""
+    from mtlqwen.kernels import metal_emulator  # noqa: PLC0415
+
+    with metal_emulator.emulating() as launches:
+        check_fused_norm(seed, lens, geom, dtype, mx.float32, mode, stage)
+    suffix = {"states": "", "inplace": "_inplace", "candidates": "_cand"}[mode]
+    want = f"gdn_recurrent_normed_staged{suffix}" if max(lens) > 1 else f"gdn_recurrent_normed{suffix}"
+    assert [ln.kernel for ln in launches] == [want]
 
 
 @pytest.mark.gpu

@@ -245,7 +245,19 @@ def _gdn_trials() -> list[Trial]:
             lambda y=y, z=z, nw=nw, r=rest, L=layout, h=heads: list(
                 _cpu(_fn("gated_delta_packed_candidates_normed_ref"), y, z, nw, 1e-6, **r, layout=L, heads=h)),
             tol + [STATE_TOL[dt]]))
-    return out
+    # the fused recurrence's staged body (SELECT["gdn_normed_stage"]) on the same cases: segments of 3-5 tokens
+    # in blocks of 2 (whole and partial blocks)
+    return out + [Trial(t.label.replace("normed", "normed_staged", 1), _staged_run(t.run), t.ref, t.tol)
+                  for t in out if t.label.startswith("gdn_recurrent_normed")]
+
+
+def _staged_run(run: Callable[[], list]) -> Callable[[], list]:
+    def staged():
+        from .selection import selected  # noqa: PLC0415
+
+        with selected({"gdn_normed_stage": 2}):
+            return run()
+    return staged
 
 
 # ---- paged attention and the in-place KV write -----------------------------------------------------------------

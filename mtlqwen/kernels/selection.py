@@ -225,6 +225,12 @@ SELECT: dict[str, int] = {
     # 1 x 7 drafts the fused launches took 0.78 ms against 0.54 + 0.17 for the two (spec_trace.py,
     # benchmarks/spec.md): off.
     "gdn_fused_norm_candidates": 0,
+    # Tokens the fused recurrence (gdn/normed.py) reads into threadgroup memory a block where segments are 2+
+    # tokens (prefill up to gdn_chunk_min_t, verification), 0 = none: the unstaged body waits on each token's
+    # device reads in turn, which is what a step of the 9B warm prefix hit (8 x 64 tokens) spends 299 us a layer
+    # on (benchmarks/prefix_cache.md). Off until its GPU test (test_kernels_gdn.py::test_gdn_fused_norm_kernel,
+    # `stage`) has passed on the H200 and it is timed; its Metal rendering passes on the emulator.
+    "gdn_normed_stage": 0,
     # CUDA, 9+ rows, 4/8-bit, bf16/fp16 x: the tensor-core quantized GEMM (qmatmul/qgemm.py) up to this many rows
     # (0 = never); past it, and on Metal, the paths above (MLX's quantized_matmul / dequantize + GEMM). At
     # 16-128 rows it beat MLX's quantized_matmul on every 9B matrix (in_proj at 16 rows: 19-24 vs 26 us, at

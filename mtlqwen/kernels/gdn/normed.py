@@ -44,10 +44,60 @@ from .kernels import GATES, INPLACE_STORE, INPUT_NAMES, PROLOGUE, reduce_row, st
 MAX_THREADS = 512  # threads a threadgroup: 128 registers each on NVIDIA (see the module docstring)
 MAX_NE = 32  # state elements a thread (dk / TPR): TPR = 2 at dk = 128 took 255 registers in gdn_recurrent
 
+# One token's step, shared by both bodies: decay and beta defined, KQ its raw k | q row, VV its v at this
+# thread's row, ZV_EARLY / ZV_LATE where z is read, PART the partial sums of squares it reduces through.
+_STEP = """  // one pass over k: decay the state, |k|^2, and S k (divided by |k| below)
+  float kss = 0.0f, pred = 0.0f;
+  for (int e = 0; e < NE; ++e) {
+    const float kv = KQ[((e / 4) * TPR + p) * 4 + e % 4];
+    kss += kv * kv;
+    s[e] *= decay;
+    pred += s[e] * kv;
+  }
+  RED_KSS
+  RED_PRED
+  const float kinv = RSQRT(kss + 1e-6f);
+  const float vv = VV;
+  const float dkn = beta * (vv - pred * kinv) * kinv;  // delta / |k|: S += delta * k / |k|
+  float out = 0.0f, qss = 0.0f;
+  for (int e = 0; e < NE; ++e) {
+    const int c = ((e / 4) * TPR + p) * 4 + e % 4;
+    s[e] += dkn * KQ[c];
+    const float qv = KQ[DK + c];
+    out += s[e] * qv;
+    qss += qv * qv;
+  }
+  RED_OUT
+  RED_QSS
+  // o as the unfused op returns it (activation dtype), then its head's mean square over DV rows
+  const float ov = TO_FLOAT(FROM_FLOAT(InT, out * RSQRT(qss + 1e-6f) * q_scale));
+  float ss = SIMD_SUM((live && p == 0) ? ov * ov : 0.0f);
+  ZV_EARLY
+  if (LANE == 0) PART[SIMD_ID] = ss;
+  BARRIER;
+  ss = 0.0f;
+  for (int j = 0; j < NSG; ++j) ss += PART[j];
+  if (live && p == 0) {
+    // norms.gated_rms_norm_ref's order: normalise, round, times w, times silu(z), round
+    const size_t oi = ((size_t)t * HV + hv) * DV + row;
+    const float yv = TO_FLOAT(FROM_FLOAT(InT, ov * RSQRT(ss / (float)DV + eps_v))) * nw;
+    ZV_LATE
+    o[oi] = FROM_FLOAT(InT, yv * (zv / (1.0f + EXP(-zv))));
+  }
+  CAND_STORE
+"""
+
+
+def _reduced(body: str) -> str:
+    return (body.replace("RED_KSS", reduce_row("kss")).replace("RED_PRED", reduce_row("pred"))
+            .replace("RED_OUT", reduce_row("out")).replace("RED_QSS", reduce_row("qss")))
+
+
 # Threadgroup = BV * TPR threads (a multiple of 32) over the head's DV rows (rows >= DV: not live).
-# s: this thread's slice of its state row (prologue); part: one partial sum of squares per SIMD group.
-_BODY = (
-    (PROLOGUE
+# s: this thread's slice of its state row (prologue); part: one partial sum of squares per SIMD group,
+# rewritten only after the next token's first barrier.
+_BODY = _reduced(
+    PROLOGUE
     + """
 constexpr int NSG = (BV * TPR) / 32;
 SHARED float part[32];    // one partial sum of squares per SIMD group
@@ -58,51 +108,57 @@ for (int t = t0; t < t1; ++t) {
   const size_t kb = (size_t)t * QS + hk * DK;
   for (int c = tid; c < 2 * DK; c += BV * TPR) kq[c] = TO_FLOAT(c < DK ? k[kb + KO + c] : q[kb + c - DK]);
   BARRIER;  // also: every thread is past the previous token's reads of kq and part
-""" + GATES + """  // one pass over k: decay the state, |k|^2, and S k (divided by |k| below)
-  float kss = 0.0f, pred = 0.0f;
-  for (int e = 0; e < NE; ++e) {
-    const float kv = kq[((e / 4) * TPR + p) * 4 + e % 4];
-    kss += kv * kv;
-    s[e] *= decay;
-    pred += s[e] * kv;
+""" + GATES + _STEP.replace("KQ", "kq").replace("VV", "live ? TO_FLOAT(v[(size_t)t * VS + VO + hv * DV + row]) : 0.0f")
+    .replace("ZV_EARLY", "").replace("ZV_LATE", "const float zv = TO_FLOAT(z[oi]);").replace("PART", "part")
+    + "}\nFINAL_STORE\n"
+)
+
+# The same with TB tokens staged a block: each token of the body above waits on its own device reads (k | q,
+# then the gates, v and z) between barriers, so a segment's steps run at device-read latency. Here the whole
+# threadgroup reads a block's k | q, v and z rows and gates into threadgroup memory at once, one barrier, then
+# steps through it on shared reads; part alternates by token parity, so a token has one barrier.
+_STAGED_BODY = _reduced(
+    PROLOGUE
+    + """
+constexpr int NSG = (BV * TPR) / 32;
+constexpr int NT = BV * TPR;
+SHARED float part[2][32];      // by token parity: token t + 1 writes while no thread reads token t - 1's
+SHARED float kqs[TB][2 * DK];  // the block's raw k | q of the key head
+SHARED float vzs[TB][2 * BV];  // the block's v | z of the head's rows
+SHARED float gds[TB];          // the block's decays
+SHARED float gbs[TB];          // and betas
+const float eps_v = eps[0];
+const float nw = live ? TO_FLOAT(norm_w[row]) : 0.0f;
+for (int tb = t0; tb < t1; tb += TB) {
+  const int nb = (t1 - tb < TB) ? t1 - tb : TB;
+  for (int c = tid; c < nb * 2 * DK; c += NT) {
+    const int jt = c / (2 * DK);
+    const int cc = c - jt * (2 * DK);
+    const size_t kb = (size_t)(tb + jt) * QS + hk * DK;
+    kqs[jt][cc] = TO_FLOAT(cc < DK ? k[kb + KO + cc] : q[kb + cc - DK]);
   }
-  RED_KSS
-  RED_PRED
-  const float kinv = RSQRT(kss + 1e-6f);
-  const float vv = live ? TO_FLOAT(v[(size_t)t * VS + VO + hv * DV + row]) : 0.0f;
-  const float dkn = beta * (vv - pred * kinv) * kinv;  // delta / |k|: S += delta * k / |k|
-  float out = 0.0f, qss = 0.0f;
-  for (int e = 0; e < NE; ++e) {
-    const int c = ((e / 4) * TPR + p) * 4 + e % 4;
-    s[e] += dkn * kq[c];
-    const float qv = kq[DK + c];
-    out += s[e] * qv;
-    qss += qv * qv;
+  for (int c = tid; c < nb * DV; c += NT) {
+    const int jt = c / DV;
+    const int rr = c - jt * DV;
+    const size_t tt = (size_t)(tb + jt);
+    vzs[jt][rr] = TO_FLOAT(v[tt * VS + VO + hv * DV + rr]);
+    vzs[jt][BV + rr] = TO_FLOAT(z[(tt * HV + hv) * DV + rr]);
   }
-  RED_OUT
-  RED_QSS
-  // o as the unfused op returns it (activation dtype), then its head's mean square over DV rows
-  const float ov = TO_FLOAT(FROM_FLOAT(InT, out * RSQRT(qss + 1e-6f) * q_scale));
-  float ss = SIMD_SUM((live && p == 0) ? ov * ov : 0.0f);
-  if (LANE == 0) part[SIMD_ID] = ss;
+  if (tid < nb) {
+    const int t = tb + tid;
+""" + GATES + """    gds[tid] = decay;
+    gbs[tid] = beta;
+  }
+  // every thread is past the previous block's shared reads: its last token read them before its barrier
   BARRIER;
-  ss = 0.0f;
-  for (int j = 0; j < NSG; ++j) ss += part[j];  // rewritten only after the next token's first barrier
-  if (live && p == 0) {
-    // norms.gated_rms_norm_ref's order: normalise, round, times w, times silu(z), round
-    const size_t oi = ((size_t)t * HV + hv) * DV + row;
-    const float yv = TO_FLOAT(FROM_FLOAT(InT, ov * RSQRT(ss / (float)DV + eps_v))) * nw;
-    const float zv = TO_FLOAT(z[oi]);
-    o[oi] = FROM_FLOAT(InT, yv * (zv / (1.0f + EXP(-zv))));
-  }
-  CAND_STORE
-}
-FINAL_STORE
-""")
-    .replace("RED_KSS", reduce_row("kss"))
-    .replace("RED_PRED", reduce_row("pred"))
-    .replace("RED_OUT", reduce_row("out"))
-    .replace("RED_QSS", reduce_row("qss"))
+  for (int jt = 0; jt < nb; ++jt) {
+    const int t = tb + jt;
+    const float decay = gds[jt];
+    const float beta = gbs[jt];
+""" + _STEP.replace("KQ", "kqs[jt]").replace("VV", "live ? vzs[jt][row] : 0.0f")
+    .replace("ZV_EARLY", "const float zv = live ? vzs[jt][BV + row] : 0.0f;").replace("ZV_LATE", "")
+    .replace("PART", "part[t & 1]")
+    + "  }\n}\nFINAL_STORE\n"
 )
 
 _IN_NORMED = INPUT_NAMES + ["z", "norm_w", "eps"]
@@ -167,6 +223,37 @@ NORMED_CAND = portable_kernel(
 )
 
 
+def _staged(kern, name: str, body: str, examples: list[KernelExample]):
+    """kern's staged twin: the same inputs and outputs, _STAGED_BODY's steps, template TB after kern's."""
+    return portable_kernel(
+        name=name, input_names=kern.input_names, output_names=kern.output_names, body=body,
+        examples=[KernelExample(e.inputs, e.outputs, e.template + [("TB", STAGE_EXAMPLE)]) for e in examples],
+    )
+
+
+STAGE_EXAMPLE = 8  # the block the examples compile with
+STAGED = _staged(NORMED, "gdn_recurrent_normed_staged",
+                 _STAGED_BODY.replace("CAND_STORE", "").replace("FINAL_STORE", store_state("state_out", "seq")),
+                 NORMED.examples)
+STAGED_INPLACE = _staged(NORMED_INPLACE, "gdn_recurrent_normed_staged_inplace",
+                         _STAGED_BODY.replace("CAND_STORE", "").replace("FINAL_STORE", INPLACE_STORE),
+                         NORMED_INPLACE.examples)
+STAGED_CAND = _staged(NORMED_CAND, "gdn_recurrent_normed_staged_cand",
+                      _STAGED_BODY.replace("CAND_STORE", store_state("all_states", "t"))
+                      .replace("FINAL_STORE", store_state("state_out", "seq")), NORMED_CAND.examples)
+_SHARED_LIMIT = {"cuda": 48 * 1024, "metal": 32 * 1024}  # static threadgroup memory
+
+
+def stage_tokens(backend: str, dk: int, bv: int, longest: int) -> int:
+    """Tokens the staged body reads a block (SELECT["gdn_normed_stage"]: one instantiation whatever the segments),
+    or 0 for the unstaged body: the row off, decode (one token a sequence: nothing to read ahead), or a block whose
+    staging would not fit the back-end's threadgroup memory."""
+    tb = SELECT["gdn_normed_stage"]
+    if tb < 1 or longest < 2:
+        return 0
+    return tb if 4 * (tb * (2 * dk + 2 * bv + 2) + 64) <= _SHARED_LIMIT[backend] else 0
+
+
 def run_gdn_normed(y, z, norm_w, eps: float, a, b, A_log, dt_bias, state_pool, layout: SeqLayout,
                    heads: tuple[int, int, int, int], inplace: bool = False, init_value=None, candidates: bool = False):
     """y [T, 2*Hk*dk + Hv*dv] (the conv output, q | k | v channels, read where they lie), z [T, Hv*dv]
@@ -182,14 +269,20 @@ def run_gdn_normed(y, z, norm_w, eps: float, a, b, A_log, dt_bias, state_pool, l
             or y.ndim != 2 or y.shape[1] != 2 * Hk * dk + Hv * dv or y.dtype not in FLOATS
             or z.size != T * Hv * dv or z.dtype not in FLOATS or norm_w.shape != (dv,)):
         return None
-    if max(layout.q_len(i) for i in range(B)) > SELECT["gdn_chunk_min_t"] or (inplace and candidates):
+    longest = max(layout.q_len(i) for i in range(B))
+    if longest > SELECT["gdn_chunk_min_t"] or (inplace and candidates):
         return None
     a, b, A_log, dt_bias, norm_w = (x if x.dtype in FLOATS else x.astype(mx.float32)
                                     for x in (a, b, A_log, dt_bias, norm_w))
     C = y.shape[1]
     tmpl = [("InT", y.dtype), ("HK", Hk), ("HV", Hv), ("DK", dk), ("DV", dv), ("TPR", tpr), ("BV", bv),
             ("QS", C), ("KO", Hk * dk), ("VS", C), ("VO", 2 * Hk * dk)]
-    kern = NORMED_INPLACE if inplace else NORMED_CAND if candidates else NORMED
+    tb = stage_tokens(backend, dk, bv, longest)
+    if tb:
+        tmpl.append(("TB", tb))
+        kern = STAGED_INPLACE if inplace else STAGED_CAND if candidates else STAGED
+    else:
+        kern = NORMED_INPLACE if inplace else NORMED_CAND if candidates else NORMED
     return kern(
         backend,
         inputs=[y, y, y, a, b, A_log, dt_bias, state_pool, layout.array("query_start_loc"),
