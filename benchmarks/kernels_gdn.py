@@ -30,7 +30,7 @@ from mtlqwen.kernels.gdn import (gated_delta_candidates_ref, gated_delta_packed_
                                  gated_delta_packed_normed_ref, gated_delta_ref)
 from mtlqwen.kernels.gdn.kernels import run_gdn  # noqa: E402
 from mtlqwen.kernels.gdn.normed import run_gdn_normed  # noqa: E402
-from mtlqwen.kernels.selection import selected  # noqa: E402
+from mtlqwen.kernels.selection import SELECT, selected  # noqa: E402
 from mtlqwen.kernels.seqs import SeqLayout  # noqa: E402
 
 HK, HV, DK, DV, CONV, SLOTS = 16, 32, 128, 128, 8192, 64
@@ -147,8 +147,8 @@ def bench_normed(case: str, lens: list[int], n_chain: int, stages: list[int], ca
     ref_fn = gated_delta_packed_candidates_normed_ref if cand else gated_delta_packed_normed_ref
     ref = ref_fn(y, z, w, 1e-6, **x, state_pool=pool, layout=lays[0], heads=heads)
     mx.eval(ref)
-    for tb in stages:
-        with selected({"gdn_normed_stage": tb}):
+    for tb in stages:  # segments past gdn_chunk_min_t too: where the staged body might beat the chunk scan
+        with selected({"gdn_normed_stage": tb, "gdn_chunk_min_t": max(SELECT["gdn_chunk_min_t"], max(lens))}):
             def call(L=lays[0]):
                 return run_gdn_normed(y, z, w, 1e-6, **x, state_pool=pool, layout=L, heads=heads, candidates=cand)
 
@@ -185,7 +185,9 @@ def main() -> None:
     bench_normed("prefill 1 x 64", [64], 16, [0, 8, 16])
     bench_normed("verify 1 x 8", [8], 32, [0, 8], cand=True)
     bench_normed("verify 8 x 8", [8] * 8, 16, [0, 8], cand=True)
+    bench_normed("prefill 4 x 256", [256] * 4, 4, [0, 8, 16])
     if args.only == "normed":
+        bench_gdn("prefill 4 x 256", [256] * 4, 4, 1, [dict(chunk=True, tpr=4)])  # the chunk scan there, no norm
         return write_rows(args.out)
     rec = [dict(chunk=False, tpr=t) for t in ((8, 16) if args.quick else (8, 16, 32))]
     chunks = [dict(chunk=True, tpr=4), dict(chunk=True, tpr=8)]
