@@ -1,7 +1,7 @@
 """GDN / conv kernels vs their plain-MLX references on the Qwen3.5-9B GDN shape
 (Hk=16, Hv=32, dk=dv=128, conv_dim=8192), bf16 activations, fp32 state.
 
-`python benchmarks/kernels_gdn.py [--out results.json] [--only normed]` on a GPU back-end. Each case is checked against
+`python benchmarks/kernels_gdn.py [--out results.json] [--only staged]` on a GPU back-end. Each case is checked against
 the reference once, then timed two ways after warm-up: `chain` = N independent launches (each on other
 state slots of a 64-slot pool, so the state comes from HBM, not L2), graph built first, then one
 mx.eval timed, per launch (`host` = building that graph, per launch); `eval` = build one launch + mx.eval,
@@ -120,13 +120,17 @@ def bench_gdn(case: str, lens: list[int], n_chain: int, ref_iters: int, variants
     ref = ref_fn(**x, state_pool=pool, layout=lays[0])
     mx.eval(ref)
     for kw in variants:
-        out = run_gdn(**x, state_pool=pool, layout=lays[0], candidates=cand, **kw)
-        if out is None:
-            continue
-        err = max(rel(o, r) for o, r in zip(out, ref))
-        tc = time_chain([lambda L=L: run_gdn(**x, state_pool=pool, layout=L, candidates=cand, **kw) for L in lays])
-        te = time_eval(lambda: run_gdn(**x, state_pool=pool, layout=lays[0], candidates=cand, **kw), 30)
+        kw = dict(kw)
+        stage = kw.pop("stage", 0)  # SELECT["gdn_recurrent_stage"] (staged.py) for the recurrence
+        with selected({"gdn_recurrent_stage": stage}):
+            out = run_gdn(**x, state_pool=pool, layout=lays[0], candidates=cand, **kw)
+            if out is None:
+                continue
+            err = max(rel(o, r) for o, r in zip(out, ref))
+            tc = time_chain([lambda L=L: run_gdn(**x, state_pool=pool, layout=L, candidates=cand, **kw) for L in lays])
+            te = time_eval(lambda: run_gdn(**x, state_pool=pool, layout=lays[0], candidates=cand, **kw), 30)
         name = ("chunk" if kw.get("chunk") else "recurrent") + f" tpr={kw.get('tpr') or 'auto'}"
+        name += f" stage={stage}" if stage else ""
         report(case, name + (" +cand" if cand else ""), tc, te, nbytes, err)
     te = time_eval(lambda: ref_fn(**x, state_pool=pool, layout=lays[0]), ref_iters, warmup=1)
     report(case, "reference", None, te, nbytes)
@@ -178,7 +182,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="fewer cases (short TPR sweep, no crossover, no 4 x 1024)")
-    ap.add_argument("--only", choices=["normed"], help="only the fused recurrence + norm cases (staged or not)")
+    ap.add_argument("--only", choices=["staged"],
+                    help="only the staged recurrences' cases (gdn_normed_stage, gdn_recurrent_stage) beside the unstaged")
     args = ap.parse_args()
     print(f"MLX {mx.__version__}, device {mx.default_device()}", flush=True)
     bench_normed("warm hit 8 x 64", [64] * 8, 8, [0, 4, 8, 16])
@@ -186,8 +191,12 @@ def main() -> None:
     bench_normed("verify 1 x 8", [8], 32, [0, 8], cand=True)
     bench_normed("verify 8 x 8", [8] * 8, 16, [0, 8], cand=True)
     bench_normed("prefill 4 x 256", [256] * 4, 4, [0, 8, 16])
-    if args.only == "normed":
-        bench_gdn("prefill 4 x 256", [256] * 4, 4, 1, [dict(chunk=True, tpr=4)])  # the chunk scan there, no norm
+    if args.only == "staged":
+        staged = [dict(chunk=False, stage=tb) for tb in (0, 8, 16, 32)]
+        bench_gdn("prefill 4 x 256", [256] * 4, 4, 1, [dict(chunk=True, tpr=4)] + staged)
+        bench_gdn("prefill T=4096", [4096], 2, 1, [dict(chunk=True, tpr=4)] + staged)
+        bench_gdn("verify B=8 x16", [16] * 8, 4, 2, [dict(chunk=False, stage=tb) for tb in (0, 8, 16)], cand=True)
+        bench_gdn("verify B=1 x8", [8], 16, 2, [dict(chunk=False, stage=tb) for tb in (0, 8)], cand=True)
         return write_rows(args.out)
     rec = [dict(chunk=False, tpr=t) for t in ((8, 16) if args.quick else (8, 16, 32))]
     chunks = [dict(chunk=True, tpr=4), dict(chunk=True, tpr=8)]

@@ -245,17 +245,26 @@ def _gdn_trials() -> list[Trial]:
             lambda y=y, z=z, nw=nw, r=rest, L=layout, h=heads: list(
                 _cpu(_fn("gated_delta_packed_candidates_normed_ref"), y, z, nw, 1e-6, **r, layout=L, heads=h)),
             tol + [STATE_TOL[dt]]))
-    # the fused recurrence's staged body (SELECT["gdn_normed_stage"]) on the same cases: segments of 3-5 tokens
-    # in blocks of 2 (whole and partial blocks)
-    return out + [Trial(t.label.replace("normed", "normed_staged", 1), _staged_run(t.run), t.ref, t.tol)
-                  for t in out if t.label.startswith("gdn_recurrent_normed")]
+    # the recurrences' staged bodies (SELECT["gdn_normed_stage"], ["gdn_recurrent_stage"]) on the same cases, with
+    # the block their examples declare (segments of 3-5 tokens: partial blocks; the tests draw whole ones too)
+    staged = []
+    for t in out:
+        name = t.label.split("[")[0]
+        row = ("gdn_normed_stage" if name.startswith("gdn_recurrent_normed") else
+               "gdn_recurrent_stage" if name.startswith("gdn_recurrent") else None)
+        if row is not None:
+            label = t.label.replace("normed" if row == "gdn_normed_stage" else "recurrent",
+                                    "normed_staged" if row == "gdn_normed_stage" else "recurrent_staged", 1)
+            staged.append(Trial(label, _staged_run(t.run, row), t.ref, t.tol))
+    return out + staged
 
 
-def _staged_run(run: Callable[[], list]) -> Callable[[], list]:
+def _staged_run(run: Callable[[], list], row: str) -> Callable[[], list]:
     def staged():
+        from .gdn.staged import STAGE_EXAMPLE  # noqa: PLC0415
         from .selection import selected  # noqa: PLC0415
 
-        with selected({"gdn_normed_stage": 2}):
+        with selected({row: STAGE_EXAMPLE}):
             return run()
     return staged
 

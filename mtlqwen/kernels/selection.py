@@ -231,6 +231,12 @@ SELECT: dict[str, int] = {
     # on (benchmarks/prefix_cache.md). Off until its GPU test (test_kernels_gdn.py::test_gdn_fused_norm_kernel,
     # `stage`) has passed on the H200 and it is timed; its Metal rendering passes on the emulator.
     "gdn_normed_stage": 0,
+    # The same for the unfused recurrence (gdn/staged.py: a verification's candidates, prefill segments the chunk
+    # scan does not take), which reads each token's k, q, gates and v from device memory as it runs: ~0.54 us a
+    # token whatever the arithmetic (4,096 tokens in 2.2 ms a layer, benchmarks/kernels_gdn.md). Off until its GPU
+    # test (test_kernels_gdn_staged.py) has passed on the H200 and it is timed; its Metal rendering passes on the
+    # emulator.
+    "gdn_recurrent_stage": 0,
     # CUDA, 9+ rows, 4/8-bit, bf16/fp16 x: the tensor-core quantized GEMM (qmatmul/qgemm.py) up to this many rows
     # (0 = never); past it, and on Metal, the paths above (MLX's quantized_matmul / dequantize + GEMM). At
     # 16-128 rows it beat MLX's quantized_matmul on every 9B matrix (in_proj at 16 rows: 19-24 vs 26 us, at

@@ -7,6 +7,8 @@ threadgroup owns (sequence, value head, block of dv rows) and keeps its rows in 
 
 - `gdn_recurrent`: the token-by-token recurrence (§2.7) for decode and verification. TPR lanes share
   a row (dk/TPR elements each); optionally writes the state after every token (candidate states).
+- `gdn_recurrent_staged` (staged.py): the same with a block of tokens read ahead (selection row
+  `gdn_recurrent_stage`).
 - `gdn_chunk`: the chunked scan (§2.8) for prefill, C tokens a chunk (32 on CUDA; 16 on Metal, whose
   32 KB threadgroup memory cannot hold two 32x128 fp32 tiles), carrying the incoming state.
 """
@@ -20,17 +22,11 @@ from ..norms.kernels import FLOATS
 from ..portable import KernelExample, portable_kernel
 from ..selection import SELECT
 from ..seqs import SeqLayout
+from .pieces import GATES, INPLACE_STORE, INPUT_NAMES, PROLOGUE, reduce_row, store_state, tpr_for
+from .staged import staged_kernel
 
 CHUNK_TPR = 4  # lanes per state row in the chunk kernel (threadgroup = C * CHUNK_TPR)
 _LIMITS = {"cuda": (32, 48 * 1024), "metal": (16, 32 * 1024)}  # (chunk, static shared bytes)
-
-
-def _tpr(dk: int) -> int:
-    """Lanes per state row in the recurrent kernel: the most that keeps whole float4 chunks per lane."""
-    for t in (8, 4, 2, 1):
-        if dk % (4 * t) == 0:
-            return t
-    return 0
 
 
 def _chunk_fits(backend: str, dk: int) -> int:
@@ -40,57 +36,6 @@ def _chunk_fits(backend: str, dk: int) -> int:
     return c if dk % 16 == 0 and smem <= limit else 0
 
 
-def reduce_row(var: str) -> str:
-    """Sum `var` over the TPR consecutive lanes that share a state row."""
-    return f"for (int _m = TPR / 2; _m > 0; _m >>= 1) {var} += SIMD_SHUFFLE_XOR({var}, _m);"
-
-
-# Shared by both kernels: thread -> (row r of the block, part p of the row); element e of a thread is
-# column COL(e) = ((e/4)*TPR + p)*4 + e%4, i.e. float4 chunk (e/4)*TPR + p.
-PROLOGUE = """
-constexpr int NE = DK / TPR;
-constexpr int NQ = NE / 4;
-const int tid = TID_X;
-const int r = tid / TPR;
-const int p = tid % TPR;
-const int hv = TGID_Y;
-const int seq = TGID_Z;
-const int hk = hv / (HV / HK);  // value head j reads key head j // r (§2.6)
-const int row = TGID_X * BV + r;
-const bool live = row < DV;
-const int t0 = qsl[seq];
-const int t1 = qsl[seq + 1];
-const float neg_a = -EXP(TO_FLOAT(A_log[hv]));
-const float dtb = TO_FLOAT(dt_bias[hv]);
-const float q_scale = RSQRT((float)DK);
-float s[NE];  // this thread's slice of state row `row`, fp32
-if (live) {
-  CONST_PTR float4* src4 = (CONST_PTR float4*)(state_pool + (((size_t)rows[seq] * HV + hv) * DV + row) * DK);
-  for (int m = 0; m < NQ; ++m) {
-    const float4 x4 = src4[m * TPR + p];
-    s[4 * m] = x4.x; s[4 * m + 1] = x4.y; s[4 * m + 2] = x4.z; s[4 * m + 3] = x4.w;
-  }
-} else {
-  for (int e = 0; e < NE; ++e) s[e] = 0.0f;
-}
-"""
-
-
-def store_state(dst: str, index: str) -> str:
-    """Write this thread's slice of the state row to `dst` at state index `index` ([..., DV, DK])."""
-    return f"""
-if (live) {{
-  DEVICE_PTR float4* dst4 = (DEVICE_PTR float4*)({dst} + (((size_t)({index}) * HV + hv) * DV + row) * DK);
-  for (int m = 0; m < NQ; ++m) dst4[m * TPR + p] = MAKE_FLOAT4(s[4 * m], s[4 * m + 1], s[4 * m + 2], s[4 * m + 3]);
-}}"""
-
-
-# token t's decay and beta (also used by normed.py)
-GATES = """  // gates in fp32 (§2.4): softplus as max(x,0) + log1p(exp(-|x|)), like logaddexp(x, 0)
-  const float xa = TO_FLOAT(a[t * HV + hv]) + dtb;
-  const float decay = EXP(neg_a * (FMAX(xa, 0.0f) + LOG1P(EXP(-FABS(xa)))));
-  const float beta = 1.0f / (1.0f + EXP(-TO_FLOAT(b[t * HV + hv])));
-"""
 _RECURRENT = (
     (PROLOGUE
     + """
@@ -135,20 +80,11 @@ FINAL_STORE
     .replace("RED_PRED", reduce_row("pred"))
     .replace("RED_OUT", reduce_row("out"))
 )
-# In-place variant: the final state goes straight into the pool rows it was read from (each threadgroup
-# owns its rows, read in the prologue, written here), so no scatter has to copy the pool; `done` is the
-# output MLX needs. Only where nothing else reads that pool in the same evaluation (GDNMixer's plain path).
-INPLACE_STORE = store_state("((DEVICE_PTR float*)state_pool)", "rows[seq]") + """
-if (TGID_X == 0 && TGID_Y == 0 && TGID_Z == 0 && TID_X == 0) done[0] = 1;"""
-
-INPUT_NAMES = ["q", "k", "v", "a", "b", "A_log", "dt_bias", "state_pool", "qsl", "rows"]
-
-
 def _examples(cand: bool, chunk: int | None, inplace: bool = False) -> list[KernelExample]:
     """Qwen3.5-9B in bf16, and a small fp32 shape with r = 3, dk != dv, a tiny (constant) gate vector."""
     out = []
     for dt, T, B, Hk, Hv, dk, dv in ((mx.bfloat16, 8, 2, 16, 32, 128, 128), (mx.float32, 7, 2, 2, 6, 32, 48)):
-        tpr = 4 if chunk else _tpr(dk)
+        tpr = 4 if chunk else tpr_for(dk)
         shapes = [(T, Hk, dk), (T, Hk, dk), (T, Hv, dv), (T, Hv), (T, Hv), (Hv,), (Hv,), (3, Hv, dv, dk), (B + 1,), (B,)]
         dts = [dt, dt, dt, dt, dt, mx.float32, dt, mx.float32, mx.int32, mx.int32]
         tmpl = [("InT", dt), ("HK", Hk), ("HV", Hv), ("DK", dk), ("DV", dv), ("TPR", tpr)]
@@ -357,7 +293,7 @@ def run_gdn(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, *, can
     B = layout.num_seqs
     if backend is None or T == 0 or B == 0 or state_pool.dtype != mx.float32 or Hv % Hk:
         return None
-    if v.dtype not in FLOATS or _tpr(dk) == 0:
+    if v.dtype not in FLOATS or tpr_for(dk) == 0:
         return None
     dt = v.dtype
     q, k = (x if x.dtype == dt else x.astype(dt) for x in (q, k))
@@ -367,7 +303,7 @@ def run_gdn(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, *, can
     use_chunk = (longest > SELECT["gdn_chunk_min_t"] if chunk is None else chunk) and C and not candidates
     if (chunk and not use_chunk) or (inplace and candidates):
         return None
-    tpr = tpr or (CHUNK_TPR if use_chunk else _tpr(dk))
+    tpr = tpr or (CHUNK_TPR if use_chunk else tpr_for(dk))
     if dk % (4 * tpr) or tpr > (8 if use_chunk else 32):
         return None
     bv = C if use_chunk else 128 // tpr
@@ -377,6 +313,10 @@ def run_gdn(q, k, v, a, b, A_log, dt_bias, state_pool, layout: SeqLayout, *, can
         kern = CHUNK if use_chunk else (RECURRENT_CAND if candidates else RECURRENT)
     tmpl = [("InT", dt), ("HK", Hk), ("HV", Hv), ("DK", dk), ("DV", dv), ("TPR", tpr), ("BV", bv)] + ([("C", C)] if use_chunk else [])
     tmpl += strides
+    staged = None if use_chunk else staged_kernel(backend, dk, bv, longest, candidates, inplace)
+    if staged is not None:  # the recurrence with a block of tokens read ahead (staged.py)
+        kern = staged[0]
+        tmpl.append(("TB", staged[1]))
     nt = bv * tpr
     nblk = -(-dv // bv)
     shapes = [(T, Hv, dv), (1,) if inplace else (B, Hv, dv, dk)] + ([(T, Hv, dv, dk)] if candidates else [])

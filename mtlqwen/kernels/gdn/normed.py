@@ -39,7 +39,8 @@ from ..norms.kernels import FLOATS, eps_array
 from ..portable import KernelExample, portable_kernel
 from ..selection import SELECT
 from ..seqs import SeqLayout
-from .kernels import GATES, INPLACE_STORE, INPUT_NAMES, PROLOGUE, reduce_row, store_state
+from .pieces import GATES, INPLACE_STORE, INPUT_NAMES, PROLOGUE, reduce_row, store_state
+from .staged import STAGE_EXAMPLE
 
 MAX_THREADS = 512  # threads a threadgroup: 128 registers each on NVIDIA (see the module docstring)
 MAX_NE = 32  # state elements a thread (dk / TPR): TPR = 2 at dk = 128 took 255 registers in gdn_recurrent
@@ -231,7 +232,6 @@ def _staged(kern, name: str, body: str, examples: list[KernelExample]):
     )
 
 
-STAGE_EXAMPLE = 8  # the block the examples compile with
 STAGED = _staged(NORMED, "gdn_recurrent_normed_staged",
                  _STAGED_BODY.replace("CAND_STORE", "").replace("FINAL_STORE", store_state("state_out", "seq")),
                  NORMED.examples)

@@ -1,0 +1,137 @@
+"""The GDN recurrence with a block of tokens staged in threadgroup memory (segments of 2+ tokens).
+
+Why: `gdn_recurrent` (kernels.py) reads each token's k and q pieces, gates and v from device memory inside its
+token loop, so every token waits about one device-read latency whatever its arithmetic: 4,096 tokens at one
+sequence take 2.2 ms a layer, ~0.54 us a token (benchmarks/kernels_gdn.md). Here a threadgroup reads a block of
+TB tokens at once (one latency a block), normalises each token's k and q once (a SIMD group a vector, where every
+row of gdn_recurrent reduced them again), and steps through the block with shared reads and no barrier.
+
+Same geometry and outputs as gdn_recurrent: a threadgroup owns (sequence, value head, BV rows), TPR lanes a row.
+The prediction is S (k / |k|) and the output S (q q_scale / |q|), as the reference; the norms' sums run in
+another order (fp32, last bits). Selection row `gdn_recurrent_stage` (TB; 0 = off).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..portable import KernelExample, portable_kernel
+from ..selection import SELECT
+from .pieces import GATES, INPLACE_STORE, INPUT_NAMES, PROLOGUE, reduce_row, store_state, tpr_for
+
+_BODY = (
+    PROLOGUE
+    + """
+constexpr int NT = BV * TPR;
+constexpr int NSG = NT / 32;
+SHARED float4 kq4[TB * DK / 2];  // the block's k / |k| | q q_scale / |q|, token j's at j * DK / 2 (float4s)
+SHARED float vs[TB * BV];        // the block's v at this threadgroup's rows
+SHARED float gds[TB];            // decays
+SHARED float gbs[TB];            // betas
+TG_PTR float* kqf = (TG_PTR float*)kq4;
+for (int tb = t0; tb < t1; tb += TB) {
+  const int nb = (t1 - tb < TB) ? t1 - tb : TB;
+  for (int c = tid; c < nb * 2 * DK; c += NT) {
+    const int jt = c / (2 * DK);
+    const int cc = c - jt * (2 * DK);
+    const size_t kb = (size_t)(tb + jt) * QS + hk * DK;
+    kqf[c] = TO_FLOAT(cc < DK ? k[kb + KO + cc] : q[kb + cc - DK]);
+  }
+  for (int c = tid; c < nb * BV; c += NT) {
+    const int jt = c / BV;
+    const int rg = TGID_X * BV + (c - jt * BV);
+    vs[c] = rg < DV ? TO_FLOAT(v[(size_t)(tb + jt) * VS + VO + hv * DV + rg]) : 0.0f;
+  }
+  if (tid < nb) {
+    const int t = tb + tid;
+""" + GATES + """    gds[tid] = decay;
+    gbs[tid] = beta;
+  }
+  BARRIER;
+  // L2-normalise (eps on the sum, §2.5) each of the block's 2 nb vectors once: vector u is k (even) or q (odd)
+  for (int u = SIMD_ID; u < 2 * nb; u += NSG) {
+    float ss = 0.0f;
+    for (int c = LANE; c < DK; c += 32) ss += kqf[u * DK + c] * kqf[u * DK + c];
+    ss = SIMD_SUM(ss);
+    const float inv = RSQRT(ss + 1e-6f) * ((u & 1) ? q_scale : 1.0f);
+    for (int c = LANE; c < DK; c += 32) kqf[u * DK + c] *= inv;
+  }
+  BARRIER;
+  for (int jt = 0; jt < nb; ++jt) {
+    const int t = tb + jt;
+    const float decay = gds[jt];
+    float pred = 0.0f;
+    for (int m = 0; m < NQ; ++m) {
+      const float4 k4 = kq4[jt * (DK / 2) + m * TPR + p];
+      s[4 * m] *= decay; s[4 * m + 1] *= decay; s[4 * m + 2] *= decay; s[4 * m + 3] *= decay;
+      pred += s[4 * m] * k4.x + s[4 * m + 1] * k4.y + s[4 * m + 2] * k4.z + s[4 * m + 3] * k4.w;
+    }
+    RED_PRED
+    const float delta = gbs[jt] * ((live ? vs[jt * BV + r] : 0.0f) - pred);
+    float out = 0.0f;
+    for (int m = 0; m < NQ; ++m) {
+      const float4 k4 = kq4[jt * (DK / 2) + m * TPR + p];
+      const float4 q4 = kq4[jt * (DK / 2) + DK / 4 + m * TPR + p];
+      s[4 * m] += delta * k4.x; s[4 * m + 1] += delta * k4.y; s[4 * m + 2] += delta * k4.z; s[4 * m + 3] += delta * k4.w;
+      out += s[4 * m] * q4.x + s[4 * m + 1] * q4.y + s[4 * m + 2] * q4.z + s[4 * m + 3] * q4.w;
+    }
+    RED_OUT
+    if (live && p == 0) o[((size_t)t * HV + hv) * DV + row] = FROM_FLOAT(InT, out);
+    CAND_STORE
+  }
+  BARRIER;  // the next block overwrites the tiles
+}
+FINAL_STORE
+"""
+).replace("RED_PRED", reduce_row("pred")).replace("RED_OUT", reduce_row("out"))
+
+_SHARED_LIMIT = {"cuda": 48 * 1024, "metal": 32 * 1024}  # static threadgroup memory
+STAGE_EXAMPLE = 8  # the block the examples compile with
+
+
+def _examples(outs: list) -> list[KernelExample]:
+    """gdn_recurrent's (kernels.py): Qwen3.5-9B in bf16, and a small fp32 shape with r = 3, dk != dv; q, k, v as
+    three arrays. outs: the output dtypes after o."""
+    out = []
+    for dt, T, B, Hk, Hv, dk, dv in ((mx.bfloat16, 8, 2, 16, 32, 128, 128), (mx.float32, 7, 2, 2, 6, 32, 48)):
+        tpr = tpr_for(dk)
+        shapes = [(T, Hk, dk), (T, Hk, dk), (T, Hv, dv), (T, Hv), (T, Hv), (Hv,), (Hv,), (3, Hv, dv, dk), (B + 1,), (B,)]
+        dts = [dt] * 5 + [mx.float32, dt, mx.float32, mx.int32, mx.int32]
+        tmpl = [("InT", dt), ("HK", Hk), ("HV", Hv), ("DK", dk), ("DV", dv), ("TPR", tpr), ("BV", 128 // tpr),
+                ("QS", Hk * dk), ("KO", 0), ("VS", Hv * dv), ("VO", 0), ("TB", STAGE_EXAMPLE)]
+        out.append(KernelExample(list(zip(dts, shapes)), [dt] + outs, tmpl))
+    return out
+
+
+STAGED = portable_kernel(
+    name="gdn_recurrent_staged",
+    input_names=INPUT_NAMES,
+    output_names=["o", "state_out"],
+    body=_BODY.replace("CAND_STORE", "").replace("FINAL_STORE", store_state("state_out", "seq")),
+    examples=_examples([mx.float32]),
+)
+STAGED_CAND = portable_kernel(
+    name="gdn_recurrent_staged_cand",
+    input_names=INPUT_NAMES,
+    output_names=["o", "state_out", "all_states"],
+    body=_BODY.replace("CAND_STORE", store_state("all_states", "t")).replace("FINAL_STORE",
+                                                                            store_state("state_out", "seq")),
+    examples=_examples([mx.float32, mx.float32]),
+)
+STAGED_INPLACE = portable_kernel(
+    name="gdn_recurrent_staged_inplace",
+    input_names=INPUT_NAMES,
+    output_names=["o", "done"],
+    body=_BODY.replace("CAND_STORE", "").replace("FINAL_STORE", INPLACE_STORE),
+    examples=_examples([mx.int32]),
+)
+
+
+def staged_kernel(backend: str, dk: int, bv: int, longest: int, candidates: bool, inplace: bool):
+    """(the staged twin of the recurrent kernel a call would launch, its TB) where SELECT["gdn_recurrent_stage"]
+    is on, a segment has 2+ tokens (decode keeps gdn_recurrent: nothing to read ahead) and the block fits the
+    back-end's threadgroup memory; else None."""
+    tb = SELECT["gdn_recurrent_stage"]
+    if tb < 1 or longest < 2 or 4 * (tb * (2 * dk + bv + 2)) > _SHARED_LIMIT[backend]:
+        return None
+    return (STAGED_INPLACE if inplace else STAGED_CAND if candidates else STAGED), tb
