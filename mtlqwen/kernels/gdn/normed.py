@@ -39,7 +39,7 @@ from ..norms.kernels import FLOATS, eps_array
 from ..portable import KernelExample, portable_kernel
 from ..selection import SELECT
 from ..seqs import SeqLayout
-from .pieces import GATES, INPLACE_STORE, INPUT_NAMES, PROLOGUE, reduce_row, store_state
+from .pieces import GATES, INPLACE_STORE, INPUT_NAMES, PROLOGUE, reduce_row, stage_block, store_state
 from .staged import STAGE_EXAMPLE
 
 MAX_THREADS = 512  # threads a threadgroup: 128 registers each on NVIDIA (see the module docstring)
@@ -130,15 +130,7 @@ SHARED float gds[TB];          // the block's decays
 SHARED float gbs[TB];          // and betas
 const float eps_v = eps[0];
 const float nw = live ? TO_FLOAT(norm_w[row]) : 0.0f;
-for (int tb = t0; tb < t1; tb += TB) {
-  const int nb = (t1 - tb < TB) ? t1 - tb : TB;
-  for (int c = tid; c < nb * 2 * DK; c += NT) {
-    const int jt = c / (2 * DK);
-    const int cc = c - jt * (2 * DK);
-    const size_t kb = (size_t)(tb + jt) * QS + hk * DK;
-    kqs[jt][cc] = TO_FLOAT(cc < DK ? k[kb + KO + cc] : q[kb + cc - DK]);
-  }
-  for (int c = tid; c < nb * DV; c += NT) {
+""" + stage_block("((TG_PTR float*)kqs)") + """  for (int c = tid; c < nb * DV; c += NT) {
     const int jt = c / DV;
     const int rr = c - jt * DV;
     const size_t tt = (size_t)(tb + jt);

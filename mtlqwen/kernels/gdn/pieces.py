@@ -71,3 +71,21 @@ INPLACE_STORE = store_state("((DEVICE_PTR float*)state_pool)", "rows[seq]") + ""
 if (TGID_X == 0 && TGID_Y == 0 && TGID_Z == 0 && TID_X == 0) done[0] = 1;"""
 
 INPUT_NAMES = ["q", "k", "v", "a", "b", "A_log", "dt_bias", "state_pool", "qsl", "rows"]
+
+
+def stage_block(dst: str) -> str:
+    """The staged bodies' block loop (normed.py, staged.py), opened: blocks of up to TB tokens of the segment
+    [t0, t1), nb of them, and the block's raw k | q of the key head read into threadgroup memory by the NT threads:
+    token jt's at dst[jt * 2 * DK], k then q. The caller reads the rest, closes with a barrier, steps, and closes
+    the loop."""
+    return """
+for (int tb = t0; tb < t1; tb += TB) {
+  const int nb = (t1 - tb < TB) ? t1 - tb : TB;
+  for (int c = tid; c < nb * 2 * DK; c += NT) {
+    const int jt = c / (2 * DK);
+    const int cc = c - jt * (2 * DK);
+    const size_t kb = (size_t)(tb + jt) * QS + hk * DK;
+    DST[c] = TO_FLOAT(cc < DK ? k[kb + KO + cc] : q[kb + cc - DK]);
+  }
+""".replace("DST", dst)
+

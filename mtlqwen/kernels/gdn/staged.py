@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from ..portable import KernelExample, portable_kernel
 from ..selection import SELECT
-from .pieces import GATES, INPLACE_STORE, INPUT_NAMES, PROLOGUE, reduce_row, store_state, tpr_for
+from .pieces import GATES, INPLACE_STORE, INPUT_NAMES, PROLOGUE, reduce_row, stage_block, store_state, tpr_for
 
 _BODY = (
     PROLOGUE
@@ -29,15 +29,7 @@ SHARED float vs[TB * BV];        // the block's v at this threadgroup's rows
 SHARED float gds[TB];            // decays
 SHARED float gbs[TB];            // betas
 TG_PTR float* kqf = (TG_PTR float*)kq4;
-for (int tb = t0; tb < t1; tb += TB) {
-  const int nb = (t1 - tb < TB) ? t1 - tb : TB;
-  for (int c = tid; c < nb * 2 * DK; c += NT) {
-    const int jt = c / (2 * DK);
-    const int cc = c - jt * (2 * DK);
-    const size_t kb = (size_t)(tb + jt) * QS + hk * DK;
-    kqf[c] = TO_FLOAT(cc < DK ? k[kb + KO + cc] : q[kb + cc - DK]);
-  }
-  for (int c = tid; c < nb * BV; c += NT) {
+""" + stage_block("kqf") + """  for (int c = tid; c < nb * BV; c += NT) {
     const int jt = c / BV;
     const int rg = TGID_X * BV + (c - jt * BV);
     vs[c] = rg < DV ? TO_FLOAT(v[(size_t)(tb + jt) * VS + VO + hv * DV + rg]) : 0.0f;
