@@ -122,9 +122,11 @@ def chat(engine: Engine, vocab: int, args, seed: int) -> tuple[dict, list[list[i
 def run_chat(model, args, mode: str, outputs: dict, engine_kw: dict) -> dict:
     chat_len = args.chat_turns * (args.turn_len + args.turn_gen)
     blocks = 3 * BlockPool.blocks_for(chat_len, args.block_tokens)  # the conversation, plus what entries hold
+    kw = dict(engine_kw)
+    in_step = kw.pop("in_step", False)
     engine = Engine(model, slots=1, step_tokens=args.step_tokens, block_tokens=args.block_tokens, num_blocks=blocks,
                     prefix_interval=0 if mode == "chat-off" else args.interval, max_model_len=chat_len + 1,
-                    prefix_in_step=args.in_step and mode != "chat-off", **engine_kw)
+                    prefix_in_step=in_step and mode != "chat-off", **kw)
     warm = tokens(np.random.default_rng(999), min(chat_len, 2 * args.step_tokens), model.config.vocab_size)
     engine.generate([warm], SamplingParams(max_tokens=2, ignore_eos=True))  # compile the kernels
     runs, answers = [], []
@@ -158,9 +160,10 @@ def run_modes(model, args, modes: list[str], system: list[int], blocks: int, eng
             results[mode] = run_chat(model, args, mode, outputs, engine_kw)
             continue
         interval = 0 if mode == "off" else args.interval
+        kw = dict(engine_kw)
+        in_step = kw.pop("in_step", False)
         engine = Engine(model, slots=n, step_tokens=max(args.step_tokens, n), block_tokens=args.block_tokens,
-                        num_blocks=blocks, prefix_interval=interval, prefix_in_step=args.in_step and interval > 0,
-                        **engine_kw)
+                        num_blocks=blocks, prefix_interval=interval, prefix_in_step=in_step and interval > 0, **kw)
         warm = tokens(np.random.default_rng(999), min(prompt_len, 2 * args.step_tokens), vocab)
         engine.generate([warm] * n, SamplingParams(max_tokens=2, ignore_eos=True))  # compile the kernels
         runs, answers = [], []
@@ -233,8 +236,9 @@ def main(argv=None):
     ap.add_argument("--question-len", type=int, default=64)
     ap.add_argument("--gen-len", type=int, default=32)
     ap.add_argument("--interval", type=int, default=512, help="prefix_interval when the cache is on")
-    ap.add_argument("--in-step", action="store_true",
-                    help="Engine(prefix_in_step=True) when the cache is on: prefill chunks cross the boundaries")
+    ap.add_argument("--in-step", nargs="*", choices=["off", "on"], default=None,
+                    help="Engine(prefix_in_step=True) when the cache is on: prefill chunks cross the boundaries (the flag "
+                         "alone: on); 'off on': both in turn, in one process")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--discard", type=int, default=1, metavar="N",
                     help="untimed repeats of each mode's workload before its --repeats (other prompts, the same shapes): "
@@ -288,11 +292,12 @@ def main(argv=None):
     except ValueError as e:
         ap.error(str(e))
     # each setting (dense weights x selection variant) runs every mode; keys tagged when there are several
-    settings = [(f" dense={dense}" * (len(args.dense_weights) > 1) + f" {name}" * (len(variants) > 1),
-                 {"dense_weights": DENSE_WEIGHTS[dense]}, rows)
-                for dense in args.dense_weights for name, rows in variants.items()]
+    in_steps = ["off"] if args.in_step is None else args.in_step or ["on"]
+    settings = [(f" dense={dense}" * (len(args.dense_weights) > 1) + f" in_step={step}" * (len(in_steps) > 1)
+                 + f" {name}" * (len(variants) > 1), {"dense_weights": DENSE_WEIGHTS[dense], "in_step": step == "on"}, rows)
+                for dense in args.dense_weights for step in in_steps for name, rows in variants.items()]
     if args.interleave and len(settings) < 2:
-        ap.error("--interleave alternates several settings: give --dense-weights two or more, or --variants")
+        ap.error("--interleave alternates several settings: give --dense-weights or --in-step two or more, or --variants")
     results = {}
     if args.interleave:
         rounds: dict[str, list[dict]] = {}
@@ -310,11 +315,12 @@ def main(argv=None):
             if "ttft_mean_ms" in res:
                 print(f"  {key:>28}: TTFT mean {res['ttft_mean_ms']:.1f} ms (rounds: {res['ttft_mean_ms_runs']})")
         for tag, _, _ in settings:
-            off, warm = results.get(f"off{tag}"), results.get(f"warm{tag}")
-            if off and warm:
-                ratios = [w / o for w, o in zip(warm["ttft_mean_ms_runs"], off["ttft_mean_ms_runs"])]
-                print(f"  warm / off{tag}: {warm['ttft_mean_ms'] / off['ttft_mean_ms']:.2%} "
-                      f"(each round: {', '.join(f'{x:.2%}' for x in ratios)})")
+            for mode in ("warm", "cold"):
+                off, on = results.get(f"off{tag}"), results.get(f"{mode}{tag}")
+                if off and on:
+                    ratios = [w / o for w, o in zip(on["ttft_mean_ms_runs"], off["ttft_mean_ms_runs"])]
+                    print(f"  {mode} / off{tag}: {on['ttft_mean_ms'] / off['ttft_mean_ms']:.2%} "
+                          f"(each round: {', '.join(f'{x:.2%}' for x in ratios)})")
     else:
         for tag, kw, rows in settings:
             if tag:
