@@ -1,5 +1,6 @@
 """Gated DeltaNet: references (reference.py), the recurrent and chunk kernels (kernels.py), the recurrence
-with its gated RMSNorm fused (normed.py), dispatchers (ops.py)."""
+with its gated RMSNorm fused (normed.py), the recurrence with a block of tokens read ahead (staged.py), the
+kernels' shared text (pieces.py), dispatchers (ops.py)."""
 
 from .ops import (
     gated_delta,
