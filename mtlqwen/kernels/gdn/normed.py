@@ -39,7 +39,7 @@ from ..norms.kernels import FLOATS, eps_array
 from ..portable import KernelExample, portable_kernel
 from ..selection import SELECT
 from ..seqs import SeqLayout
-from .pieces import GATES, INPLACE_STORE, INPUT_NAMES, PROLOGUE, reduce_row, stage_block, store_state
+from .pieces import GATES, INPLACE_STORE, INPUT_NAMES, PROLOGUE, SHARED_LIMIT, reduce_row, stage_block, store_state
 from .staged import STAGE_EXAMPLE
 
 MAX_THREADS = 512  # threads a threadgroup: 128 registers each on NVIDIA (see the module docstring)
@@ -216,24 +216,21 @@ NORMED_CAND = portable_kernel(
 )
 
 
-def _staged(kern, name: str, body: str, examples: list[KernelExample]):
-    """kern's staged twin: the same inputs and outputs, _STAGED_BODY's steps, template TB after kern's."""
+def _staged(kern, name: str, body: str):
+    """kern's staged twin: the same inputs, outputs and examples (with TB), _STAGED_BODY's steps."""
     return portable_kernel(
         name=name, input_names=kern.input_names, output_names=kern.output_names, body=body,
-        examples=[KernelExample(e.inputs, e.outputs, e.template + [("TB", STAGE_EXAMPLE)]) for e in examples],
+        examples=[KernelExample(e.inputs, e.outputs, e.template + [("TB", STAGE_EXAMPLE)]) for e in kern.examples],
     )
 
 
-STAGED = _staged(NORMED, "gdn_recurrent_normed_staged",
-                 _STAGED_BODY.replace("CAND_STORE", "").replace("FINAL_STORE", store_state("state_out", "seq")),
-                 NORMED.examples)
-STAGED_INPLACE = _staged(NORMED_INPLACE, "gdn_recurrent_normed_staged_inplace",
-                         _STAGED_BODY.replace("CAND_STORE", "").replace("FINAL_STORE", INPLACE_STORE),
-                         NORMED_INPLACE.examples)
-STAGED_CAND = _staged(NORMED_CAND, "gdn_recurrent_normed_staged_cand",
-                      _STAGED_BODY.replace("CAND_STORE", store_state("all_states", "t"))
-                      .replace("FINAL_STORE", store_state("state_out", "seq")), NORMED_CAND.examples)
-_SHARED_LIMIT = {"cuda": 48 * 1024, "metal": 32 * 1024}  # static threadgroup memory
+NORMED_STAGED = _staged(NORMED, "gdn_recurrent_normed_staged",
+                        _STAGED_BODY.replace("CAND_STORE", "").replace("FINAL_STORE", store_state("state_out", "seq")))
+NORMED_STAGED_INPLACE = _staged(NORMED_INPLACE, "gdn_recurrent_normed_staged_inplace",
+                                _STAGED_BODY.replace("CAND_STORE", "").replace("FINAL_STORE", INPLACE_STORE))
+NORMED_STAGED_CAND = _staged(NORMED_CAND, "gdn_recurrent_normed_staged_cand",
+                             _STAGED_BODY.replace("CAND_STORE", store_state("all_states", "t"))
+                             .replace("FINAL_STORE", store_state("state_out", "seq")))
 
 
 def stage_tokens(backend: str, dk: int, bv: int, longest: int) -> int:
@@ -243,7 +240,7 @@ def stage_tokens(backend: str, dk: int, bv: int, longest: int) -> int:
     tb = SELECT["gdn_normed_stage"]
     if tb < 1 or longest < 2:
         return 0
-    return tb if 4 * (tb * (2 * dk + 2 * bv + 2) + 64) <= _SHARED_LIMIT[backend] else 0
+    return tb if 4 * (tb * (2 * dk + 2 * bv + 2) + 64) <= SHARED_LIMIT[backend] else 0
 
 
 def run_gdn_normed(y, z, norm_w, eps: float, a, b, A_log, dt_bias, state_pool, layout: SeqLayout,
@@ -272,7 +269,7 @@ def run_gdn_normed(y, z, norm_w, eps: float, a, b, A_log, dt_bias, state_pool, l
     tb = stage_tokens(backend, dk, bv, longest)
     if tb:
         tmpl.append(("TB", tb))
-        kern = STAGED_INPLACE if inplace else STAGED_CAND if candidates else STAGED
+        kern = NORMED_STAGED_INPLACE if inplace else NORMED_STAGED_CAND if candidates else NORMED_STAGED
     else:
         kern = NORMED_INPLACE if inplace else NORMED_CAND if candidates else NORMED
     return kern(

@@ -3,6 +3,8 @@ load, the gates, the stores of a thread's state slice, the inputs every variant 
 
 from __future__ import annotations
 
+SHARED_LIMIT = {"cuda": 48 * 1024, "metal": 32 * 1024}  # static threadgroup memory a kernel may declare
+
 
 def tpr_for(dk: int) -> int:
     """Lanes per state row in the recurrent kernels: the most that keeps whole float4 chunks per lane."""

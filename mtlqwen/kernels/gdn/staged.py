@@ -17,7 +17,8 @@ import mlx.core as mx
 
 from ..portable import KernelExample, portable_kernel
 from ..selection import SELECT
-from .pieces import GATES, INPLACE_STORE, INPUT_NAMES, PROLOGUE, reduce_row, stage_block, store_state, tpr_for
+from .pieces import (GATES, INPLACE_STORE, INPUT_NAMES, PROLOGUE, SHARED_LIMIT, reduce_row, stage_block, store_state,
+                     tpr_for)
 
 _BODY = (
     PROLOGUE
@@ -77,7 +78,6 @@ FINAL_STORE
 """
 ).replace("RED_PRED", reduce_row("pred")).replace("RED_OUT", reduce_row("out"))
 
-_SHARED_LIMIT = {"cuda": 48 * 1024, "metal": 32 * 1024}  # static threadgroup memory
 STAGE_EXAMPLE = 8  # the block the examples compile with
 
 
@@ -124,6 +124,6 @@ def staged_kernel(backend: str, dk: int, bv: int, longest: int, candidates: bool
     is on, a segment has 2+ tokens (decode keeps gdn_recurrent: nothing to read ahead) and the block fits the
     back-end's threadgroup memory; else None."""
     tb = SELECT["gdn_recurrent_stage"]
-    if tb < 1 or longest < 2 or 4 * (tb * (2 * dk + bv + 2)) > _SHARED_LIMIT[backend]:
+    if tb < 1 or longest < 2 or 4 * (tb * (2 * dk + bv + 2)) > SHARED_LIMIT[backend]:
         return None
     return (STAGED_INPLACE if inplace else STAGED_CAND if candidates else STAGED), tb
