@@ -22,16 +22,16 @@ from ..norms.kernels import FLOATS
 from ..portable import KernelExample, portable_kernel
 from ..selection import SELECT
 from ..seqs import SeqLayout
-from .pieces import GATES, INPLACE_STORE, INPUT_NAMES, PROLOGUE, reduce_row, store_state, tpr_for
+from .pieces import GATES, INPLACE_STORE, INPUT_NAMES, PROLOGUE, SHARED_LIMIT, reduce_row, store_state, tpr_for
 from .staged import staged_kernel
 
 CHUNK_TPR = 4  # lanes per state row in the chunk kernel (threadgroup = C * CHUNK_TPR)
-_LIMITS = {"cuda": (32, 48 * 1024), "metal": (16, 32 * 1024)}  # (chunk, static shared bytes)
+_CHUNK_TOKENS = {"cuda": 32, "metal": 16}  # tokens a chunk: two C x dk fp32 tiles in the back-end's threadgroup memory
 
 
 def _chunk_fits(backend: str, dk: int) -> int:
     """The chunk size the chunk kernel runs with for this dk on this back-end, or 0 if it cannot."""
-    c, limit = _LIMITS[backend]
+    c, limit = _CHUNK_TOKENS[backend], SHARED_LIMIT[backend]
     smem = 4 * (2 * c * dk + 3 * c * (c + 1) + 3 * c)
     return c if dk % 16 == 0 and smem <= limit else 0
 
