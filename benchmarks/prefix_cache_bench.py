@@ -179,7 +179,7 @@ def run_modes(model, args, modes: list[str], system: list[int], blocks: int, eng
                 answers.append(toks)
         med = {k: statistics.median(x[k] for x in runs) for k in runs[0]}
         med["ttft_mean_ms_runs"] = [round(x["ttft_mean_ms"], 2) for x in runs]
-        def once_more():  # the mode's starting point again, for one more run of the same prompts
+        def once_more(engine=engine):  # the mode's starting point again, for one more run of the same prompts
             engine.clear_prefix_cache()
             if mode == "warm":
                 earlier_request(engine, system, args.question_len, vocab, 999)
@@ -195,7 +195,7 @@ def run_modes(model, args, modes: list[str], system: list[int], blocks: int, eng
         if args.profile:  # the same once more under cProfile: the host's Python by function
             once_more()
             med["host_profile"] = host_profile(
-                lambda: engine.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True)), args.profile)
+                lambda engine=engine: engine.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True)), args.profile)
             for p in med["host_profile"][:15]:
                 print(f"{mode} host {p['self_ms']:8.3f} ms self {p['cum_ms']:8.3f} cum {p['calls']:6d} calls  {p['fn']}",
                       flush=True)

@@ -19,10 +19,11 @@ import mlx.core as mx
 
 from ..backend import gpu_backend
 from ..norms.kernels import FLOATS
-from ..portable import KernelExample, portable_kernel
+from ..portable import portable_kernel
 from ..selection import SELECT
 from ..seqs import SeqLayout
-from .pieces import GATES, INPLACE_STORE, INPUT_NAMES, PROLOGUE, SHARED_LIMIT, reduce_row, store_state, tpr_for
+from .pieces import (GATES, INPLACE_STORE, INPUT_NAMES, PROLOGUE, SHARED_LIMIT, declare_variants, recurrent_examples,
+                     reduce_row, store_state, tpr_for)
 from .staged import staged_kernel
 
 CHUNK_TPR = 4  # lanes per state row in the chunk kernel (threadgroup = C * CHUNK_TPR)
@@ -80,43 +81,8 @@ FINAL_STORE
     .replace("RED_PRED", reduce_row("pred"))
     .replace("RED_OUT", reduce_row("out"))
 )
-def _examples(cand: bool, chunk: int | None, inplace: bool = False) -> list[KernelExample]:
-    """Qwen3.5-9B in bf16, and a small fp32 shape with r = 3, dk != dv, a tiny (constant) gate vector."""
-    out = []
-    for dt, T, B, Hk, Hv, dk, dv in ((mx.bfloat16, 8, 2, 16, 32, 128, 128), (mx.float32, 7, 2, 2, 6, 32, 48)):
-        tpr = 4 if chunk else tpr_for(dk)
-        shapes = [(T, Hk, dk), (T, Hk, dk), (T, Hv, dv), (T, Hv), (T, Hv), (Hv,), (Hv,), (3, Hv, dv, dk), (B + 1,), (B,)]
-        dts = [dt, dt, dt, dt, dt, mx.float32, dt, mx.float32, mx.int32, mx.int32]
-        tmpl = [("InT", dt), ("HK", Hk), ("HV", Hv), ("DK", dk), ("DV", dv), ("TPR", tpr)]
-        tmpl += [("BV", chunk or 128 // tpr)] + ([("C", chunk)] if chunk else [])
-        tmpl += [("QS", Hk * dk), ("KO", 0), ("VS", Hv * dv), ("VO", 0)]
-        outs = [dt, mx.int32 if inplace else mx.float32] + ([mx.float32] if cand else [])
-        out.append(KernelExample(list(zip(dts, shapes)), outs, tmpl))
-    return out
-
-
-RECURRENT = portable_kernel(
-    name="gdn_recurrent",
-    input_names=INPUT_NAMES,
-    output_names=["o", "state_out"],
-    body=_RECURRENT.replace("CAND_STORE", "").replace("FINAL_STORE", store_state("state_out", "seq")),
-    examples=_examples(False, None),
-)
-RECURRENT_CAND = portable_kernel(
-    name="gdn_recurrent_cand",
-    input_names=INPUT_NAMES,
-    output_names=["o", "state_out", "all_states"],
-    body=_RECURRENT.replace("CAND_STORE", store_state("all_states", "t")).replace(
-        "FINAL_STORE", store_state("state_out", "seq")),
-    examples=_examples(True, None),
-)
-RECURRENT_INPLACE = portable_kernel(
-    name="gdn_recurrent_inplace",
-    input_names=INPUT_NAMES,
-    output_names=["o", "done"],
-    body=_RECURRENT.replace("CAND_STORE", "").replace("FINAL_STORE", INPLACE_STORE),
-    examples=_examples(False, None, inplace=True),
-)
+RECURRENT, RECURRENT_INPLACE, RECURRENT_CAND = declare_variants(
+    "gdn_recurrent", INPUT_NAMES, _RECURRENT, lambda cand, inplace: recurrent_examples(cand, None, inplace))
 
 # Chunked scan (§2.8) in this layout (S rows r, columns c over dk), for a chunk of C tokens i, j:
 #   A[i,j] = b_i e^{g_i-g_j} k_i.k_j (j<i),  X_i = b_i (v_i - e^{g_i} S k_i),  (I + A) V' = X
@@ -260,14 +226,14 @@ CHUNK = portable_kernel(
     input_names=INPUT_NAMES,
     output_names=["o", "state_out"],
     body=_CHUNK.replace("FINAL_STORE", store_state("state_out", "seq")),
-    examples=_examples(False, 16),
+    examples=recurrent_examples(False, 16),
 )
 CHUNK_INPLACE = portable_kernel(
     name="gdn_chunk_inplace",
     input_names=INPUT_NAMES,
     output_names=["o", "done"],
     body=_CHUNK.replace("FINAL_STORE", INPLACE_STORE),
-    examples=_examples(False, 16, inplace=True),
+    examples=recurrent_examples(False, 16, inplace=True),
 )
 
 

@@ -36,10 +36,11 @@ import mlx.core as mx
 
 from ..backend import gpu_backend
 from ..norms.kernels import FLOATS, eps_array
-from ..portable import KernelExample, portable_kernel
+from ..portable import KernelExample
 from ..selection import SELECT
 from ..seqs import SeqLayout
-from .pieces import GATES, INPLACE_STORE, INPUT_NAMES, PROLOGUE, SHARED_LIMIT, reduce_row, stage_block, store_state
+from .pieces import (GATES, INPUT_NAMES, PROLOGUE, SHARED_LIMIT, declare_variants, reduce_row, stage_block,
+                     with_block)
 from .staged import STAGE_EXAMPLE
 
 MAX_THREADS = 512  # threads a threadgroup: 128 registers each on NVIDIA (see the module docstring)
@@ -190,47 +191,18 @@ def _examples(inplace: bool) -> list[KernelExample]:
     return out
 
 
-NORMED = portable_kernel(
-    name="gdn_recurrent_normed",
-    input_names=_IN_NORMED,
-    output_names=["o", "state_out"],
-    body=_BODY.replace("CAND_STORE", "").replace("FINAL_STORE", store_state("state_out", "seq")),
-    examples=_examples(False),
-)
-NORMED_INPLACE = portable_kernel(
-    name="gdn_recurrent_normed_inplace",
-    input_names=_IN_NORMED,
-    output_names=["o", "done"],
-    body=_BODY.replace("CAND_STORE", "").replace("FINAL_STORE", INPLACE_STORE),
-    examples=_examples(True),
-)
-# A verification's GDN layer: the normed output and the state after every token (the candidates commit reads
-# them), as `gdn_recurrent_cand` then `gated_rms_norm` return them; the pool is only read.
-NORMED_CAND = portable_kernel(
-    name="gdn_recurrent_normed_cand",
-    input_names=_IN_NORMED,
-    output_names=["o", "state_out", "all_states"],
-    body=_BODY.replace("CAND_STORE", store_state("all_states", "t")).replace("FINAL_STORE",
-                                                                            store_state("state_out", "seq")),
-    examples=[KernelExample(e.inputs, e.outputs + [mx.float32], e.template) for e in _examples(False)],
-)
+def _variant_examples(cand: bool, inplace: bool) -> list[KernelExample]:
+    if cand:  # one more output: every token's state
+        return [KernelExample(e.inputs, e.outputs + [mx.float32], e.template) for e in _examples(False)]
+    return _examples(inplace)
 
 
-def _staged(kern, name: str, body: str):
-    """kern's staged twin: the same inputs, outputs and examples (with TB), _STAGED_BODY's steps."""
-    return portable_kernel(
-        name=name, input_names=kern.input_names, output_names=kern.output_names, body=body,
-        examples=[KernelExample(e.inputs, e.outputs, e.template + [("TB", STAGE_EXAMPLE)]) for e in kern.examples],
-    )
-
-
-NORMED_STAGED = _staged(NORMED, "gdn_recurrent_normed_staged",
-                        _STAGED_BODY.replace("CAND_STORE", "").replace("FINAL_STORE", store_state("state_out", "seq")))
-NORMED_STAGED_INPLACE = _staged(NORMED_INPLACE, "gdn_recurrent_normed_staged_inplace",
-                                _STAGED_BODY.replace("CAND_STORE", "").replace("FINAL_STORE", INPLACE_STORE))
-NORMED_STAGED_CAND = _staged(NORMED_CAND, "gdn_recurrent_normed_staged_cand",
-                             _STAGED_BODY.replace("CAND_STORE", store_state("all_states", "t"))
-                             .replace("FINAL_STORE", store_state("state_out", "seq")))
+# The candidates kernel is a verification's GDN layer: the normed output and the state after every token (the
+# candidates commit reads them), as `gdn_recurrent_cand` then `gated_rms_norm` return them; the pool is only read.
+NORMED, NORMED_INPLACE, NORMED_CAND = declare_variants("gdn_recurrent_normed", _IN_NORMED, _BODY, _variant_examples)
+NORMED_STAGED, NORMED_STAGED_INPLACE, NORMED_STAGED_CAND = declare_variants(
+    "gdn_recurrent_normed_staged", _IN_NORMED, _STAGED_BODY,
+    lambda cand, inplace: with_block(_variant_examples(cand, inplace), STAGE_EXAMPLE))
 
 
 def stage_tokens(backend: str, dk: int, bv: int, longest: int) -> int:

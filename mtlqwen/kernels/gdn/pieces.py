@@ -1,7 +1,12 @@
 """Text the GDN kernels share (kernels.py, normed.py, staged.py): the thread -> state-row mapping and the state
-load, the gates, the stores of a thread's state slice, the inputs every variant takes."""
+load, the gates, the stores of a thread's state slice, the inputs every variant takes, the recurrent and chunk
+kernels' example instantiations."""
 
 from __future__ import annotations
+
+import mlx.core as mx
+
+from ..portable import KernelExample, portable_kernel
 
 SHARED_LIMIT = {"cuda": 48 * 1024, "metal": 32 * 1024}  # static threadgroup memory a kernel may declare
 
@@ -90,4 +95,41 @@ for (int tb = t0; tb < t1; tb += TB) {
     DST[c] = TO_FLOAT(cc < DK ? k[kb + KO + cc] : q[kb + cc - DK]);
   }
 """.replace("DST", dst)
+
+
+def recurrent_examples(cand: bool, chunk: int | None, inplace: bool = False) -> list[KernelExample]:
+    """Qwen3.5-9B in bf16, and a small fp32 shape with r = 3, dk != dv, a tiny (constant) gate vector."""
+    out = []
+    for dt, T, B, Hk, Hv, dk, dv in ((mx.bfloat16, 8, 2, 16, 32, 128, 128), (mx.float32, 7, 2, 2, 6, 32, 48)):
+        tpr = 4 if chunk else tpr_for(dk)
+        shapes = [(T, Hk, dk), (T, Hk, dk), (T, Hv, dv), (T, Hv), (T, Hv), (Hv,), (Hv,), (3, Hv, dv, dk), (B + 1,), (B,)]
+        dts = [dt, dt, dt, dt, dt, mx.float32, dt, mx.float32, mx.int32, mx.int32]
+        tmpl = [("InT", dt), ("HK", Hk), ("HV", Hv), ("DK", dk), ("DV", dv), ("TPR", tpr)]
+        tmpl += [("BV", chunk or 128 // tpr)] + ([("C", chunk)] if chunk else [])
+        tmpl += [("QS", Hk * dk), ("KO", 0), ("VS", Hv * dv), ("VO", 0)]
+        outs = [dt, mx.int32 if inplace else mx.float32] + ([mx.float32] if cand else [])
+        out.append(KernelExample(list(zip(dts, shapes)), outs, tmpl))
+    return out
+
+
+def declare_variants(name: str, input_names: list[str], body: str, examples) -> tuple:
+    """The three kernels of a body with CAND_STORE / FINAL_STORE in it: `name` returns the final states,
+    `name`_inplace writes them into the pool rows it read (and `done`), `name`_cand returns every token's state
+    too. examples(cand, inplace) -> that kernel's KernelExamples. Returns (states, in place, candidates)."""
+    final = store_state("state_out", "seq")
+    states = portable_kernel(name=name, input_names=input_names, output_names=["o", "state_out"],
+                             body=body.replace("CAND_STORE", "").replace("FINAL_STORE", final),
+                             examples=examples(False, False))
+    inplace = portable_kernel(name=f"{name}_inplace", input_names=input_names, output_names=["o", "done"],
+                              body=body.replace("CAND_STORE", "").replace("FINAL_STORE", INPLACE_STORE),
+                              examples=examples(False, True))
+    cand = portable_kernel(name=f"{name}_cand", input_names=input_names, output_names=["o", "state_out", "all_states"],
+                           body=body.replace("CAND_STORE", store_state("all_states", "t")).replace("FINAL_STORE", final),
+                           examples=examples(True, False))
+    return states, inplace, cand
+
+
+def with_block(examples: list[KernelExample], tb: int) -> list[KernelExample]:
+    """A staged kernel's examples: its unstaged twin's with the block TB."""
+    return [KernelExample(e.inputs, e.outputs, e.template + [("TB", tb)]) for e in examples]
 

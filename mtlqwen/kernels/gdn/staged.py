@@ -13,12 +13,9 @@ another order (fp32, last bits). Selection row `gdn_recurrent_stage` (TB; 0 = of
 
 from __future__ import annotations
 
-import mlx.core as mx
-
-from ..portable import KernelExample, portable_kernel
 from ..selection import SELECT
-from .pieces import (GATES, INPLACE_STORE, INPUT_NAMES, PROLOGUE, SHARED_LIMIT, reduce_row, stage_block, store_state,
-                     tpr_for)
+from .pieces import (GATES, INPUT_NAMES, PROLOGUE, SHARED_LIMIT, declare_variants, recurrent_examples, reduce_row,
+                     stage_block, with_block)
 
 _BODY = (
     PROLOGUE
@@ -78,45 +75,12 @@ FINAL_STORE
 """
 ).replace("RED_PRED", reduce_row("pred")).replace("RED_OUT", reduce_row("out"))
 
+
+
 STAGE_EXAMPLE = 8  # the block the examples compile with
-
-
-def _examples(outs: list) -> list[KernelExample]:
-    """gdn_recurrent's (kernels.py): Qwen3.5-9B in bf16, and a small fp32 shape with r = 3, dk != dv; q, k, v as
-    three arrays. outs: the output dtypes after o."""
-    out = []
-    for dt, T, B, Hk, Hv, dk, dv in ((mx.bfloat16, 8, 2, 16, 32, 128, 128), (mx.float32, 7, 2, 2, 6, 32, 48)):
-        tpr = tpr_for(dk)
-        shapes = [(T, Hk, dk), (T, Hk, dk), (T, Hv, dv), (T, Hv), (T, Hv), (Hv,), (Hv,), (3, Hv, dv, dk), (B + 1,), (B,)]
-        dts = [dt] * 5 + [mx.float32, dt, mx.float32, mx.int32, mx.int32]
-        tmpl = [("InT", dt), ("HK", Hk), ("HV", Hv), ("DK", dk), ("DV", dv), ("TPR", tpr), ("BV", 128 // tpr),
-                ("QS", Hk * dk), ("KO", 0), ("VS", Hv * dv), ("VO", 0), ("TB", STAGE_EXAMPLE)]
-        out.append(KernelExample(list(zip(dts, shapes)), [dt] + outs, tmpl))
-    return out
-
-
-STAGED = portable_kernel(
-    name="gdn_recurrent_staged",
-    input_names=INPUT_NAMES,
-    output_names=["o", "state_out"],
-    body=_BODY.replace("CAND_STORE", "").replace("FINAL_STORE", store_state("state_out", "seq")),
-    examples=_examples([mx.float32]),
-)
-STAGED_CAND = portable_kernel(
-    name="gdn_recurrent_staged_cand",
-    input_names=INPUT_NAMES,
-    output_names=["o", "state_out", "all_states"],
-    body=_BODY.replace("CAND_STORE", store_state("all_states", "t")).replace("FINAL_STORE",
-                                                                            store_state("state_out", "seq")),
-    examples=_examples([mx.float32, mx.float32]),
-)
-STAGED_INPLACE = portable_kernel(
-    name="gdn_recurrent_staged_inplace",
-    input_names=INPUT_NAMES,
-    output_names=["o", "done"],
-    body=_BODY.replace("CAND_STORE", "").replace("FINAL_STORE", INPLACE_STORE),
-    examples=_examples([mx.int32]),
-)
+STAGED, STAGED_INPLACE, STAGED_CAND = declare_variants(
+    "gdn_recurrent_staged", INPUT_NAMES, _BODY,
+    lambda cand, inplace: with_block(recurrent_examples(cand, None, inplace), STAGE_EXAMPLE))
 
 
 def staged_kernel(backend: str, dk: int, bv: int, longest: int, candidates: bool, inplace: bool):
