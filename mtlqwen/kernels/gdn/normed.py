@@ -138,11 +138,6 @@ const float nw = live ? TO_FLOAT(norm_w[row]) : 0.0f;
     vzs[jt][rr] = TO_FLOAT(v[tt * VS + VO + hv * DV + rr]);
     vzs[jt][BV + rr] = TO_FLOAT(z[(tt * HV + hv) * DV + rr]);
   }
-  if (tid < nb) {
-    const int t = tb + tid;
-""" + GATES + """    gds[tid] = decay;
-    gbs[tid] = beta;
-  }
   // every thread is past the previous block's shared reads: its last token read them before its barrier
   BARRIER;
   for (int jt = 0; jt < nb; ++jt) {

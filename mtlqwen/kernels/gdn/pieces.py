@@ -82,10 +82,10 @@ INPUT_NAMES = ["q", "k", "v", "a", "b", "A_log", "dt_bias", "state_pool", "qsl",
 
 def stage_block(dst: str) -> str:
     """The staged bodies' block loop (normed.py, staged.py), opened: blocks of up to TB tokens of the segment
-    [t0, t1), nb of them, and the block's raw k | q of the key head read into threadgroup memory by the NT threads:
-    token jt's at dst[jt * 2 * DK], k then q. The caller reads the rest, closes with a barrier, steps, and closes
-    the loop."""
-    return """
+    [t0, t1), nb of them; the NT threads read the block's raw k | q of the key head into threadgroup memory
+    (token jt's at dst[jt * 2 * DK], k then q) and its decays and betas into the caller's gds[TB], gbs[TB]. The
+    caller reads the rest, closes with a barrier, steps, and closes the loop."""
+    return ("""
 for (int tb = t0; tb < t1; tb += TB) {
   const int nb = (t1 - tb < TB) ? t1 - tb : TB;
   for (int c = tid; c < nb * 2 * DK; c += NT) {
@@ -94,7 +94,12 @@ for (int tb = t0; tb < t1; tb += TB) {
     const size_t kb = (size_t)(tb + jt) * QS + hk * DK;
     DST[c] = TO_FLOAT(cc < DK ? k[kb + KO + cc] : q[kb + cc - DK]);
   }
-""".replace("DST", dst)
+  for (int jg = tid; jg < nb; jg += NT) {
+    const int t = tb + jg;
+""" + GATES + """    gds[jg] = decay;
+    gbs[jg] = beta;
+  }
+""").replace("DST", dst)
 
 
 def recurrent_examples(cand: bool, chunk: int | None, inplace: bool = False) -> list[KernelExample]:

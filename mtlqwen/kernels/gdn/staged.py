@@ -14,7 +14,7 @@ another order (fp32, last bits). Selection row `gdn_recurrent_stage` (TB; 0 = of
 from __future__ import annotations
 
 from ..selection import SELECT
-from .pieces import (GATES, INPUT_NAMES, PROLOGUE, SHARED_LIMIT, declare_variants, recurrent_examples, reduce_row,
+from .pieces import (INPUT_NAMES, PROLOGUE, SHARED_LIMIT, declare_variants, recurrent_examples, reduce_row,
                      stage_block, with_block)
 
 _BODY = (
@@ -31,11 +31,6 @@ TG_PTR float* kqf = (TG_PTR float*)kq4;
     const int jt = c / BV;
     const int rg = TGID_X * BV + (c - jt * BV);
     vs[c] = rg < DV ? TO_FLOAT(v[(size_t)(tb + jt) * VS + VO + hv * DV + rg]) : 0.0f;
-  }
-  if (tid < nb) {
-    const int t = tb + tid;
-""" + GATES + """    gds[tid] = decay;
-    gbs[tid] = beta;
   }
   BARRIER;
   // L2-normalise (eps on the sum, §2.5) each of the block's 2 nb vectors once: vector u is k (even) or q (odd)
