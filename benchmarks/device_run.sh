@@ -9,7 +9,7 @@
 #
 # Parts (default limit in seconds):
 #   tests-kernels (200)  GPU property tests of the kernels: $KERNEL_TESTS (pytest files or node ids),
-#                        default the four kernel test files
+#                        default the five kernel test files
 #   tests-model   (260)  tests/test_gpu_model.py: the whole model on the kernels against fp32
 #   tests-engine  (280)  tests/test_engine.py -k gpu_kernels: the engine against the one-shot forward
 #   qmv-sweep     (120)  kernels_qmatmul_attn.py --only sweep, then qmv_pick.py's verdict on the prefetch
@@ -23,6 +23,8 @@
 #   drafter       (170)  drafter_kernels.py $DRAFTER_ARGS (default: 1 and 8 sequences): each drafter call's kernels
 #   spec-trace    (200)  spec_trace.py $SPEC_TRACE_ARGS (default: 1 sequence, 0 and 7 drafts): a speculative
 #                        step's host phases, device time, kernels and graph nodes
+#   gdn-staged    (150)  kernels_gdn.py --only staged: the GDN recurrences with a block read ahead, staged or not,
+#                        against the chunk scan
 #   spec-e2e      (240)  spec_e2e_bench.py $SPEC_E2E_ARGS (default: 1 and 8 requests, tau 6, 256 tokens)
 #   wait                 wait for the background parts
 # DRY=1 prints each part's command instead of running it. MTLQWEN_SELECT passes through to every part.
@@ -37,7 +39,7 @@ OUT=${OUT:?set OUT to the folder for logs and JSON}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 PYTEST="python -m pytest -v -p no:cacheprovider -rfEs -m gpu --durations=6"
-KERNEL_TESTS=${KERNEL_TESTS:-"tests/test_kernels_small.py tests/test_kernels_gdn.py tests/test_kernels_attention.py tests/test_kernels_qmatmul.py"}
+KERNEL_TESTS=${KERNEL_TESTS:-"tests/test_kernels_small.py tests/test_kernels_gdn.py tests/test_kernels_gdn_staged.py tests/test_kernels_attention.py tests/test_kernels_qmatmul.py"}
 
 command_for() {  # part name [spec] -> the command line of that part
   case "$1" in
@@ -51,6 +53,7 @@ command_for() {  # part name [spec] -> the command line of that part
     demo) echo "python benchmarks/demo_pair_bench.py ${DEMO_ARGS:-} --json $OUT/demo-pair.json" ;;
     drafter) echo "python benchmarks/drafter_kernels.py ${DRAFTER_ARGS:---seqs 1 8 --steps 4 --warmup 1 --calls 5} --json $OUT/drafter-kernels.json" ;;
     spec-trace) echo "python benchmarks/spec_trace.py ${SPEC_TRACE_ARGS:---seqs 1 --n-draft 0 7 --accept 6 --steps 6 --warmup 2} --json $OUT/spec-trace.json" ;;
+    gdn-staged) echo "python benchmarks/kernels_gdn.py --only staged --out $OUT/gdn-staged.json" ;;
     spec-e2e) echo "python benchmarks/spec_e2e_bench.py ${SPEC_E2E_ARGS:---seqs 1 8 --accept 5 --gen 256} --json $OUT/spec-e2e.json" ;;
     suite) local a extra=""; IFS=';' read -ra a <<< "${SUITE_ARGS:-}"
            [ ${#a[@]} -gt 0 ] && extra=" --args$(printf " '%s'" "${a[@]}")"
@@ -63,7 +66,7 @@ default_limit() {  # part name [spec]
   case "$1" in
     tests-kernels) echo 200 ;; tests-model) echo 260 ;; tests-engine) echo 280 ;; qmv-sweep) echo 120 ;;
     profile) echo 110 ;; trace) echo 150 ;; ncu) echo 240 ;; demo) echo 120 ;;
-    drafter) echo 170 ;; spec-trace) echo 200 ;; spec-e2e) echo 240 ;;
+    drafter) echo 170 ;; spec-trace) echo 200 ;; spec-e2e) echo 240 ;; gdn-staged) echo 150 ;;
     suite) local s=60 p; for p in ${2//,/ }; do s=$(( s + ${p#*:} )); done; echo $s ;;
   esac
 }

@@ -15,6 +15,7 @@ from mtlqwen.kernels.gdn import gated_delta_candidates_ref, gated_delta_ref
 from mtlqwen.kernels.gdn.kernels import run_gdn
 from mtlqwen.kernels.selection import selected
 
+from gpu_checks import n_examples
 from test_kernels_gdn import GEOMS, GPU_SETTINGS, _check, make_case, needs_gpu, on_cpu, packed_case
 
 KERNEL = {"states": "gdn_recurrent_staged", "inplace": "gdn_recurrent_staged_inplace",
@@ -72,7 +73,7 @@ def test_gdn_recurrent_staged_metal_emulated(seed, lens, geom, dtype, mode, pack
 
 @pytest.mark.gpu
 @needs_gpu
-@settings(max_examples=16, **GPU_SETTINGS)
+@settings(max_examples=n_examples(16), **GPU_SETTINGS)  # device_run.sh runs a third of them
 @given(seed=st.integers(0, 2**31), lens=st.lists(st.one_of(st.integers(1, 20), st.integers(60, 300)), min_size=1,
                                                   max_size=4),
        geom=st.sampled_from(GEOMS), dtype=st.sampled_from([mx.float32, mx.bfloat16]),
