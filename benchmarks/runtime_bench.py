@@ -47,9 +47,12 @@ def run_level(engine: Engine, concurrency: int, prompt_len: int, gen_len: int, s
 
 
 def median_level(engine: Engine, concurrency: int, prompt_len: int, gen_len: int, repeats: int,
-                 seed: int = 0) -> dict:
+                 seed: int = 0, discard: int = 0) -> dict:
     """run_level `repeats` times (seeds seed, seed + 1, ...: fresh prompts, no prefix hits between them), each
-    figure's median."""
+    figure's median, after `discard` untimed runs of the level (other seeds): a level's first run pays the
+    first-use compiles of its shapes, which the warm-up's smaller prompts do not reach."""
+    for d in range(discard):
+        run_level(engine, concurrency, prompt_len, gen_len, seed=seed + 500 + d)
     runs = [run_level(engine, concurrency, prompt_len, gen_len, seed=seed + r) for r in range(repeats)]
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
@@ -61,6 +64,8 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--discard", type=int, default=1, metavar="N",
+                    help="untimed runs of each level before its repeats (first-use compiles out of the medians)")
     ap.add_argument("--step-tokens", type=int, default=128)
     ap.add_argument("--block-tokens", type=int, default=128)
     ap.add_argument("--pad-buckets", choices=["on", "off"], default="off")
@@ -80,7 +85,7 @@ def main(argv=None):
     print(f"model: {name} (built/loaded in {load_s:.1f} s) | device: {mx.default_device()} | "
           f"slots {slots}, step_tokens {engine.step_tokens}, block_tokens {args.block_tokens}, "
           f"pool {blocks} blocks, pad_buckets {engine.pad_buckets}", flush=True)
-    print(f"prompt {args.prompt_len} tokens, generate {args.gen_len} tokens, {args.repeats} repeats (median)", flush=True)
+    print(f"prompt {args.prompt_len} tokens, generate {args.gen_len} tokens, {args.repeats} repeats (median) after {args.discard} untimed", flush=True)
 
     t = time.perf_counter()
     run_level(engine, slots, min(args.prompt_len, 2 * args.step_tokens), min(args.gen_len, 8), seed=999)
@@ -91,7 +96,7 @@ def main(argv=None):
     print(header)
     for c in levels:
         mx.reset_peak_memory()
-        med = median_level(engine, c, args.prompt_len, args.gen_len, args.repeats)
+        med = median_level(engine, c, args.prompt_len, args.gen_len, args.repeats, discard=args.discard)
         med.update(concurrency=c, peak_memory_gb=mx.get_peak_memory() / 1e9)
         results.append(med)
         print(f"{c:>4} {med['decode_tok_s']:>13.1f} {med['output_tok_s']:>13.1f} {med['ttft_mean_ms']:>13.1f} "
