@@ -87,3 +87,34 @@ def test_gdn_recurrent_staged_kernel(seed, lens, geom, dtype, mode, packed, stag
     """The gate for SELECT["gdn_recurrent_stage"]: the CUDA (or Metal) rendering against the reference, long
     segments included (the row would take prefill segments from the chunk scan), other lane splits (tpr)."""
     check_staged(seed, lens, geom, dtype, mode, packed, stage, tpr)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the Metal emulator")
+def test_normed_max_t_leaves_longer_segments_to_the_staged_recurrence():
+    """SELECT["gdn_normed_max_t"]: with gdn_chunk_min_t raised past the segments, the fused recurrence + norm
+    declines a batch whose longest segment (20) is past the row (the op then runs the recurrence, here staged,
+    and the norm apart), and takes it at 0 (no bound of its own). Outputs against the reference."""
+    from mtlqwen.kernels import metal_emulator  # noqa: PLC0415
+    from mtlqwen.kernels.gdn.kernels import gated_delta_packed_kernel  # noqa: PLC0415
+    from mtlqwen.kernels.gdn.normed import gated_delta_packed_normed_kernel  # noqa: PLC0415
+
+    from test_kernels_gdn import norm_inputs, normed_want, rel  # noqa: PLC0415
+
+    args, layout = make_case(5, [20, 3], 2, 3, 32, 48)
+    y, heads = packed_case(args)
+    z, w, eps = norm_inputs(5, y.shape[0], heads[2], heads[3], mx.float32)
+    rest = {n: args[n] for n in ("a", "b", "A_log", "dt_bias", "state_pool")}
+    ref = on_cpu(gated_delta_ref, **args, layout=layout)
+    want, _, _ = normed_want(args, layout, z, w, eps, heads[2], heads[3])
+    rows = {"gdn_chunk_min_t": 100, "gdn_recurrent_stage": 4}
+    with metal_emulator.emulating() as launches:
+        with selected({**rows, "gdn_normed_max_t": 8}):
+            assert gated_delta_packed_normed_kernel(y, z, w, eps, **rest, layout=layout, heads=heads) is None
+            o, states = gated_delta_packed_kernel(y, **rest, layout=layout, heads=heads)
+            mx.eval(o, states)
+            _check([o, states], ref, mx.float32, "staged past gdn_normed_max_t")
+        with selected({**rows, "gdn_normed_max_t": 0}):
+            o, states = gated_delta_packed_normed_kernel(y, z, w, eps, **rest, layout=layout, heads=heads)
+            mx.eval(o, states)
+            assert rel(o, want) < 1e-4 and rel(states, ref[1]) < 1e-4
+    assert [ln.kernel for ln in launches] == ["gdn_recurrent_staged", "gdn_recurrent_normed"]

@@ -237,6 +237,10 @@ SELECT: dict[str, int] = {
     # test (test_kernels_gdn_staged.py) has passed on the H200 and it is timed; its Metal rendering passes on the
     # emulator.
     "gdn_recurrent_stage": 0,
+    # Longest segment the fused recurrence + norm takes, besides gdn_chunk_min_t (0: no bound of its own). With
+    # gdn_chunk_min_t raised, segments between the two go to the unfused recurrence (staged with the row above)
+    # and the separate norm: the fused kernel's one threadgroup a head is too few for one long prompt.
+    "gdn_normed_max_t": 0,
     # CUDA, 9+ rows, 4/8-bit, bf16/fp16 x: the tensor-core quantized GEMM (qmatmul/qgemm.py) up to this many rows
     # (0 = never); past it, and on Metal, the paths above (MLX's quantized_matmul / dequantize + GEMM). At
     # 16-128 rows it beat MLX's quantized_matmul on every 9B matrix (in_proj at 16 rows: 19-24 vs 26 us, at

@@ -216,7 +216,8 @@ def run_gdn_normed(y, z, norm_w, eps: float, a, b, A_log, dt_bias, state_pool, l
     (any shape of that size), norm_w [dv] -> (o_normed [T, Hv*dv] in y's dtype, new states [B, Hv, dv, dk]
     fp32), or with inplace (o_normed, done [1]) after writing the states into state_pool's rows, or with
     candidates (o_normed, new states, the state after every token [T, Hv, dv, dk] fp32). None when not
-    covered: a segment longer than SELECT["gdn_chunk_min_t"], a head shape past the register budget, dtypes."""
+    covered: a segment longer than SELECT["gdn_chunk_min_t"] or a nonzero SELECT["gdn_normed_max_t"], a head shape
+    past the register budget, dtypes."""
     backend = gpu_backend()
     Hk, dk, Hv, dv = heads
     T, B = y.shape[0], layout.num_seqs
@@ -226,7 +227,8 @@ def run_gdn_normed(y, z, norm_w, eps: float, a, b, A_log, dt_bias, state_pool, l
             or z.size != T * Hv * dv or z.dtype not in FLOATS or norm_w.shape != (dv,)):
         return None
     longest = max(layout.q_len(i) for i in range(B))
-    if longest > SELECT["gdn_chunk_min_t"] or (inplace and candidates):
+    cap = SELECT["gdn_normed_max_t"]
+    if longest > SELECT["gdn_chunk_min_t"] or 0 < cap < longest or (inplace and candidates):
         return None
     a, b, A_log, dt_bias, norm_w = (x if x.dtype in FLOATS else x.astype(mx.float32)
                                     for x in (a, b, A_log, dt_bias, norm_w))
