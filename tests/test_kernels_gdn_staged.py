@@ -118,3 +118,25 @@ def test_normed_max_t_leaves_longer_segments_to_the_staged_recurrence():
             mx.eval(o, states)
             assert rel(o, want) < 1e-4 and rel(states, ref[1]) < 1e-4
     assert [ln.kernel for ln in launches] == ["gdn_recurrent_staged", "gdn_recurrent_normed"]
+
+
+def test_a_block_past_threadgroup_memory_keeps_the_unstaged_kernels():
+    """The staged kernels' rule, exactly: on when the row is >= 1, some segment has 2+ tokens and the block fits the
+    back-end's static threadgroup memory (Metal 32 KiB, CUDA 48 KiB); else the unstaged kernel."""
+    from mtlqwen.kernels.gdn import normed, staged  # noqa: PLC0415
+
+    # unfused, 9B head (dk 128, BV 16): 4 * TB * (2 * 128 + 16 + 2) bytes
+    for row, backend, longest, want in ((16, "cuda", 8, 16), (16, "cuda", 1, None), (0, "cuda", 8, None),
+                                        (44, "cuda", 8, 44), (45, "cuda", 8, None), (29, "metal", 8, 29),
+                                        (30, "metal", 8, None)):
+        with selected({"gdn_recurrent_stage": row}):
+            got = staged.staged_kernel(backend, 128, 16, longest, candidates=False, inplace=False)
+        assert (got[1] if got else None) == want, (row, backend, longest)
+    with selected({"gdn_recurrent_stage": 8}):
+        assert staged.staged_kernel("cuda", 128, 16, 4, candidates=True, inplace=False)[0] is staged.STAGED_CAND
+        assert staged.staged_kernel("cuda", 128, 16, 4, candidates=False, inplace=True)[0] is staged.STAGED_INPLACE
+    # fused, 9B head (dk = BV = 128): 4 * (TB * (2 * 128 + 2 * 128 + 2) + 64) bytes
+    for row, backend, longest, want in ((8, "cuda", 64, 8), (23, "cuda", 64, 23), (24, "cuda", 64, 0),
+                                        (15, "metal", 64, 15), (16, "metal", 64, 0), (8, "cuda", 1, 0)):
+        with selected({"gdn_normed_stage": row}):
+            assert normed.stage_tokens(backend, 128, 128, longest) == want, (row, backend, longest)

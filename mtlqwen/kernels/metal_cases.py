@@ -249,19 +249,16 @@ def _gdn_trials() -> list[Trial]:
     # the block their examples declare (segments of 3-5 tokens: partial blocks; the tests draw whole ones too)
     staged = []
     for t in out:
-        name = t.label.split("[")[0]
-        row = ("gdn_normed_stage" if name.startswith("gdn_recurrent_normed") else
-               "gdn_recurrent_stage" if name.startswith("gdn_recurrent") else None)
-        if row is not None:
-            label = t.label.replace("normed" if row == "gdn_normed_stage" else "recurrent",
-                                    "normed_staged" if row == "gdn_normed_stage" else "recurrent_staged", 1)
-            staged.append(Trial(label, _staged_run(t.run, row), t.ref, t.tol))
+        for prefix, row in (("gdn_recurrent_normed", "gdn_normed_stage"), ("gdn_recurrent", "gdn_recurrent_stage")):
+            if t.label.startswith(prefix):  # gdn_recurrent_normed[_x][...] -> gdn_recurrent_normed_staged[_x][...]
+                staged.append(Trial(prefix + "_staged" + t.label[len(prefix):], _staged_run(t.run, row), t.ref, t.tol))
+                break
     return out + staged
 
 
 def _staged_run(run: Callable[[], list], row: str) -> Callable[[], list]:
     def staged():
-        from .gdn.staged import STAGE_EXAMPLE  # noqa: PLC0415
+        from .gdn.pieces import STAGE_EXAMPLE  # noqa: PLC0415
         from .selection import selected  # noqa: PLC0415
 
         with selected({row: STAGE_EXAMPLE}):

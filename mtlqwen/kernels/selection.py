@@ -228,7 +228,7 @@ SELECT: dict[str, int] = {
     # Tokens the fused recurrence (gdn/normed.py) reads into threadgroup memory a block where segments are 2+
     # tokens (prefill up to gdn_chunk_min_t, verification), 0 = none: the unstaged body waits on each token's
     # device reads in turn, which is what a step of the 9B warm prefix hit (8 x 64 tokens) spends 299 us a layer
-    # on (benchmarks/prefix_cache.md). Off until its GPU test (test_kernels_gdn.py::test_gdn_fused_norm_kernel,
+    # on (benchmarks/kernels_gdn.md). Off until its GPU test (test_kernels_gdn.py::test_gdn_fused_norm_kernel,
     # `stage`) has passed on the H200 and it is timed; its Metal rendering passes on the emulator.
     "gdn_normed_stage": 0,
     # The same for the unfused recurrence (gdn/staged.py: a verification's candidates, prefill segments the chunk

@@ -39,9 +39,8 @@ from ..norms.kernels import FLOATS, eps_array
 from ..portable import KernelExample
 from ..selection import SELECT
 from ..seqs import SeqLayout
-from .pieces import (GATES, INPUT_NAMES, PROLOGUE, SHARED_LIMIT, declare_variants, reduce_row, stage_block,
-                     with_block)
-from .staged import STAGE_EXAMPLE
+from .pieces import (GATES, INPUT_NAMES, PROLOGUE, SHARED_LIMIT, STAGE_EXAMPLE, declare_variants, reduce_row,
+                     stage_block, with_block)
 
 MAX_THREADS = 512  # threads a threadgroup: 128 registers each on NVIDIA (see the module docstring)
 MAX_NE = 32  # state elements a thread (dk / TPR): TPR = 2 at dk = 128 took 255 registers in gdn_recurrent

@@ -9,6 +9,7 @@ import mlx.core as mx
 from ..portable import KernelExample, portable_kernel
 
 SHARED_LIMIT = {"cuda": 48 * 1024, "metal": 32 * 1024}  # static threadgroup memory a kernel may declare
+STAGE_EXAMPLE = 8  # the block TB the staged kernels' examples compile with
 
 
 def tpr_for(dk: int) -> int:

@@ -14,8 +14,8 @@ another order (fp32, last bits). Selection row `gdn_recurrent_stage` (TB; 0 = of
 from __future__ import annotations
 
 from ..selection import SELECT
-from .pieces import (INPUT_NAMES, PROLOGUE, SHARED_LIMIT, declare_variants, recurrent_examples, reduce_row,
-                     stage_block, with_block)
+from .pieces import (INPUT_NAMES, PROLOGUE, SHARED_LIMIT, STAGE_EXAMPLE, declare_variants, recurrent_examples,
+                     reduce_row, stage_block, with_block)
 
 _BODY = (
     PROLOGUE
@@ -70,9 +70,6 @@ FINAL_STORE
 """
 ).replace("RED_PRED", reduce_row("pred")).replace("RED_OUT", reduce_row("out"))
 
-
-
-STAGE_EXAMPLE = 8  # the block the examples compile with
 STAGED, STAGED_INPLACE, STAGED_CAND = declare_variants(
     "gdn_recurrent_staged", INPUT_NAMES, _BODY,
     lambda cand, inplace: with_block(recurrent_examples(cand, None, inplace), STAGE_EXAMPLE))
