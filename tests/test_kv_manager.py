@@ -240,6 +240,56 @@ def test_a_hit_without_room_for_its_copy_is_a_miss():
     assert kv.clear() == 1 and all(r == 0 for r in pool.ref_counts)
 
 
+def test_a_capture_waits_for_the_read_back_only_while_its_anchor_is_in_flight():
+    """A prefill boundary's entry is published when its step is launched; a boundary reached by a decode step
+    whose anchor (sampled by the step before, still in flight) is not on the host waits for the read-back."""
+    kv = KVManager(8, 4, prefix_interval=4, identity="x")
+    cache = fake_cache(blocks=8)
+    p = seq("p", range(6), slot=0)
+    kv.admit(p)
+    kv.allocate(p, 4)
+    kv.advance(p, 4)
+    snaps = snapshot_step(kv, [ScheduledSeq(p, 0, 4, False, 0, True)], cache)
+    (e,) = kv.prefix.entries.values()
+    assert (snaps.published, snaps.captures, e.length, e.blocks, kv.pool.ref_counts[:2]) == ([e], [], 4, [0], [2, 0])
+    d = seq("d", range(100, 107), slot=1)  # 7 tokens on the host; the 8th is sampled by the step in flight
+    kv.admit(d)
+    kv.allocate(d, 8)
+    kv.advance(d, 8)
+    assert d.block_table == [1, 2]
+    snaps = snapshot_step(kv, [ScheduledSeq(d, 7, 1, True, 1, False)], cache)
+    assert (len(kv.prefix.entries), snaps.published, len(snaps.captures)) == (1, [], 1)
+    assert kv.pool.ref_counts[:3] == [2, 2, 2]  # the capture holds d's blocks until the read-back
+    d.tokens.append(5)  # the read-back
+    snaps.publish()
+    assert [x.length for x in kv.prefix.entries.values()] == [4, 8] and snaps.captures == []
+    kv.free(p), kv.free(d)
+    assert kv.clear() == 2 and all(r == 0 for r in kv.pool.ref_counts)
+
+
+def test_a_failed_step_withdraws_what_it_published_at_launch():
+    """Its entries go (pinned or not: a hit restoring one is in a step that fails too), one evicted since is
+    skipped, and every bundle reference comes back."""
+    kv = KVManager(8, 4, prefix_interval=4, identity="x")
+    cache = fake_cache(blocks=8)
+    a, b = seq("a", range(10), slot=0), seq("b", range(50, 60), slot=1)
+    for s_ in (a, b):
+        kv.admit(s_)
+        kv.allocate(s_, 4)
+        kv.advance(s_, 4)
+    snaps = snapshot_step(kv, [ScheduledSeq(a, 0, 4, False, 0, True), ScheduledSeq(b, 0, 4, False, 0, True)], cache)
+    ea, eb = snaps.published
+    hit = seq("hit", list(range(4)) + [9], slot=2)
+    kv.admit(hit)  # restores a's entry in the next step
+    assert (hit.restore, ea.pins, kv.pool.ref_counts[:2]) == (ea, 1, [3, 2])
+    kv.prefix._drop(eb)  # evicted meanwhile (its reference to b's block goes with it)
+    snaps.discard()
+    assert not kv.prefix.entries and kv.pool.ref_counts[:2] == [2, 1]  # a's and hit's, b's own
+    for s_ in (a, b, hit):
+        kv.free(s_)
+    assert ea.pins == 0 and all(r == 0 for r in kv.pool.ref_counts)
+
+
 def test_a_failed_step_drops_its_captures():
     kv = KVManager(4, 4, prefix_interval=4, identity="x")
     s = seq("s", range(10), slot=0)

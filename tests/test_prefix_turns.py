@@ -106,11 +106,12 @@ def test_one_prefix_published_twice_in_one_step_keeps_one_entry():
     cache = fake_cache()
     a, b = running(kv, "a", range(10), 8, slot=0), running(kv, "b", range(10), 8, slot=1)
     snaps = kv.step_snapshots([ScheduledSeq(a, 0, 8, False, 0, True), ScheduledSeq(b, 0, 8, False, 0, True)], [], cache)
-    snaps.capture()
-    assert kv.pool.ref_counts[:4] == [2, 2, 2, 2]  # both captures hold their blocks until read-back
-    snaps.publish()
+    snaps.capture()  # prompt tokens: both published at launch, the second a duplicate
     (e,) = kv.prefix.entries.values()
     assert e.blocks == a.block_table and kv.pool.ref_counts[:4] == [2, 2, 1, 1]  # b's references dropped
+    assert snaps.published == [e]
+    snaps.publish()  # nothing left for the read-back
+    assert list(kv.prefix.entries.values()) == [e] and kv.pool.ref_counts[:4] == [2, 2, 1, 1]
     kv.free(a), kv.free(b)
     assert kv.clear() == 1 and kv.pool.num_free == 16
 

@@ -8,6 +8,7 @@ import pytest
 import mtlqwen
 from mtlqwen.runtime import Engine
 from mtlqwen.runtime import prefix_cache as pc
+from mtlqwen.runtime.failures import EvalFailed
 from mtlqwen.runtime.kv_manager import KVManager
 from mtlqwen.runtime.scheduler import Scheduler
 from mtlqwen.runtime.sequence import Sequence
@@ -139,13 +140,15 @@ def test_who_waits_for_whom_through_the_engine(model):
     assert waits == {"b": ("a", 32, 4), "d": ("c", 32, 6)}
     assert plans[:4] == [
         (["b", "d"], [], [("a", 0, 16), ("c", 0, 16)]),
+        # the 32 snapshots are published when this step is launched (their tokens are prompt tokens)
         (["b", "d"], [], [("a", 16, 16), ("c", 16, 16)]),
-        (["b", "d"], [], [("a", 32, 4), ("c", 32, 4)]),  # the 32 snapshots are read back after this launch
-        ([], ["b", "d"], [("a", 36, 1), ("b", 32, 4), ("c", 36, 1), ("d", 32, 4)]),
+        # so b and d restore them in the next step, beside their leaders' last prompt tokens
+        ([], ["b", "d"], [("a", 32, 4), ("b", 32, 4), ("c", 32, 4), ("d", 32, 4)]),
+        ([], [], [("a", 36, 1), ("b", 36, 1), ("c", 36, 1), ("d", 36, 1)]),
     ]
     assert {r: o.cached_tokens for r, o in outs.items()} == {"a": 0, "b": 32, "c": 0, "d": 32}
     s = eng.stats()
-    assert (s["prefix_waits"], s["prefix_wait_steps"], s["prefix_wait_timeouts"], s["prefix_waiting"]) == (2, 6, 0, 0)
+    assert (s["prefix_waits"], s["prefix_wait_steps"], s["prefix_wait_timeouts"], s["prefix_waiting"]) == (2, 4, 0, 0)
     assert s["prefill_tokens"] == 2 * 36 + 2 * 4  # the shared prompts were computed once each
     for rid, p in prompts.items():
         assert_reference(model, p, outs[rid], max_tokens=3)
@@ -156,10 +159,9 @@ def test_a_cancelled_leader_releases_its_waiters(model):
     eng = Engine(model, slots=2, step_tokens=16, block_tokens=8, num_blocks=40, prefix_interval=16)
     p = random_token_ids(32, 500, seed=63)
     a, b = eng.submit(p + [1], greedy(2)), eng.submit(p + [2], greedy(2))
-    eng.step()
+    eng.step()  # a computes its first 16 tokens; that snapshot is published at launch, the 32 one is not yet
     (held,) = eng.scheduler.held
-    assert held.request_id == b
-    eng.step()  # a computed 32 tokens; its 16 snapshot is published
+    assert held.request_id == b and eng.scheduler.held[held].target == 32
     eng.cancel(a)
     outs = []
     while eng.has_work():
@@ -186,3 +188,32 @@ def test_a_preempted_leader_releases_its_waiter_which_leads_in_turn():
     assert not sch.held and a.slot is None and sch.free_slots == [0]
     s = sch.stats()
     assert (s["prefix_waits"], s["prefix_wait_steps"], s["prefix_wait_timeouts"], s["preemptions"]) == (2, 1, 0, 1)
+
+
+def test_a_read_back_failure_withdraws_the_snapshot_its_waiter_restored(model, monkeypatch):
+    """The leader's step publishes its 32-token snapshot at launch and the waiter restores it in the next step;
+    when the leader's step then fails at read-back, both fail, the entry is withdrawn (its state was never
+    computed), and a later request of the same prefix computes it afresh and gets its tokens alone."""
+    eng = Engine(model, slots=2, step_tokens=16, block_tokens=8, num_blocks=40, prefix_interval=16)
+    p = random_token_ids(32, 500, seed=64)
+    a, b = eng.submit(p + [1], greedy(3)), eng.submit(p + [2], greedy(3))
+    real, failing = eng._commit, []
+
+    def faulty(flight):
+        if failing and flight is failing[0]:
+            raise EvalFailed(RuntimeError("injected read-back failure"))
+        return real(flight)
+
+    monkeypatch.setattr(eng, "_commit", faulty)
+    eng.step()  # a: 0..16, b held for 32
+    eng.step()  # a: 16..32, its 32 snapshot published at launch
+    assert sorted(e.length for e in eng.prefix.entries.values()) == [16, 32]
+    failing.append(eng._inflight)
+    outs = {d.request_id: d.output for d in eng.step() if d.finished}  # b restores 32, then a's read-back fails
+    assert set(outs) == {a, b} and all(o.finish_reason == "error" for o in outs.values())
+    assert "injected read-back failure" in outs[b].error and outs[b].cached_tokens == 32
+    assert not eng.prefix.entries and not eng.has_work()
+    (c,) = eng.generate([p + [3]], greedy(3))
+    assert c.cached_tokens == 0
+    assert_reference(model, p + [3], c)
+    assert_idle(eng)

@@ -11,7 +11,8 @@ snapshots); the rules that tie them to sequences live here and nowhere else:
   - what the pool can give without preempting: free bundles plus those only unpinned entries hold
     (`available`, `reserve`), and what a sequence may still ask for (`blocks_to_finish`);
   - one snapshot hook per engine step (`step_snapshots`): zero or restore fresh slots before the
-    forward, capture boundary states after it, publish them when the step's tokens are read back;
+    forward, capture boundary states after it and publish them, at once where their tokens are on the
+    host (prefill), else when the step's tokens are read back (a decode anchor in flight);
   - one hook when a request finishes (`finish`): a turn entry for its exact computed tokens, taken
     from its slot before the slot is released;
   - what a waiting request would restore (`hit_length`) and which prefix it shares with a running
@@ -211,12 +212,14 @@ class KVManager:
 
 class StepSnapshots:
     """One step's prefix snapshots: `capture()` once the forward is built (states of sequences whose
-    computed length lands on a boundary), `publish()` when the step's tokens are on the host (a decoding
-    sequence's anchor is only known then), `discard()` if the step failed."""
+    computed length lands on a boundary) publishes those whose tokens are all on the host (every prefill
+    boundary), `publish()` the rest when the step's tokens are read back (a decoding sequence's anchor in
+    flight is only known then), `discard()` if the step failed (published entries withdrawn too)."""
 
     def __init__(self, kv: KVManager, scheduled, cache):
         self.kv, self.scheduled, self.cache = kv, scheduled, cache
-        self.captures: list[Capture] = []
+        self.captures: list[Capture] = []  # captured, published at read-back
+        self.published: list = []  # PrefixEntry objects this step published at launch
 
     def capture(self) -> None:
         """Take the snapshots and launch their evaluation: call after the step's own async_eval, so it
@@ -239,8 +242,16 @@ class StepSnapshots:
                 c = prefix.capture(s.seq, end, self.cache)
                 if c is not None:
                     self.captures.append(c)
-        if self.captures:
-            mx.async_eval(*(a for c in self.captures for a in c.arrays()))
+        if not self.captures:
+            return
+        mx.async_eval(*(a for c in self.captures for a in c.arrays()))
+        # A request held for this prefix (or arriving now) restores it in the next step instead of one step
+        # after this one's read-back: its restore reads the copies after this step on the stream. A prefill
+        # boundary's tokens are all known; a decode anchor still in flight is not, so that capture waits.
+        known = [c for c in self.captures if len(c.seq.tokens) >= c.length]
+        if known:
+            self.captures = [c for c in self.captures if len(c.seq.tokens) < c.length]
+            self.published = prefix.publish(known)
 
     def publish(self) -> None:
         if self.captures:
@@ -248,10 +259,14 @@ class StepSnapshots:
             self.captures = []
 
     def discard(self) -> None:
-        """The step failed: its snapshots are dropped with their bundle references."""
+        """The step failed: its snapshots are dropped with their bundle references, and the entries it
+        published at launch are withdrawn (their states were never computed)."""
         for c in self.captures:
             self.kv.pool.free(c.blocks)
         self.captures = []
+        if self.published:
+            self.kv.prefix.withdraw(self.published)
+            self.published = []
 
 
 def _tap_state(tap: dict, n_gdn: int) -> list[mx.array]:

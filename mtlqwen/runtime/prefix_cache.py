@@ -17,7 +17,8 @@ owner keeps writing it; instead of sharing it, the entry keeps a copy of that bl
 write), and a hit writes the copy into a fresh block of its own. Only whole blocks are ever shared.
 
 Two kinds of entry share one store, one budget and one LRU order:
-  - interval entries, at every multiple of the interval (captured at launch, published at read-back);
+  - interval entries, at every multiple of the interval (captured at launch; published then when the
+    prefix's tokens are on the host, else at read-back);
   - turn entries, at the exact computed length of a finished sequence (prompt + the generated tokens
     that ran through the model), kept when it leaves its slot so the next turn of a conversation, whose
     prompt extends it, restores right there. A turn entry of length L sits in the bucket of its longest
@@ -93,8 +94,8 @@ class PrefixEntry:
 
 @dataclass(eq=False)
 class Capture:
-    """A snapshot taken when a step is launched; published when the step's tokens are read back
-    (a decoding sequence's anchor is only on the host then)."""
+    """A snapshot taken when a step is launched; published then if its tokens are on the host (a prefill
+    boundary), else when the step's tokens are read back (a decoding sequence's anchor in flight)."""
 
     seq: object
     length: int
@@ -231,7 +232,7 @@ class PrefixCache:
                 for e, rows in _group(tailed, lambda seq: seq.block_table[seq.restore.length // bt]):
                     pool[rows] = _spread(e.tail[i], rows)
 
-    # ---- capture (at launch) and publish (at read-back)
+    # ---- capture (at launch) and publish (at launch or read-back)
     def capture(self, seq, end: int, cache, state: list[mx.array] | None = None) -> Capture | None:
         """A snapshot of seq's state after `end` tokens (a boundary its step reaches), or None when that
         prefix is cached already; call after the step's graph is built. state: the GDN states the step
@@ -259,13 +260,26 @@ class PrefixCache:
             tail = [mx.take(p, b, axis=0) for p in _kv_pools(cache)]
         return Capture(seq, end, blocks, state, tail)
 
-    def publish(self, caps: list[Capture]) -> None:
+    def publish(self, caps: list[Capture]) -> list[PrefixEntry]:
+        """Insert each capture whose tokens are on the host as an interval entry; returns the entries
+        inserted (not those cached already)."""
+        out = []
         for c in caps:
             seq, k = c.seq, c.length // self.interval
             if len(seq.tokens) >= c.length:  # else cancelled before its anchor was read back
-                self._insert(self.keys(seq, k)[-1], c, None)
+                key = self.keys(seq, k)[-1]
+                if self._insert(key, c, None):
+                    out.append(self.entries[key])
             else:
                 self.pool.free(c.blocks)
+        return out
+
+    def withdraw(self, entries: list[PrefixEntry]) -> None:
+        """Drop entries whose step failed after they were published (pinned or not: a sequence restoring
+        one fails with that step); one already evicted is skipped."""
+        for e in entries:
+            if self.entries.get(e.key) is e:
+                self._drop(e)
 
     def keep_turn(self, seq, length: int, cache) -> bool:
         """A turn entry for seq's first `length` tokens (all computed, on the host; its slot's state is
@@ -328,6 +342,11 @@ class PrefixCache:
         e = self._victim()
         if e is None:
             return False
+        self._drop(e)
+        self.counters["prefix_evictions"] += counted
+        return True
+
+    def _drop(self, e: PrefixEntry) -> None:
         del self.entries[e.key]
         if e.bucket is not None:
             keys = self.turns[e.bucket]
@@ -336,8 +355,6 @@ class PrefixCache:
                 del self.turns[e.bucket]
         self.pool.free(e.blocks)
         self.nbytes -= e.nbytes
-        self.counters["prefix_evictions"] += counted
-        return True
 
     def evict_for_blocks(self, n: int) -> bool:
         """Evict LRU entries until the pool has n free bundles (before anyone is preempted); False if it can't."""

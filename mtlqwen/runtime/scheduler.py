@@ -18,9 +18,10 @@ once, with the whole budget. Each step a held request is released — looked up 
 restoring what the leader published — as soon as the cache holds `target`, or its leader left (finished,
 cancelled, preempted), or its wait reached its limit: the steps it would take to compute the prefix
 itself (`prefill_steps`) with an equal share of the budget among the sequences prefilling when it
-arrived and itself, plus one for the leader's read-back. So a wait costs at most one step over
-computing alone as things stood, and a request that timed out still restores the boundaries the
-leader published meanwhile.
+arrived and itself, plus one (a boundary the leader reaches by decoding is published at that step's
+read-back, one step late; one of prompt tokens is published when its step is launched). So a wait costs
+at most one step over computing alone as things stood, and a request that timed out still restores the
+boundaries the leader published meanwhile.
 """
 
 from __future__ import annotations
