@@ -85,6 +85,29 @@ def ttft_phases(engine: Engine, prompts: list[list[int]]) -> dict:
             **{k: round(1e3 * v, 2) for k, v in sorted(phases.total.items(), key=lambda kv: -kv[1])}}
 
 
+def step_plans(engine: Engine, prompts: list[list[int]], gen_len: int) -> dict:
+    """The prompts once more (--gen-len tokens each): what each step computes until every request has sampled
+    its first token, as "sequences x tokens" (+ requests held for a leader's snapshot), and the step that
+    samples each request's first token. No timing: the scheduler's plans, the same on any machine."""
+    plans, firsts, real = [], [], engine.scheduler.schedule
+
+    def record():
+        plan = real()
+        if len(firsts) < len(prompts):
+            toks = sorted({s.num_tokens for s in plan.scheduled})
+            span = f"{toks[0]}" if len(toks) == 1 else f"{toks[0]}-{toks[-1]}"
+            plans.append(f"{len(plan.scheduled)} x {span}" + (f" +{len(plan.held)} held" if plan.held else ""))
+            firsts.extend(len(plans) for s in plan.scheduled if s.samples and s.sample_index == 0)
+        return plan
+
+    engine.scheduler.schedule = record
+    try:
+        engine.generate(prompts, SamplingParams(max_tokens=gen_len, ignore_eos=True))
+    finally:
+        engine.scheduler.schedule = real
+    return {"steps": plans, "first_token_steps": sorted(firsts)}
+
+
 def kernel_summary(engine: Engine, prompts: list[list[int]], top: int) -> dict:
     """The prompts once more, one token each, under CUPTI (step_trace.kernel_events): the call's wall time, the
     kernels it ran (count, busy time, first-to-last span) and the `top` kernels by total time, with counts."""
@@ -184,6 +207,11 @@ def run_modes(model, args, modes: list[str], system: list[int], blocks: int, eng
             if mode == "warm":
                 earlier_request(engine, system, args.question_len, vocab, 999)
 
+        if args.plans:
+            once_more()
+            med["plans"] = step_plans(engine, prompts, args.gen_len)
+            print(f"{mode} step plans until every first token: {' | '.join(med['plans']['steps'])}; first tokens "
+                  f"sampled in steps {med['plans']['first_token_steps']}", flush=True)
         if args.phases:
             once_more()
             med["phases"] = ttft_phases(engine, prompts)
@@ -255,6 +283,9 @@ def main(argv=None):
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="after each shared-prompt mode's repeats, one more run with one token each under CUPTI: the "
                          "kernels it ran, their busy time and span, and the N that took the most time")
+    ap.add_argument("--plans", action="store_true",
+                    help="after each shared-prompt mode's repeats, one more run: what each step computes (sequences x "
+                         "tokens, requests held) until every request has its first token; no timing, any machine")
     ap.add_argument("--phases", action="store_true",
                     help="after each shared-prompt mode's repeats, one more run with one token each, its host time by step phase")
     add_dense_weights_arg(ap)
