@@ -13,7 +13,8 @@ drafter, --accept K forcing min(K, n_draft) accepted drafts), then --steps engin
            and the kernels that take the most time.
 
 busy close to the wall time: the device bounds the step; busy far below it and "read-back" small: the
-host does. n_draft 0 without a drafter is the plain engine (pipelined decode), the baseline.
+host does. n_draft 0 without a drafter is the plain engine (pipelined decode), the baseline; --idle adds n_draft 0
+with the drafter loaded (nobody drafting), what the drafter costs a step in which the policy drafts for no one.
 
     source .device/env.sh && python benchmarks/spec_trace.py --seqs 1 8 --n-draft 0 7 15 --accept 6 --pipeline off on
     python benchmarks/spec_trace.py --shape demo --prompt-len 32 --seqs 1 --n-draft 0 3 --steps 3   # CPU smoke run
@@ -133,11 +134,13 @@ def graph_of_step(eng) -> dict:
     return {"total": sum(counts.values()), **dict(counts.most_common())}
 
 
-def trace_row(model, drafter, S: int, n: int, pipeline: bool, args, commit: str = "auto") -> dict:
+def trace_row(model, drafter, S: int, n: int, pipeline: bool, args, commit: str = "auto", idle: bool = False) -> dict:
+    """One row; idle: n = 0 with the drafter loaded (nobody drafting: the target's taps and the drafter's context
+    writes still run every step), against the plain engine's n = 0 without it."""
     a = copy.copy(args)
     a.steps = 4 * args.steps + 2  # room for the timed runs, the profile and the graph count
     with spec_bench.forced_acceptance(args.accept if n else None):
-        eng = spec_bench.warm_engine(model, drafter if n else None, S, n, a, None if commit == "auto" else commit,
+        eng = spec_bench.warm_engine(model, drafter if n or idle else None, S, n, a, None if commit == "auto" else commit,
                                      True, pipeline)
         cd = eng.spec.compiled_draft if eng.spec is not None else None
         traces0 = cd.traces if cd is not None else 0
@@ -165,7 +168,7 @@ def trace_row(model, drafter, S: int, n: int, pipeline: bool, args, commit: str 
     for s, e, name in ks:
         per[short(name)].append(e - s)
     top = sorted(((k, len(d) / args.steps, sum(d) / args.steps) for k, d in per.items()), key=lambda t: -t[2])
-    row = {"seqs": S, "n_draft": n, "pipeline": "on" if pipeline else "off", "commit": commit, "step_ms": round(wall, 3),
+    row = {"seqs": S, "n_draft": f"{n} (drafter loaded)" if idle else n, "pipeline": "on" if pipeline else "off", "commit": commit, "step_ms": round(wall, 3),
            "step_ms_instrumented": round(wall_inst, 3), "host_ms": host, "graph_nodes": graph,
            "drafter_traces_built": retraced}
     if prof:
@@ -184,6 +187,9 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-bits", type=int, default=0, help="drafter quantization bits (0 = bf16, as published)")
     ap.add_argument("--seqs", type=int, nargs="+", default=[1])
     ap.add_argument("--n-draft", type=int, nargs="+", default=[0, 7, 15], help="0: the plain engine (no drafter)")
+    ap.add_argument("--idle", action="store_true",
+                    help="also trace each --seqs with the drafter loaded and nobody drafting (what a drafter costs a "
+                         "step where the policy drafts for no one: the target's taps and the drafter's context writes)")
     ap.add_argument("--pipeline", nargs="+", choices=["off", "on"], default=["off"])
     ap.add_argument("--commit", nargs="+", choices=["auto", "candidates", "replay"], default=["auto"],
                     help="Engine(verify_commit=...); auto: the engine's choice per step")
@@ -203,6 +209,15 @@ def main(argv=None) -> int:
     drafter = spec_bench.random_drafter(args.shape, model, args.draft_bits)
     print(f"device {mx.default_device()}, target {args.shape}, context {args.prompt_len}, accept {args.accept}", flush=True)
     rows = []
+
+    def emit(r: dict, tag: str) -> None:
+        r["variant"] = tag
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        if args.json:  # after every row: a run cut short keeps what it traced
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "device": str(mx.default_device()), "rows": rows}, f, indent=1)
+
     for S in args.seqs:
         for n in args.n_draft:
             # a forced mode equal to the engine's own choice at this n_draft repeats the "auto" row
@@ -210,13 +225,11 @@ def main(argv=None) -> int:
             for (pl, cm), (tag, sel) in itertools.product(
                     [(p, c) for p in args.pipeline for c in modes] if n else [("off", "auto")], variants.items()):
                 with selected(sel):
-                    r = trace_row(model, drafter, S, n, pl == "on", args, cm)
-                r["variant"] = tag
-                rows.append(r)
-                print(json.dumps(r), flush=True)
-                if args.json:
-                    with open(args.json, "w") as f:
-                        json.dump({"args": vars(args), "device": str(mx.default_device()), "rows": rows}, f, indent=1)
+                    emit(trace_row(model, drafter, S, n, pl == "on", args, cm), tag)
+        if args.idle:
+            for tag, sel in variants.items():
+                with selected(sel):
+                    emit(trace_row(model, drafter, S, 0, False, args, idle=True), tag)
     print("\n| seqs | n_draft | pipeline | commit | variant | step ms | device busy ms | kernels | graph nodes | host ms by phase (instrumented) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
