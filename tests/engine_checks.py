@@ -1,11 +1,14 @@
 """Checks shared by the engine, prefix-cache and speculative tests: the single-sequence reference
-rule, the idle-engine invariants, and a driver that submits requests at given steps."""
+rule, the idle-engine invariants, a sequence's drafter context, and a driver that submits requests at
+given steps."""
 
 from __future__ import annotations
 
 import numpy as np
 
 import mlx.core as mx
+from mtlqwen import SeqLayout
+from mtlqwen.model.dflash import DrafterCache
 from mtlqwen.runtime import SamplingParams
 
 EOS = (508, 510)  # the tiny checkpoints' eos ids (tests/hf_checkpoints.py)
@@ -73,3 +76,21 @@ def in_flight_verifications(eng):
         fl = eng._inflight
         if fl is not None and fl.spec is not None:
             yield fl.spec
+
+
+def assert_drafter_context(eng, seq, P, model, drafter, zero_from=None):
+    """seq's drafter rows for positions < P equal the one-shot projection of its tokens' taps; rows from
+    zero_from to the end of its blocks are zero (never written), when given."""
+    bt, nb = eng.block_tokens, len(seq.block_table)
+    table = list(range(nb))
+    ref = model.make_cache(nb, 1, bt)
+    dref = DrafterCache.like(drafter.config, ref)
+    lay = SeqLayout([0, P], [0], [table], [0], bt)
+    _, taps = model.forward_with_taps(mx.array(seq.tokens[:P], dtype=mx.int32), lay, ref, drafter.tap_layers,
+                                      mx.array([], dtype=mx.int32))
+    drafter.write_context(taps, lay, dref)
+    for got, want in zip(eng.spec.dcache.arrays(), dref.arrays()):
+        g = np.array(got[mx.array(seq.block_table)]).reshape(-1, *got.shape[2:])
+        w = np.array(want).reshape(-1, *want.shape[2:])
+        np.testing.assert_allclose(g[:P], w[:P], rtol=1e-4, atol=1e-4)
+        assert zero_from is None or not g[zero_from:].any()

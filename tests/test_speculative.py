@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dflash_checkpoints import write_tiny_drafter
-from engine_checks import assert_idle, assert_reference, greedy, in_flight_verifications, run_arrivals
+from engine_checks import (assert_drafter_context, assert_idle, assert_reference, greedy, in_flight_verifications,
+                           run_arrivals)
 from hf_checkpoints import random_token_ids
 from mtlqwen import SeqLayout
 from mtlqwen.model.dflash import DrafterCache, load_drafter
@@ -278,24 +279,6 @@ def test_state_and_drafter_context_after_partial_accepts(model, drafter, verify_
     assert checked >= 5 and set(calls) >= {0, 1, 2, 3, 4}
     assert eng.stats()["accepted_tokens"] > 0
     assert eng.generate([prompt], sp)[0].token_ids == base.token_ids
-
-
-def assert_drafter_context(eng, seq, P, model, drafter, zero_from=None):
-    """seq's drafter rows for positions < P equal the one-shot projection of its tokens' taps; rows from
-    zero_from to the end of its blocks are zero (never written), when given."""
-    bt, nb = eng.block_tokens, len(seq.block_table)
-    table = list(range(nb))
-    ref = model.make_cache(nb, 1, bt)
-    dref = DrafterCache.like(drafter.config, ref)
-    lay = SeqLayout([0, P], [0], [table], [0], bt)
-    _, taps = model.forward_with_taps(mx.array(seq.tokens[:P], dtype=mx.int32), lay, ref, drafter.tap_layers,
-                                      mx.array([], dtype=mx.int32))
-    drafter.write_context(taps, lay, dref)
-    for got, want in zip(eng.spec.dcache.arrays(), dref.arrays()):
-        g = np.array(got[mx.array(seq.block_table)]).reshape(-1, *got.shape[2:])
-        w = np.array(want).reshape(-1, *want.shape[2:])
-        np.testing.assert_allclose(g[:P], w[:P], rtol=1e-4, atol=1e-4)
-        assert zero_from is None or not g[zero_from:].any()
 
 
 def test_drafter_context_through_chunked_prefill_and_prefix_hits(model, drafter):

@@ -402,9 +402,13 @@ class Engine(Generation):
     # ---- failures (failures.py says what a failed step does)
     def _fail_all(self, e: Exception, flights: list[_InFlight | None]) -> list[Delta]:
         self._inflight = None
+        if self.spec is not None:  # held-back context rows of sequences about to fail, and taps of failed steps
+            self.spec.backlog.clear()
         return self.failures.device(e, flights, self._seqs.values())
 
     def _finish(self, seq: Sequence, reason: str, toks: list[int], now: float, error: str | None = None) -> Delta:
+        if self.spec is not None:  # its held-back drafter context first: a turn entry shares its blocks
+            self.spec.finishing(seq)
         self.kv.finish(seq, reason, self.cache)  # a turn entry from its slot, before the slot is released
         self.scheduler.release(seq)
         self._seqs.pop(seq.request_id, None)

@@ -153,6 +153,7 @@ class SpecPipeline:
         for name, a in (("positions", positions), ("write_blocks", table[seg, positions // bt]),
                         ("write_offsets", positions % bt), ("kv_valid", start)):
             lay.provide(name, a)
+        spec.flush()  # rows of plain steps before this run of verifications (none once it is running)
         drafts = spec.propose_on_device(scheduled, anchors, lay, N)  # [S, N]
         block = mx.concatenate([anchors[:, None], drafts], axis=1).reshape(-1)  # [S * (N + 1)]
         ids = block[mx.array([j * (N + 1) + t for j, nj in enumerate(n) for t in range(nj + 1)], dtype=mx.int32)]

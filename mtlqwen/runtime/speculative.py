@@ -20,8 +20,10 @@ How many drafts each sequence sends is the draft policy's choice (draft_policy.p
 what maximises expected tokens per unit of time by a step-cost table (adaptive), rounded down to one of
 the engine's draft lengths (draft_policy.draft_lengths: few lengths, few compiled traces).
 
-Drafter context rows are exact for positions < kv_valid at step boundaries: every row a step computes is
-written in that step (prefill chunks, plain decode anchors, a verification's anchor and all its drafts).
+Drafter context rows are exact for positions < kv_valid whenever the drafter or a prefix entry reads them:
+every row a step computes is written in that step (prefill chunks, a verification's anchor and all its
+drafts), except the rows of plain decode steps, which wait in a backlog (context_backlog.py) until a
+proposal, a snapshot or a turn entry needs them, or LIMIT of them are held.
 A rejected draft's row lies past kv_valid, where the drafter never reads (its attention stops at the
 anchor's kv_valid), and the step that commits that position writes it again first.
 """
@@ -38,6 +40,7 @@ from ..model.cache import VerifyStash
 from ..model.compiled_draft import CompiledDraft
 from ..model.dflash import Drafter, DrafterCache, load_drafter, quantize_drafter
 from .draft_policy import FixedDrafting, bucket_drafts, draft_lengths
+from .context_backlog import ContextBacklog
 from .kv_manager import KVManager
 from .rejection import position_noise, sample_drafts, verify
 from .sampling import sample_isolating
@@ -132,6 +135,7 @@ class Speculator:
         self.compiled_draft: CompiledDraft | None = None  # the drafter's proposal and context writes, then
         self.kv = kv  # the snapshot boundary rule and the one writer of kv_valid
         self.dcache: DrafterCache = drafter.make_cache(cache)
+        self.backlog = ContextBacklog(kv.block_tokens)  # context rows of plain decode steps, not written yet
         cache.drafter_cache = self.dcache  # ModelCache's declared field: copied and reset with the bundles
         self.taps = tuple(drafter.tap_layers)
         # spec_steps / plain_steps: engine steps with / without a verification; spec_verifications: one per
@@ -153,6 +157,30 @@ class Speculator:
     def write_context(self, taps: mx.array, layout: SeqLayout) -> None:
         """Drafter context of layout's tokens from their taps, compiled when the engine is."""
         (self.drafter if self.compiled_draft is None else self.compiled_draft).write_context(taps, layout, self.dcache)
+
+    def flush(self) -> None:
+        """Write the held-back context rows (context_backlog.py) in an evaluation of their own: a later
+        pass over the drafter's pools (a proposal, another write, a snapshot's copy) must not share it
+        (design.md, "In-place writes")."""
+        got = self.backlog.take()
+        if got is not None:
+            self.write_context(*got)
+            mx.async_eval(*self.dcache.arrays())
+
+    def finishing(self, seq) -> None:
+        """seq is about to finish: its held context rows go into its blocks before a turn entry shares them,
+        or, without a prefix cache, are dropped (nothing reads them)."""
+        if not self.backlog.held.get(seq):
+            return
+        if self.kv.prefix is not None:
+            self.flush()
+        else:
+            self.backlog.drop(seq)
+
+    def _holds_back(self, plan: StepPlan) -> bool:
+        """A step whose context rows may wait: every sequence computes one token, none verifies, and none
+        reaches a snapshot boundary (an entry shares the blocks from the step's capture on)."""
+        return all(s.num_tokens == 1 and not s.drafts and not self.kv.on_boundary(s.start + 1) for s in plan.scheduled)
 
     @staticmethod
     def bytes_per_block(drafter: Drafter | None, block_tokens: int, dtype) -> int:
@@ -221,6 +249,9 @@ class Speculator:
         (sequence, error) of the rows whose own sampling raised: sampling.sample_isolating)."""
         lay, ids = batch.layout, batch.input_ids
         ver = [i for i, v in enumerate(lay.verify or []) if v]
+        hold = not ver and self._holds_back(plan)
+        if not hold:  # the proposal reads the context, and this step's own write must not share its evaluation
+            self.flush()
         rows = batch.logits_rows.tolist() if batch.logits_rows is not None else []
         R = len(rows)
         c = self.counters
@@ -268,6 +299,11 @@ class Speculator:
                 (self.model.commit_candidates if self.compiled is None else self.compiled.commit)(cache, stash, k)
             state = _Verification(vs, vl, n, drafts, k, nxt, stash)
             mx.async_eval(k, nxt, drafts)
+        if hold:  # plain decodes: their rows wait in the backlog (taps stay lazy; their inputs are kept)
+            self.backlog.add(taps, plan.scheduled)
+            if self.backlog.full():
+                self.flush()
+            return tokens, state, failed
         # drafter context of every row, a verification's anchor + all its drafts included: rows past the
         # accepted ones lie past kv_valid, where nothing reads them, until a later step writes them again
         self.write_context(taps, lay)
