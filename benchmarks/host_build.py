@@ -13,6 +13,7 @@ kernel call's node. Use it to find and cut Python overhead; confirm on the devic
     python benchmarks/host_build.py                                # 9B warm prefix hit: 8 x 64 over 2,048
     python benchmarks/host_build.py --seqs 1 --tokens 1024 --context 0 --profile 30
     python benchmarks/host_build.py --dense-weights                # with the engine's kept copies (CUDA default)
+    python benchmarks/host_build.py --dense-weights --nodes --steps 3   # and the step's graph: launches, other nodes
 """
 
 from __future__ import annotations
@@ -34,8 +35,27 @@ def _stand_in(**kw):
     return [mx.zeros(s, dtype=d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
 
 
-def pretend_cuda() -> None:
-    """The CUDA dispatch on the CPU, nothing evaluated (this process only: it never restores)."""
+_LEAVES: dict = {}
+LAUNCHES = [0]
+
+
+def _leaf_stand_in(**kw):
+    """For --nodes: leaf outputs tied to the call's inputs by one `Depends` node (so the graph above a kernel
+    stays connected), counted as one launch a call."""
+    LAUNCHES[0] += 1
+    out = []
+    for s, d in zip(kw["output_shapes"], kw["output_dtypes"]):
+        key = (tuple(s), d)
+        if key not in _LEAVES:
+            _LEAVES[key] = mx.zeros(s, dtype=d)
+            mx.eval(_LEAVES[key])
+        out.append(_LEAVES[key])
+    return mx.depends(out, [a for a in kw["inputs"] if isinstance(a, mx.array)])
+
+
+def pretend_cuda(leaves: bool = False) -> None:
+    """The CUDA dispatch on the CPU, nothing evaluated (this process only: it never restores); leaves: the
+    kernels' stand-ins are leaf arrays (for counting the graph's other nodes)."""
     mx.set_default_device(mx.cpu)
     gpu = SimpleNamespace(type=mx.DeviceType.gpu)
     backend.gpu_backend.cache_clear()
@@ -44,18 +64,20 @@ def pretend_cuda() -> None:
         if getattr(mod, "__name__", "").startswith("mtlqwen") and getattr(mod, "gpu_backend", None) is not None:
             mod.gpu_backend = backend.gpu_backend
     backend.use_kernels.__globals__["mx"] = SimpleNamespace(default_device=lambda: gpu, DeviceType=mx.DeviceType)
-    portable.PortableKernel.build = lambda self, b: _stand_in
+    portable.PortableKernel.build = lambda self, b: _leaf_stand_in if leaves else _stand_in
     dispatch.Op._first_use = lambda self, new, kern, out, args, kw: out  # no self-check: nothing runs
     mx.async_eval = lambda *a, **k: None
 
 
 def stand_in_dense(model) -> None:
-    """Kept copies as runtime/dense_weights.py attaches them, of lazy zeros (nothing is dequantized here)."""
-    from mtlqwen.runtime.dense_weights import attach, projection_groups  # noqa: PLC0415
+    """Kept copies as runtime/dense_weights.py attaches them and evaluates their views, of zeros broadcast
+    (stride 0: no memory; nothing is dequantized here)."""
+    from mtlqwen.runtime.dense_weights import attach, projection_groups, views  # noqa: PLC0415
 
     for g in projection_groups(model):
         dt, K = g[0].scales.dtype, g[0].in_features
-        attach(g, [mx.zeros((sum(p.out_features for p in g), K), dtype=dt)])
+        attach(g, [mx.broadcast_to(mx.zeros((), dtype=dt), (sum(p.out_features for p in g), K))])
+        mx.eval(views(g))
 
 
 def warm_layout(S: int, T: int, context: int, bt: int) -> SeqLayout:
@@ -78,8 +100,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dense-weights", action="store_true",
                     help="the projections' kept dequantized copies (lazy stand-ins of their shapes), as the engine's "
                          "default on CUDA: the GEMMs past qgemm's rows read them instead of dequantizing")
+    ap.add_argument("--nodes", action="store_true",
+                    help="also count one step's graph on the CUDA path: the kernel launches, and every other node by "
+                         "primitive (each costs the host MLX's encoding on the GPU: benchmarks/decode_profile.md)")
     args = ap.parse_args(argv)
-    pretend_cuda()
+    pretend_cuda(leaves=args.nodes)
     model = builtin.random_model(config=builtin.SHAPES[args.shape](), seed=0,
                                  quantize=QuantSpec(args.bits, 64) if args.bits else None)
     if args.dense_weights:
@@ -100,6 +125,17 @@ def main(argv=None) -> int:
         model.forward(ids, warm_layout(S, T, args.context, bt), cache, rows)
         return 1e3 * (time.perf_counter() - t0)
 
+    if args.nodes:  # before any timing: the counts of one step (leaf stand-ins cost no nodes)
+        from decode_profile import count_primitives  # noqa: PLC0415
+
+        cache.k_pools[:], cache.v_pools[:], cache.conv_states[:], cache.rec_states[:] = (list(p) for p in pools)
+        LAUNCHES[0] = 0
+        logits = model.forward(ids, warm_layout(S, T, args.context, bt), cache, rows)
+        nodes = count_primitives([logits, *cache.k_pools, *cache.v_pools, *cache.conv_states, *cache.rec_states])
+        nodes["Depends"] = nodes.get("Depends", 0) - LAUNCHES[0]  # the stand-ins' own
+        nodes = {k: v for k, v in sorted(nodes.items(), key=lambda kv: -kv[1]) if v}
+        print(f"graph of one step on the CUDA path: {LAUNCHES[0]} custom-kernel launches, {sum(nodes.values())} other "
+              "nodes: " + ", ".join(f"{k} {v}" for k, v in nodes.items()))
     step()  # first calls build the ops' tables
     times = [step() for _ in range(args.steps)]
     print(f"{args.shape}, {S} x {T} tokens over {args.context}: Python build of one eager step "

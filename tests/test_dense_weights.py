@@ -6,6 +6,9 @@ dequantize."""
 
 from __future__ import annotations
 
+import re
+from collections import Counter
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -64,12 +67,17 @@ def test_copies_are_the_dequantized_weights_and_stacks_share_one_buffer(qmodel):
                 assert mx.array_equal(w[r:r + p.out_features], p.dense).item()
             else:
                 assert p.dense_stack is None
+            # the transposes, evaluated once: views of the same buffers
+            assert mx.array_equal(p.dense_t, p.dense.T).item() and p.dense_t.shape == (p.in_features, p.out_features)
+            if len(g) > 1:
+                assert p.dense_stack_t is g[0].dense_stack_t and mx.array_equal(p.dense_stack_t, w.T).item()
     # again: nothing rebuilt (the same arrays)
     before = [p.dense for g in dense_weights.projection_groups(qmodel) for p in g]
     assert dense_weights.keep_dense_weights(qmodel, True) == held
     assert all(a is b for a, b in zip(before, [p.dense for g in dense_weights.projection_groups(qmodel) for p in g]))
     assert dense_weights.keep_dense_weights(qmodel, False) == 0
-    assert all(p.dense is None and p.dense_stack is None for g in dense_weights.projection_groups(qmodel) for p in g)
+    assert all(p.dense is None and p.dense_stack is None and p.dense_t is None and p.dense_stack_t is None
+               for g in dense_weights.projection_groups(qmodel) for p in g)
 
 
 def test_the_engine_switch(qmodel, monkeypatch):
@@ -102,12 +110,19 @@ def test_a_kept_stack_serves_exactly_its_projections_in_order(qmodel):
     assert gemv.kept_stack(g, mx.float32) is None  # another dtype
     other = dense_weights.projection_groups(qmodel)[2]
     assert gemv.kept_stack([g[0], other[0]], dt) is None
-    assert all(a is b.dense for a, b in zip(gemv._row_slices(w, g), g))  # the kept views, no slice
+    assert all(a is b.dense_t for a, b in zip(gemv._row_slices_t(w, g), g))  # the kept views: no slice, no transpose
     dense_weights.keep_dense_weights(qmodel, False)
     assert gemv.kept_stack(g, dt) is None
 
 
-def test_past_qgemm_rows_the_gemms_read_the_copies(qmodel):
+def nodes(a: mx.array, tmp_path) -> dict:
+    """a's graph down to evaluated arrays, by primitive."""
+    path = tmp_path / "g.dot"
+    mx.export_to_dot(str(path), a)
+    return dict(Counter(re.findall(r'label ="([A-Za-z_]+)', path.read_text())))
+
+
+def test_past_qgemm_rows_the_gemms_read_the_copies(qmodel, tmp_path):
     """CPU (qgemm unavailable, so 129+ bf16 rows take dequantize + GEMM): linear_multi, swiglu_linear and
     linear run on the kept matrices, never the dequantize kernel, with the products of the dequantized weights."""
     dense_weights.keep_dense_weights(qmodel, True)
@@ -116,16 +131,24 @@ def test_past_qgemm_rows_the_gemms_read_the_copies(qmodel):
     rows = SELECT["dequant_gemm_min_rows"] + 7
     rng = np.random.default_rng(0)
     x = mx.array(rng.standard_normal((rows, mix[0].in_features)).astype(np.float32)).astype(mx.bfloat16)
+    mx.eval(x)
     calls = []
     real = dequant.dequantize_stack
     dequant.dequantize_stack = lambda *a: calls.append(a) or real(*a)
     try:
         ys = gemv.linear_multi_kernel(x, mix)
         h = gemv.swiglu_linear_kernel(x, *gu)
+        graphs = [nodes(a, tmp_path) for a in (*ys, h)]
+        mx.eval(h)
         y_down = gemv.linear_kernel(h, down)
+        graphs.append(nodes(y_down, tmp_path))
     finally:
         dequant.dequantize_stack = real
     assert calls == []
+    # the kept views go into the GEMMs as they are: no transpose or slice of a weight in the graph
+    assert all(g.pop("Matmul") == 1 and "Transpose" not in g for g in graphs), graphs
+    assert graphs[-1] == {} and all(g == {} for g in graphs[: len(ys)])
+    assert graphs[-2].pop("Slice") == 2 and list(graphs[-2]) == [next(iter(graphs[-2]))]  # the halves, fused SwiGLU
     for y, p in zip(ys, mix):
         assert mx.array_equal(y, x @ p.dense.T).item()
     g, u = x @ gu[0].dense.T, x @ gu[1].dense.T

@@ -66,28 +66,36 @@ def keep_dense_weights(model, on: bool) -> int:
     for g in projection_groups(model):
         if not on:
             for p in g:
-                p.dense = p.dense_stack = None
+                p.dense = p.dense_stack = p.dense_t = p.dense_stack_t = None
             continue
         if g[0].dense is not None:
             continue
         mats = _dequantized(g)
         mx.eval(mats)  # one group at a time: the peak is one group's matrices, not the model's
         attach(g, mats)
-        mx.eval([p.dense for p in g])
+        mx.eval(views(g))
     return kept_bytes(model)
 
 
 def attach(g: list[LinearParams], mats: list[mx.array]) -> None:
     """g's copies from one stacked matrix [sum out, in] (each projection a row range of it, a view of its
-    buffer, with dense_stack naming its place) or one matrix a projection."""
+    buffer, with dense_stack naming its place) or one matrix a projection; and their transposes (views too:
+    evaluate `views(g)` once, so no step builds them)."""
     if len(mats) == 1 and len(g) > 1:
         w, r = mats[0], 0
+        wt = w.T
         for i, p in enumerate(g):
             p.dense, p.dense_stack = w[r:r + p.out_features], (w, i)
+            p.dense_t, p.dense_stack_t = p.dense.T, wt
             r += p.out_features
         return
     for p, w in zip(g, mats):
-        p.dense, p.dense_stack = w, None
+        p.dense, p.dense_stack, p.dense_t, p.dense_stack_t = w, None, w.T, None
+
+
+def views(g: list[LinearParams]) -> list[mx.array]:
+    """The arrays attach() gave g: the copies and their transposes (to evaluate once)."""
+    return [a for p in g for a in (p.dense, p.dense_t, p.dense_stack_t) if a is not None]
 
 
 def resolve(model, setting: bool | None) -> bool:

@@ -221,7 +221,7 @@ def dequant_linear(x2: mx.array, p: LinearParams) -> mx.array:
     """x2 [M, K] @ W^T with W dequantized to x2's dtype: the copy kept in memory, else the dequantize kernel
     where it covers p."""
     if p.dense is not None and p.dense.dtype == x2.dtype:
-        return x2 @ p.dense.T
+        return x2 @ (p.dense_t if p.dense_t is not None else p.dense.T)
     if SELECT["dequant_kernel"] and dequant.supported(p, x2.dtype):
         return x2 @ dequant.dequantize(p, x2.dtype).T
     return x2 @ p.dequantized().astype(x2.dtype).T
@@ -270,16 +270,22 @@ def kept_stack(ps: list[LinearParams], dtype) -> mx.array | None:
     return w if ok else None
 
 
-def _row_slices(w: mx.array, ps: list[LinearParams]) -> list[mx.array]:
-    """The stacked matrix's row ranges, one [N_p, K] a projection: contiguous, so no GEMM copies them (a
-    kept stack's are kept as its projections' `dense`: no slice node a step)."""
+def _row_slices_t(w: mx.array, ps: list[LinearParams]) -> list[mx.array]:
+    """The stacked matrix's row ranges, transposed: one [K, N_p] a projection, each a view of contiguous rows, so
+    no GEMM copies them (a kept stack's are its projections' `dense_t`: no slice or transpose node a step)."""
     if ps[0].dense_stack is not None and w is ps[0].dense_stack[0]:
-        return [p.dense for p in ps]
+        return [p.dense_t if p.dense_t is not None else p.dense.T for p in ps]
     out, r = [], 0
     for p in ps:
-        out.append(w[r:r + p.out_features])
+        out.append(w[r:r + p.out_features].T)
         r += p.out_features
     return out
+
+
+def _stack_t(w: mx.array, ps: list[LinearParams]) -> mx.array:
+    """w.T: the kept transpose when w is ps' kept stack."""
+    p = ps[0]
+    return p.dense_stack_t if p.dense_stack is not None and w is p.dense_stack[0] and p.dense_stack_t is not None else w.T
 
 
 def _silu_mul_ops(g: mx.array, u: mx.array) -> mx.array:
@@ -358,7 +364,7 @@ def linear_multi_kernel(x: mx.array, ps: list[LinearParams]):
         return _small_n_multi(x, x2, lead, ps, *sp)
     w = _stacked(x2, ps)
     if w is not None:  # one dequantize launch, then a GEMM per projection on its rows of the stack
-        return [(x2 @ wp.T).reshape(*lead, p.out_features) for wp, p in zip(_row_slices(w, ps), ps)]
+        return [(x2 @ wt).reshape(*lead, p.out_features) for wt, p in zip(_row_slices_t(w, ps), ps)]
     if small_k_rows(x2, ps):
         return [dequant_linear(x2, p).reshape(*lead, p.out_features) for p in ps]
     if (x2.shape[0] > SELECT["qmv_max_rows"] or len(ps) > 4 or mma_rows_to_mlx(x2.shape[0])
@@ -376,7 +382,7 @@ def swiglu_linear_kernel(x: mx.array, gate: LinearParams, up: LinearParams):
         # one dequantize, one GEMM gu [M, 2I], one fused SwiGLU reading its halves in place (MLX's
         # compiler): 3 launches instead of 7
         inter = gate.out_features
-        gu = x2 @ w.T
+        gu = x2 @ _stack_t(w, [gate, up])
         return _silu_mul(gu[:, :inter], gu[:, inter:]).reshape(*lead, inter)
     if small_k_rows(x2, [gate, up]):
         g, u = dequant_linear(x2, gate), dequant_linear(x2, up)
