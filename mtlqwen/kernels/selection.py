@@ -256,6 +256,13 @@ SELECT: dict[str, int] = {
     # 31.3 against 35.2 ms (step_trace.py); warm TTFT 35.7 against 45.6 ms in one process (benchmarks/
     # prefix_cache.md). Its GPU tests passed on the H200. 0 = one dequantize + GEMM a projection.
     "dequant_stack": 1,
+    # The stacked projections (a GDN layer's four, attention's q / k / v) as one GEMM [M, sum N] whose column
+    # ranges are the outputs, where each of their GEMMs is a cuBLAS call: MLX builds its descriptors and asks
+    # for an algorithm at every call, ~24 us of host time (benchmarks/decode_profile.md), 88 calls fewer a 9B
+    # prefill step; the readers copy the ranges they need contiguous (~5 us each). On the H200 the warm step
+    # traced alone (device-bound) took 22.9 ms with it against 22.8; the engine's warm step is host-bound and
+    # has not been timed with it (benchmarks/prefix_cache.md). 0 = a GEMM a projection on its rows of the stack.
+    "dequant_stack_one_gemm": 0,
     # qgemm: 16-row weight tiles per warp (1 or 2; SwiGLU always pairs 2): 2 was faster at 35 of the 42
     # (matrix, rows) points of the 9B sweep (benchmarks/qgemm.md); how many waves of blocks over the SMs
     # split-K aims for when N / tile * M / tile blocks are too few.

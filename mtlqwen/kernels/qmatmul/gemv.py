@@ -363,6 +363,12 @@ def linear_multi_kernel(x: mx.array, ps: list[LinearParams]):
     if sp is not None:
         return _small_n_multi(x, x2, lead, ps, *sp)
     w = _stacked(x2, ps)
+    if w is not None and SELECT["dequant_stack_one_gemm"]:  # one GEMM; the outputs are its column ranges
+        y, r, out = x2 @ _stack_t(w, ps), 0, []
+        for p in ps:
+            out.append(y[:, r:r + p.out_features].reshape(*lead, p.out_features))
+            r += p.out_features
+        return out
     if w is not None:  # one dequantize launch, then a GEMM per projection on its rows of the stack
         return [(x2 @ wt).reshape(*lead, p.out_features) for wt, p in zip(_row_slices_t(w, ps), ps)]
     if small_k_rows(x2, ps):
