@@ -91,7 +91,8 @@ def held_after_each_step(eng) -> tuple[list[int], dict]:
 
 def test_plain_decode_steps_hold_their_rows_and_write_them_at_the_limit(model, drafter):
     """Two requests that never draft: the prefill step writes its rows, each decode step holds two, the step
-    that brings a sequence to LIMIT writes them all; what lands equals the one-shot context."""
+    after a sequence holds LIMIT writes them all before its own (which it holds); what lands equals the
+    one-shot context."""
     prompts = [random_token_ids(9, 500, seed=81), random_token_ids(12, 500, seed=82)]
     eng = Engine(model, slots=2, step_tokens=32, block_tokens=16, num_blocks=12, draft=drafter, n_draft=3,
                  prefix_interval=0)
@@ -99,15 +100,15 @@ def test_plain_decode_steps_hold_their_rows_and_write_them_at_the_limit(model, d
     eng.step()  # both prompts in one step: written at once
     assert len(eng.spec.backlog) == 0
     sizes = []
-    for _ in range(LIMIT):
+    for _ in range(LIMIT + 1):
         eng.step()
         sizes.append(len(eng.spec.backlog))
-    assert sizes == [2 * k for k in range(1, LIMIT)] + [0]  # the 16th decode step writes 32 rows
+    assert sizes == [2 * k for k in range(1, LIMIT + 1)] + [2]  # the 17th decode step writes 32 rows first
     mx.synchronize()
     for seq in eng.scheduler.running:
-        assert_drafter_context(eng, seq, seq.kv_valid, model, drafter)
+        assert_drafter_context(eng, seq, seq.kv_valid - 1, model, drafter)  # all but the row still held
     rest, outs = held_after_each_step(eng)
-    assert rest[:3] == [2, 4, 6] and set(outs) == set(ids)
+    assert rest == [4, 6, 0] and set(outs) == set(ids)  # two more decode steps, then the finish drops the rows
     for p, rid in zip(prompts, ids):
         assert_reference(model, p, outs[rid], 20, ignore_eos=True)
     assert_idle(eng)

@@ -320,3 +320,22 @@ def test_shared_prefix_workloads_match_cache_off_and_each_request_alone(model, w
     assert s["prefix_hit_tokens"] >= sum(o.cached_tokens for o in outs_on)
     assert s["prefix_lookups"] >= len(w["reqs"]) and s["prefix_bytes"] <= on.prefix.budget
     assert_idle(on)
+
+
+def test_the_step_in_flight_when_the_last_request_finishes_is_read_back(model):
+    """The request's last token is read back while the next step (its anchor at position 15) is in flight and
+    captures the 16-token boundary, to publish at that step's read-back; with no request left nothing would
+    read it back, and its references would stay held while the engine idles. The engine reads it back at once:
+    the capture meets the turn entry kept at 16 (one entry), and only that entry holds the two blocks."""
+    prompt = random_token_ids(12, 500, seed=52)
+    kw = dict(slots=1, step_tokens=16, block_tokens=8, num_blocks=2)
+    (first,) = Engine(model, prefix_interval=0, **kw).generate([prompt], greedy(4, ignore_eos=True))
+    stop = first.token_ids[3]  # the 4th token ends the request as a stop token: not known before its read-back
+    assert stop not in first.token_ids[:3]
+    eng = Engine(model, prefix_interval=16, **kw)
+    (out,) = eng.generate([prompt], greedy(5, ignore_eos=True, stop_token_ids=[stop]))
+    assert out.finish_reason == "stop" and out.token_ids == first.token_ids
+    assert eng._inflight is None and not eng.has_work()
+    assert [(e.length, e.blocks) for e in eng.prefix.entries.values()] == [(16, [0, 1])]
+    assert list(eng.pool.ref_counts) == [1, 1]
+    assert_idle(eng)

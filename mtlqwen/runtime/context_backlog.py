@@ -10,7 +10,8 @@ one context write (`take`), which the Speculator runs:
   - in a step that writes context of its own (prefill chunks) or captures a prefix snapshot (an entry shares
     the blocks and copies their partial one, drafter rows included, for whoever restores it);
   - before a finishing sequence's turn entry is kept, for the same reason;
-  - once a sequence holds LIMIT rows (the taps' memory; LIMIT x S rows are one write of one trace).
+  - in the step after a sequence came to hold LIMIT rows (the taps' memory; LIMIT x S rows are one write of
+    one trace), before that step's own graph.
 A row is written only while its sequence still owns the block it was computed for (not finished, cancelled,
 preempted or restarted since), so a stale row never lands in a block another sequence owns now.
 """

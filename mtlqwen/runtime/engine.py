@@ -260,6 +260,12 @@ class Engine(Generation):
         out, self._events = self._events, []
         try:
             self._step(out)
+            if self._inflight is not None and not self._seqs:
+                # every request finished at this read-back: the step launched before it computes only theirs,
+                # and no later step would read it back (has_work() is False), which would leave its snapshots'
+                # bundle references and device arrays held while the engine idles
+                flight, self._inflight = self._inflight, None
+                self._read_back(flight, None, out)
         except Exception as e:  # not attributable to a step: treat the device state as unsound
             out += self._fail_all(e, [self._inflight])
         return out

@@ -250,7 +250,9 @@ class Speculator:
         lay, ids = batch.layout, batch.input_ids
         ver = [i for i, v in enumerate(lay.verify or []) if v]
         hold = not ver and self._holds_back(plan)
-        if not hold:  # the proposal reads the context, and this step's own write must not share its evaluation
+        # before this step's graph: the proposal reads the context, this step's own write must not share the
+        # flush's evaluation, and a full backlog holds only rows of steps already launched
+        if not hold or self.backlog.full():
             self.flush()
         rows = batch.logits_rows.tolist() if batch.logits_rows is not None else []
         R = len(rows)
@@ -301,8 +303,6 @@ class Speculator:
             mx.async_eval(k, nxt, drafts)
         if hold:  # plain decodes: their rows wait in the backlog (taps stay lazy; their inputs are kept)
             self.backlog.add(taps, plan.scheduled)
-            if self.backlog.full():
-                self.flush()
             return tokens, state, failed
         # drafter context of every row, a verification's anchor + all its drafts included: rows past the
         # accepted ones lie past kv_valid, where nothing reads them, until a later step writes them again
