@@ -245,7 +245,8 @@ class Engine(Generation):
 
     def has_work(self) -> bool:
         # A step still in flight when no request is left only holds tokens of finished requests (one
-        # that stopped on EOS was already sent into the next step): it reports nothing, so it is no work.
+        # that stopped on EOS was already sent into the next step): it reports nothing, so it is no work
+        # (the call that finished the last request read it back: _advance).
         return bool(self._seqs or self._events or self._held)
 
     # ---- the loop
