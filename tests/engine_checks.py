@@ -94,3 +94,20 @@ def assert_drafter_context(eng, seq, P, model, drafter, zero_from=None):
         w = np.array(want).reshape(-1, *want.shape[2:])
         np.testing.assert_allclose(g[:P], w[:P], rtol=1e-4, atol=1e-4)
         assert zero_from is None or not g[zero_from:].any()
+
+
+def run_checking_drafter_context(eng, model, drafter, each=None) -> tuple[dict, int]:
+    """Step eng until it has no work; after each step whose verification (of one sequence) is in flight,
+    check that sequence's drafter context up to its anchor (assert_drafter_context); each(eng) after every
+    step, when given. Returns (the finished outputs by request id, the verifications checked)."""
+    outs, checked = {}, 0
+    while eng.has_work():
+        outs.update({d.request_id: d.output for d in eng.step() if d.finished})
+        if each is not None:
+            each(eng)
+        fl = eng._inflight
+        if fl is not None and fl.spec is not None:
+            (s,) = fl.spec.seqs
+            assert_drafter_context(eng, s.seq, s.start, model, drafter)
+            checked += 1
+    return outs, checked

@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 
 from dflash_checkpoints import write_tiny_drafter
-from engine_checks import assert_drafter_context, assert_idle, assert_reference, greedy
+from engine_checks import assert_drafter_context, assert_idle, assert_reference, greedy, run_checking_drafter_context
 from hf_checkpoints import random_token_ids
 from mtlqwen.model.dflash import load_drafter
 from mtlqwen.runtime import Engine
@@ -123,19 +123,10 @@ def test_rows_held_before_drafting_are_written_before_the_proposal(model, drafte
     eng = Engine(model, slots=1, step_tokens=32, block_tokens=16, num_blocks=8, draft=drafter, n_draft=3,
                  prefix_interval=0, draft_policy=DraftAfter(6))
     rid = eng.submit(prompt, sp)
-    checked, held, out = 0, [], None
-    while eng.has_work():
-        for d in eng.step():
-            if d.finished:
-                out = d.output
-        held.append(len(eng.spec.backlog))
-        fl = eng._inflight
-        if fl is not None and fl.spec is not None:
-            (s,) = fl.spec.seqs
-            assert_drafter_context(eng, s.seq, s.start, model, drafter)
-            checked += 1
+    held = []
+    outs, checked = run_checking_drafter_context(eng, model, drafter, lambda e: held.append(len(e.spec.backlog)))
     assert max(held) >= 4 and checked >= 3 and held[-1] == 0
-    assert out.request_id == rid and out.token_ids == base.token_ids
+    assert outs[rid].token_ids == base.token_ids
     assert_idle(eng)
 
 
@@ -156,17 +147,9 @@ def test_a_boundary_step_and_a_finish_write_the_held_rows_for_the_entries(model,
     turn2 = prompt + first.token_ids + random_token_ids(5, 500, seed=85)
     sp = greedy(10, ignore_eos=True)
     (base,) = Engine(model, slots=1, step_tokens=32, block_tokens=16, num_blocks=16).generate([turn2], sp)
-    eng.submit(turn2, sp)
-    checked, out = 0, None
-    while eng.has_work():
-        for d in eng.step():
-            if d.finished:
-                out = d.output
-        fl = eng._inflight
-        if fl is not None and fl.spec is not None:
-            (s,) = fl.spec.seqs
-            assert_drafter_context(eng, s.seq, s.start, model, drafter)
-            checked += 1
+    rid = eng.submit(turn2, sp)
+    outs, checked = run_checking_drafter_context(eng, model, drafter)
+    out = outs[rid]
     assert checked >= 2 and out.cached_tokens == len(prompt) + len(first.token_ids) - 1
     assert out.token_ids == base.token_ids
     assert_idle(eng)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from dflash_checkpoints import write_tiny_drafter
 from engine_checks import (assert_drafter_context, assert_idle, assert_reference, greedy, in_flight_verifications,
-                           run_arrivals)
+                           run_arrivals, run_checking_drafter_context)
 from hf_checkpoints import random_token_ids
 from mtlqwen import SeqLayout
 from mtlqwen.model.dflash import DrafterCache, load_drafter
@@ -293,16 +293,8 @@ def test_drafter_context_through_chunked_prefill_and_prefix_hits(model, drafter)
                  prefix_interval=20)
     (first,) = eng.generate(prompts[:1], sp)
     rid = eng.submit(prompts[1], sp)
-    checked, out = 0, None
-    while eng.has_work():
-        for d in eng.step():
-            if d.finished and d.request_id == rid:
-                out = d.output
-        fl = eng._inflight
-        if fl is not None and fl.spec is not None:
-            (s,) = fl.spec.seqs
-            assert_drafter_context(eng, s.seq, s.start, model, drafter)
-            checked += 1
+    outs, checked = run_checking_drafter_context(eng, model, drafter)
+    out = outs[rid]
     assert checked >= 3 and eng.stats()["prefix_hits"] == 1 and out.cached_tokens == 40
     assert [first.token_ids, out.token_ids] == [o.token_ids for o in plain]
 
