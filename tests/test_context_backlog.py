@@ -45,11 +45,11 @@ def test_take_keeps_only_rows_whose_sequence_still_owns_their_block():
     bl.add(taps2, [SimpleNamespace(seq=s, start=p) for s, p in ((a, 6), (b, 3), (d, 7))])
     for s, n in ((a, 7), (b, 4), (c, 2), (d, 8)):
         s.kv_valid = n
-    assert (len(bl), bl.held[a], bl.held[d], bl.full()) == (6, 2, 1, False)
+    assert (len(bl), bl.held()[a], bl.held()[d], bl.full()) == (6, 2, 1, False)
     c.status = SeqStatus.FINISHED  # c left (finished or cancelled)
     d.num_preemptions, d.block_table = 1, [3, 9]  # d was preempted and got its blocks again, in another order
     feats, lay = bl.take()
-    assert (len(bl), bl.held) == (0, {})
+    assert (len(bl), bl.held()) == (0, {})
     # a's and b's rows in the order they were computed: a run of two rows of taps1, then two of taps2
     assert feats.tolist() == [[0, 1, 2], [3, 4, 5], [100, 101, 102], [103, 104, 105]]
     assert (lay.query_start_loc, lay.kv_valid) == ([0, 1, 2, 3, 4], [5, 2, 6, 3])
@@ -58,7 +58,7 @@ def test_take_keeps_only_rows_whose_sequence_still_owns_their_block():
     assert bl.take() is None and len(bl) == 0
     bl.add(taps2, [SimpleNamespace(seq=s, start=p) for s, p in ((a, 4), (b, 1), (a, 5))])
     bl.drop(a)  # a finished: nothing will read its rows
-    assert [(r.seq, r.position) for r in bl.rows] == [(b, 1)] and bl.held == {b: 1}
+    assert [(r.seq, r.position) for r in bl.rows] == [(b, 1)] and bl.held() == {b: 1} and not bl.holds(a)
 
 
 def test_limit_rows_make_the_backlog_full():
@@ -67,7 +67,7 @@ def test_limit_rows_make_the_backlog_full():
     for p in range(LIMIT):
         assert not bl.full()
         bl.add(mx.zeros((1, 2)), [SimpleNamespace(seq=a, start=p)])
-    assert bl.full() and bl.held[a] == LIMIT
+    assert bl.full() and bl.held()[a] == LIMIT
 
 
 class DraftAfter(FixedDrafting):

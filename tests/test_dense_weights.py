@@ -110,7 +110,9 @@ def test_a_kept_stack_serves_exactly_its_projections_in_order(qmodel):
     assert gemv.kept_stack(g, mx.float32) is None  # another dtype
     other = dense_weights.projection_groups(qmodel)[2]
     assert gemv.kept_stack([g[0], other[0]], dt) is None
-    assert all(a is b.dense_t for a, b in zip(gemv._row_slices_t(w, g), g))  # the kept views: no slice, no transpose
+    x = mx.zeros((SELECT["dequant_gemm_min_rows"] + 1, g[0].in_features), dtype=dt)
+    wt, parts = gemv._stacked_t(x, g)  # the kept views: no slice, no transpose
+    assert wt is g[0].dense_stack_t and all(a is b.dense_t for a, b in zip(parts, g))
     dense_weights.keep_dense_weights(qmodel, False)
     assert gemv.kept_stack(g, dt) is None
 

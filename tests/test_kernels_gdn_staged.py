@@ -16,7 +16,8 @@ from mtlqwen.kernels.gdn.kernels import run_gdn
 from mtlqwen.kernels.selection import selected
 
 from gpu_checks import n_examples
-from test_kernels_gdn import GEOMS, GPU_SETTINGS, _check, make_case, needs_gpu, on_cpu, packed_case
+from test_kernels_gdn import (GEOMS, GPU_SETTINGS, _check, make_case, needs_gpu, on_cpu, packed_case,
+                              short_or_long)
 
 KERNEL = {"states": "gdn_recurrent_staged", "inplace": "gdn_recurrent_staged_inplace",
           "candidates": "gdn_recurrent_staged_cand"}
@@ -74,9 +75,8 @@ def test_gdn_recurrent_staged_metal_emulated(seed, lens, geom, dtype, mode, pack
 @pytest.mark.gpu
 @needs_gpu
 @settings(max_examples=n_examples(16), **GPU_SETTINGS)  # device_run.sh runs a third of them
-@given(seed=st.integers(0, 2**31), lens=st.lists(st.one_of(st.integers(1, 20), st.integers(60, 300)), min_size=1,
-                                                  max_size=4),
-       geom=st.sampled_from(GEOMS), dtype=st.sampled_from([mx.float32, mx.bfloat16]),
+@given(seed=st.integers(0, 2**31), lens=short_or_long(20, (60, 300)), geom=st.sampled_from(GEOMS),
+       dtype=st.sampled_from([mx.float32, mx.bfloat16]),
        mode=st.sampled_from(list(KERNEL)), packed=st.booleans(), stage=st.sampled_from([3, 8, 16]),
        tpr=st.sampled_from([None, None, 4, 16]))
 @example(seed=1, lens=[4096], geom=(1, 2, 128, 128), dtype=mx.bfloat16, mode="inplace", packed=True, stage=16,

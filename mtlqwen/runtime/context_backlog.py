@@ -18,6 +18,7 @@ preempted or restarted since), so a stale row never lands in a block another seq
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -44,7 +45,6 @@ class ContextBacklog:
     def __init__(self, block_tokens: int):
         self.block_tokens = block_tokens
         self.rows: list[_Row] = []
-        self.held: dict[object, int] = {}  # Sequence -> rows held
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -56,10 +56,16 @@ class ContextBacklog:
         for i, s in enumerate(scheduled):
             seq = s.seq
             self.rows.append(_Row(taps, i, seq, s.start, seq.block_table[s.start // bt], seq.num_preemptions))
-            self.held[seq] = self.held.get(seq, 0) + 1
+
+    def held(self) -> Counter:
+        """Rows held, by Sequence."""
+        return Counter(r.seq for r in self.rows)
+
+    def holds(self, seq) -> bool:
+        return any(r.seq is seq for r in self.rows)
 
     def full(self) -> bool:
-        return any(n >= LIMIT for n in self.held.values())
+        return bool(self.rows) and max(self.held().values()) >= LIMIT
 
     def _valid(self, r: _Row) -> bool:
         seq = r.seq
@@ -72,7 +78,7 @@ class ContextBacklog:
         """Empty the backlog: (tap rows [R, F], a layout of R one-token sequences at their positions and
         blocks) for Drafter.write_context, or None when no held row is still valid."""
         rows = [r for r in self.rows if self._valid(r)]
-        self.rows, self.held = [], {}
+        self.rows = []
         if not rows:
             return None
         parts, run = [], []  # consecutive rows of one step's taps: one slice each, else a gather
@@ -91,8 +97,7 @@ class ContextBacklog:
 
     def drop(self, seq) -> None:
         """Forget seq's rows (it finished and nothing will read them)."""
-        if self.held.pop(seq, 0):
-            self.rows = [r for r in self.rows if r.seq is not seq]
+        self.rows = [r for r in self.rows if r.seq is not seq]
 
     def clear(self) -> None:
-        self.rows, self.held = [], {}
+        self.rows = []

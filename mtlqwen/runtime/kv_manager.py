@@ -248,9 +248,8 @@ class StepSnapshots:
         # A request held for this prefix (or arriving now) restores it in the next step instead of one step
         # after this one's read-back: its restore reads the copies after this step on the stream. A prefill
         # boundary's tokens are all known; a decode anchor still in flight is not, so that capture waits.
-        known = [c for c in self.captures if len(c.seq.tokens) >= c.length]
+        known, self.captures = _split(self.captures, lambda c: len(c.seq.tokens) >= c.length)
         if known:
-            self.captures = [c for c in self.captures if len(c.seq.tokens) < c.length]
             self.published = prefix.publish(known)
 
     def publish(self) -> None:
@@ -267,6 +266,12 @@ class StepSnapshots:
         if self.published:
             self.kv.prefix.withdraw(self.published)
             self.published = []
+
+
+def _split(items: list, keep) -> tuple[list, list]:
+    """(the items keep() accepts, the rest), each in order."""
+    yes = [x for x in items if keep(x)]
+    return yes, [x for x in items if not keep(x)]
 
 
 def _tap_state(tap: dict, n_gdn: int) -> list[mx.array]:

@@ -170,7 +170,7 @@ class Speculator:
     def finishing(self, seq) -> None:
         """seq is about to finish: its held context rows go into its blocks before a turn entry shares them,
         or, without a prefix cache, are dropped (nothing reads them)."""
-        if not self.backlog.held.get(seq):
+        if not self.backlog.holds(seq):
             return
         if self.kv.prefix is not None:
             self.flush()

@@ -221,7 +221,7 @@ def dequant_linear(x2: mx.array, p: LinearParams) -> mx.array:
     """x2 [M, K] @ W^T with W dequantized to x2's dtype: the copy kept in memory, else the dequantize kernel
     where it covers p."""
     if p.dense is not None and p.dense.dtype == x2.dtype:
-        return x2 @ (p.dense_t if p.dense_t is not None else p.dense.T)
+        return x2 @ p.dense_t  # attach() sets both
     if SELECT["dequant_kernel"] and dequant.supported(p, x2.dtype):
         return x2 @ dequant.dequantize(p, x2.dtype).T
     return x2 @ p.dequantized().astype(x2.dtype).T
@@ -248,15 +248,23 @@ def _big_m(x2: mx.array, p: LinearParams) -> mx.array:
     return None
 
 
-def _stacked(x2: mx.array, ps: list[LinearParams]) -> mx.array | None:
-    """Several projections of one input that all go to dequantize + GEMM: their weights dequantized in one
-    launch (SELECT["dequant_stack"]) as one [sum N_p, K] matrix; None where they cannot."""
+def _stacked_t(x2: mx.array, ps: list[LinearParams]) -> tuple[mx.array, list[mx.array]] | None:
+    """Several projections of one input that all go to dequantize + GEMM, transposed for x2 @ W^T: (the
+    stacked matrix's transpose [K, sum N_p], each projection's [K, N_p], views of it): the copies kept in memory
+    (dense_weights.py: no slice or transpose node a step), else one dequantize launch (SELECT["dequant_stack"]);
+    None where they cannot."""
     if not (SELECT["dequant_stack"] and SELECT["dequant_kernel"] and len(ps) > 1 and qmv_rows_exceeded(x2)
             and not _use_qgemm(x2, ps) and dequant.stackable(ps, x2.dtype)
             and all(_dequant_route(x2, p) for p in ps)):
         return None
-    kept = kept_stack(ps, x2.dtype)
-    return kept if kept is not None else dequant.dequantize_stack(ps, x2.dtype)
+    if kept_stack(ps, x2.dtype) is not None:
+        return ps[0].dense_stack_t, [p.dense_t for p in ps]
+    w = dequant.dequantize_stack(ps, x2.dtype)
+    out, r = [], 0
+    for p in ps:  # row ranges of the stack: contiguous, so no GEMM copies them
+        out.append(w[r:r + p.out_features].T)
+        r += p.out_features
+    return w.T, out
 
 
 def kept_stack(ps: list[LinearParams], dtype) -> mx.array | None:
@@ -268,24 +276,6 @@ def kept_stack(ps: list[LinearParams], dtype) -> mx.array | None:
         return None
     ok = all(p.dense_stack is not None and p.dense_stack[0] is w and p.dense_stack[1] == i for i, p in enumerate(ps))
     return w if ok else None
-
-
-def _row_slices_t(w: mx.array, ps: list[LinearParams]) -> list[mx.array]:
-    """The stacked matrix's row ranges, transposed: one [K, N_p] a projection, each a view of contiguous rows, so
-    no GEMM copies them (a kept stack's are its projections' `dense_t`: no slice or transpose node a step)."""
-    if ps[0].dense_stack is not None and w is ps[0].dense_stack[0]:
-        return [p.dense_t if p.dense_t is not None else p.dense.T for p in ps]
-    out, r = [], 0
-    for p in ps:
-        out.append(w[r:r + p.out_features].T)
-        r += p.out_features
-    return out
-
-
-def _stack_t(w: mx.array, ps: list[LinearParams]) -> mx.array:
-    """w.T: the kept transpose when w is ps' kept stack."""
-    p = ps[0]
-    return p.dense_stack_t if p.dense_stack is not None and w is p.dense_stack[0] and p.dense_stack_t is not None else w.T
 
 
 def _silu_mul_ops(g: mx.array, u: mx.array) -> mx.array:
@@ -362,15 +352,15 @@ def linear_multi_kernel(x: mx.array, ps: list[LinearParams]):
     sp = small_n_split(x2, ps)
     if sp is not None:
         return _small_n_multi(x, x2, lead, ps, *sp)
-    w = _stacked(x2, ps)
-    if w is not None and SELECT["dequant_stack_one_gemm"]:  # one GEMM; the outputs are its column ranges
-        y, r, out = x2 @ _stack_t(w, ps), 0, []
+    st = _stacked_t(x2, ps)
+    if st is not None and SELECT["dequant_stack_one_gemm"]:  # one GEMM; the outputs are its column ranges
+        y, r, out = x2 @ st[0], 0, []
         for p in ps:
             out.append(y[:, r:r + p.out_features].reshape(*lead, p.out_features))
             r += p.out_features
         return out
-    if w is not None:  # one dequantize launch, then a GEMM per projection on its rows of the stack
-        return [(x2 @ wt).reshape(*lead, p.out_features) for wt, p in zip(_row_slices_t(w, ps), ps)]
+    if st is not None:  # a GEMM per projection on its rows of the stack
+        return [(x2 @ wt).reshape(*lead, p.out_features) for wt, p in zip(st[1], ps)]
     if small_k_rows(x2, ps):
         return [dequant_linear(x2, p).reshape(*lead, p.out_features) for p in ps]
     if (x2.shape[0] > SELECT["qmv_max_rows"] or len(ps) > 4 or mma_rows_to_mlx(x2.shape[0])
@@ -383,12 +373,12 @@ def swiglu_linear_kernel(x: mx.array, gate: LinearParams, up: LinearParams):
     x2, lead = _flat(x)
     if gate.out_features == up.out_features and _use_qgemm(x2, [gate, up]):
         return tc_gemm(x2, [gate, up], epi=1)[0].reshape(*lead, gate.out_features)
-    w = _stacked(x2, [gate, up]) if gate.out_features == up.out_features else None
-    if w is not None:
+    st = _stacked_t(x2, [gate, up]) if gate.out_features == up.out_features else None
+    if st is not None:
         # one dequantize, one GEMM gu [M, 2I], one fused SwiGLU reading its halves in place (MLX's
         # compiler): 3 launches instead of 7
         inter = gate.out_features
-        gu = x2 @ _stack_t(w, [gate, up])
+        gu = x2 @ st[0]
         return _silu_mul(gu[:, :inter], gu[:, inter:]).reshape(*lead, inter)
     if small_k_rows(x2, [gate, up]):
         g, u = dequant_linear(x2, gate), dequant_linear(x2, up)
