@@ -14,6 +14,27 @@ from mtlqwen.runtime import SamplingParams
 EOS = (508, 510)  # the tiny checkpoints' eos ids (tests/hf_checkpoints.py)
 
 
+def on_cpu() -> bool:
+    return mx.default_device() == mx.cpu
+
+
+def near_tie() -> float:
+    """Logit gap (x the row's largest magnitude) under which two greedy paths may pick different tokens: fp32
+    summation order on the CPU; on a GPU, whose fp32 matmuls may run in TF32 (~1e-3 relative per product,
+    compounded over the layers: seen on the H200), 1%."""
+    return 1e-4 if on_cpu() else 1e-2
+
+
+def close(got, want) -> bool:
+    """fp32 agreement of two computations of one value: exact up to summation order on the CPU (2e-5); on a GPU
+    1% of the largest magnitude, as differently shaped matmuls may run in TF32 there. A wrong row or position
+    differs by O(1)."""
+    got, want = np.asarray(got), np.asarray(want)
+    if on_cpu():
+        return np.allclose(got, want, atol=2e-5)
+    return float(np.max(np.abs(got - want))) <= 1e-2 * max(float(np.max(np.abs(want))), 1e-6)
+
+
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, **kw)
 
@@ -24,7 +45,7 @@ def ref_logits(model, ids) -> np.ndarray:
 
 def assert_reference(model, prompt, out, max_tokens: int | None = None, ignore_eos: bool = False):
     """Each generated token is the argmax of the model run alone on prompt + the tokens before it
-    (teacher forcing), or within 1e-4 x logit scale of it (a near-tie). With max_tokens, the completion
+    (teacher forcing), or within near_tie() x logit scale of it. With max_tokens, the completion
     also ends where it should (at an EOS, or after max_tokens; with ignore_eos only after max_tokens)."""
     toks = out.token_ids
     assert out.error is None and toks, out
@@ -33,7 +54,7 @@ def assert_reference(model, prompt, out, max_tokens: int | None = None, ignore_e
         ref = int(row.argmax())
         if tok != ref:
             gap = row[ref] - row[tok]
-            assert gap <= 1e-4 * np.abs(row).max(), f"token {k}: engine {tok}, alone {ref} (gap {gap:.3g})"
+            assert gap <= near_tie() * np.abs(row).max(), f"token {k}: engine {tok}, alone {ref} (gap {gap:.3g})"
     if max_tokens is None:
         return
     if not ignore_eos and any(t in EOS for t in toks):
@@ -92,7 +113,10 @@ def assert_drafter_context(eng, seq, P, model, drafter, zero_from=None):
     for got, want in zip(eng.spec.dcache.arrays(), dref.arrays()):
         g = np.array(got[mx.array(seq.block_table)]).reshape(-1, *got.shape[2:])
         w = np.array(want).reshape(-1, *want.shape[2:])
-        np.testing.assert_allclose(g[:P], w[:P], rtol=1e-4, atol=1e-4)
+        if on_cpu():
+            np.testing.assert_allclose(g[:P], w[:P], rtol=1e-4, atol=1e-4)
+        else:  # the one-shot projection and the engine's writes run matmuls of other row counts (TF32)
+            assert close(g[:P], w[:P]), float(np.max(np.abs(g[:P] - w[:P])))
         assert zero_from is None or not g[zero_from:].any()
 
 

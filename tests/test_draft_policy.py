@@ -147,11 +147,12 @@ def test_expected_tokens_and_estimates():
     p.record(s, 4, 1)  # 1 success then a failure; the past weighs half
     assert (s.draft_estimate.accepted, s.draft_estimate.rejected) == (3.0, 1.0)
     assert p.acceptance(s) == pytest.approx((3.0 + 1.6) / (4.0 + 2.0))
-    p.skipped(s)
-    assert (s.draft_estimate.accepted, s.draft_estimate.rejected) == (1.5, 0.5)
+    p.skipped(s)  # plain steps leave the counts alone: only the backoff's clock moves
+    assert s.draft_estimate == AcceptanceEstimate(3.0, 1.0, idle=1, backoff=4)
     fresh = Sequence(1, [1], SamplingParams(), 0)
     assert p.acceptance(fresh) == pytest.approx(0.8) and fresh.draft_estimate == AcceptanceEstimate()
-    for bad in (dict(decay=1.0), dict(prior=1.5), dict(prior_weight=0.0)):
+    for bad in (dict(decay=1.0), dict(prior=1.5), dict(prior_weight=0.0), dict(min_backoff=0),
+                dict(min_backoff=8, max_backoff=4)):
         with pytest.raises(ValueError):
             AdaptiveDrafting(**bad)
     with pytest.raises(TypeError, match="StepCosts"):
@@ -189,15 +190,38 @@ def test_adaptive_choices_for_given_tables_and_acceptances():
     assert p.choose([seq_with(), seq_with()], [4, 1], 2) == [4, 1]  # 7 / 1.2 beats 6 / 1.1
     p = AdaptiveDrafting(StepCosts((2,), (0, 4), ((1.0, 1.5),)), prior=1.0, prior_weight=1.0)
     assert p.choose([seq_with(), seq_with()], [4, 1], 2) == [4, 0]  # 6 / 1.25 beats 7 / 1.5
-    # a bad drafter's run: accepted nothing twice, then plain; the decay brings it back after 3 plain steps
+    # a bad drafter's run: accepted nothing twice, then plain; probed again after 4, 8, ... 128 plain steps
+    # (a probe assumes the prior), never more often once the backoff is at its longest
     t = StepCosts((1,), (0, 4), ((1.0, 2.0),))
     p = AdaptiveDrafting(t, decay=0.8, prior=0.8, prior_weight=2.0)
-    s, seen = seq_with(), []
-    for _ in range(8):
+    s, drafted = seq_with(), []
+    for step in range(520):
         (n,) = p.choose([s], [4], 1)
-        seen.append(n)
+        drafted += [step] if n else []
         p.record(s, 4, 0) if n else p.skipped(s)
-    assert seen == [4, 4, 0, 0, 0, 4, 0, 0]
+    assert drafted == [0, 1, 6, 15, 32, 65, 130, 259, 388, 517]
+    assert s.draft_estimate.backoff == 128
+    # the drafter turns good: the next probe accepts all 4 and the estimate keeps it drafting, backoff reset
+    for step in range(520, 700):
+        (n,) = p.choose([s], [4], 1)
+        drafted += [step] if n else []
+        p.record(s, 4, 4) if n else p.skipped(s)
+    assert drafted[10:] == list(range(646, 700)) and s.draft_estimate.backoff == 4
+    # a due sequence the table would not draft even at the prior: declined, it backs off without drafting
+    p = AdaptiveDrafting(StepCosts((1,), (0, 4), ((1.0, 9.0),)), prior=0.8, prior_weight=2.0)
+    s = seq_with(0.0, 8.0)
+    for _ in range(5):
+        assert p.choose([s], [4], 1) == [0]
+        p.skipped(s)
+    assert (s.draft_estimate.idle, s.draft_estimate.backoff) == (0, 8)
+    # one probing sequence pays the speculative step's fixed part alone: by the H200 compiled table, 1 of 32
+    # sequences at a = 0.9 adds c(1, 7) - c(1, 0) = 3.69 ms to 10.85 (36.9 / 14.54 tokens a ms < 32 / 10.85),
+    # where a share of the 32-sequence row (1.06 ms) would have drafted it
+    p = AdaptiveDrafting(H200_9B_COMPILED_COSTS, prior=0.8, prior_weight=2.0)
+    batch = [seq_with(1e9, 1e8)] + [seq_with(0.0, 1e9) for _ in range(31)]
+    assert p.costs.extra(1, 7) == pytest.approx(9.87 - 6.18)
+    assert p.choose(batch, [7] * 32, 32) == [0] * 32
+    assert p.choose(batch[:1], [7], 1) == [7]  # alone, it drafts
     assert FixedDrafting().choose([seq_with(), seq_with()], [3, 0], 2) == [3, 0]
 
 

@@ -16,7 +16,7 @@ from mtlqwen.runtime.scheduler import ScheduledSeq
 from mtlqwen.runtime.sequence import Sequence
 
 from dflash_checkpoints import write_tiny_drafter
-from engine_checks import assert_idle, greedy, in_flight_verifications
+from engine_checks import assert_idle, assert_reference, greedy, in_flight_verifications, on_cpu
 from hf_checkpoints import random_token_ids
 
 
@@ -342,7 +342,11 @@ def test_thrash_workload_is_exact_with_each_request_preempted_at_most_once(model
     alone = one.generate(prompts, sp)
     six = Engine(model, slots=6, **kw)
     outs = six.generate(prompts, sp)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
+    if on_cpu():
+        assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
+    else:  # recomputed contexts run other matmul shapes (TF32 there): tokens may differ only at near-ties
+        for p, o in zip(prompts, outs):
+            assert_reference(model, p, o)
     s1, s6 = one.stats(), six.stats()
     assert s1["preemptions"] == 0 and s1["prefill_tokens"] == 12 * 8
     # a victim is readmitted only when it and every running sequence can finish: never preempted twice

@@ -13,18 +13,8 @@ from mtlqwen.runtime.kv_manager import KVManager, _tap_state
 from mtlqwen.runtime.scheduler import Scheduler
 from mtlqwen.runtime.sequence import Sequence
 
-from engine_checks import assert_idle, assert_reference, greedy
+from engine_checks import assert_idle, assert_reference, close, greedy
 from hf_checkpoints import random_token_ids
-
-def close(got, want) -> bool:
-    """fp32 agreement: exact up to summation order on the CPU (2e-5); on a GPU 1% of the largest magnitude,
-    as whole and cut chunks run matmuls of different row counts that its fp32 matmul may compute in TF32
-    (~1e-3 relative, seen on the H200). A state taken at a wrong position differs by O(1)."""
-    got, want = np.asarray(got), np.asarray(want)
-    if mx.default_device() == mx.cpu:
-        return np.allclose(got, want, atol=2e-5)
-    return float(np.max(np.abs(got - want))) <= 1e-2 * max(float(np.max(np.abs(want))), 1e-6)
-
 
 KW = dict(slots=2, step_tokens=16, prefill_step_tokens=64, block_tokens=8, num_blocks=40, prefix_interval=16)
 

@@ -4,15 +4,20 @@ A speculative step costs several plain decode steps (benchmarks/spec.md), so dra
 tokens a step yields grow faster than its cost. `AdaptiveDrafting` picks, per step, a draft length N (0:
 plain decode) and which sequences speculate, maximising expected tokens per unit of time
 
-    rate(N, k) = (S + sum of the k largest gains_i(N)) / (c(S, 0) + (c(S, N) - c(S, 0)) * k / S)
+    rate(N, k) = (S + sum of the k largest gains_i(N)) / (c(S, 0) + c(k, N) - c(k, 0))
 
 where S is the number of decoding sequences in the step, c the step-cost table (`StepCosts`),
-gains_i(N) = E[tau_i(N)] - 1 the expected accepted drafts of sequence i, and the extra cost of speculation
-is taken as proportional to the share k / S of sequences that speculate (the drafter pass and the
-verification rows scale with them). tau_i(N) = 1 + a + ... + a^N for a sequence whose drafts are accepted
-with probability a each (one rejection ends the run), a estimated from its own verifications
-(`AcceptanceEstimate`). N = 0 always competes, so by the table a drafter never makes a step yield fewer
-tokens per unit of time than plain decoding.
+gains_i(N) = E[tau_i(N)] - 1 the expected accepted drafts of sequence i. The extra cost of k speculating
+sequences is the table's at k sequences (`StepCosts.extra`): the drafter pass and the verification rows
+are theirs, and a speculative step has a fixed part that one probing sequence pays alone (below the
+table's smallest batch, a share of its first row). tau_i(N) = 1 + a + ... + a^N for a sequence whose
+drafts are accepted with probability a each (one rejection ends the run), a estimated from its own
+verifications (`AcceptanceEstimate`). N = 0 always competes, so by the table a drafter never makes a step
+yield fewer tokens per unit of time than plain decoding.
+
+A sequence the estimate turns off is probed again after a backoff of plain steps that doubles with each
+probe that does not keep it drafting (4, 8, ... 128 steps): where the drafter never pays, its cost falls
+to one speculative step in 128; a sequence whose text turns predictable is found within one backoff.
 
 `FixedDrafting` is the engine's original rule: every eligible sequence verifies all the drafts it may.
 
@@ -77,6 +82,14 @@ class StepCosts:
         i = min(bisect_right(self.seqs, S), len(self.seqs) - 1)  # segment [i-1, i], the last one beyond
         s0, s1 = self.seqs[i - 1], self.seqs[i]
         return row[i - 1] + (row[i] - row[i - 1]) * (S - s0) / (s1 - s0)
+
+    def extra(self, k: int, N: int) -> float:
+        """What k sequences speculating with N drafts add to a step: c(k, N) - c(k, 0), interpolated; below
+        the smallest batch measured, its share k / seqs[0] of that batch's."""
+        s0 = self.seqs[0]
+        if k >= s0:
+            return self.cost(k, N) - self.cost(k, 0)
+        return (self.cost(s0, N) - self.cost(s0, 0)) * k / s0
 
     def _in_drafts(self, r: tuple[float, ...], N: int) -> float:
         j = bisect_right(self.drafts, N) - 1
@@ -165,11 +178,14 @@ H200_9B_COMPILED_COSTS = StepCosts(
 class AcceptanceEstimate:
     """A sequence's running acceptance: exponentially decayed counts of accepted drafts and of rejections
     (a run of n drafts with k accepted is k successes, then one failure unless k == n), pulled towards a
-    prior of `prior` acceptance worth `weight` observations. Steps in which it does not speculate decay
-    the counts too, so a sequence turned off drifts back to the prior and is tried again."""
+    prior of `prior` acceptance worth `weight` observations; the counts move only when it verifies.
+    idle: plain steps since it last verified; backoff: the plain steps after which it is probed again
+    (`AdaptiveDrafting.due`)."""
 
     accepted: float = 0.0
     rejected: float = 0.0
+    idle: int = 0
+    backoff: int = 4
 
     def rate(self, prior: float, weight: float) -> float:
         return (self.accepted + weight * prior) / (self.accepted + self.rejected + weight)
@@ -198,57 +214,74 @@ class FixedDrafting:
 
 class AdaptiveDrafting:
     """Draft length and speculating sequences per step, from `costs` and each sequence's acceptance (module
-    docstring). decay: weight kept by past observations per step (0.8 forgets with a horizon of ~5 steps);
-    prior / prior_weight: the acceptance assumed before a sequence has verified."""
+    docstring). decay: weight kept by past observations per verification (0.8 forgets with a horizon of ~5);
+    prior / prior_weight: the acceptance assumed before a sequence has verified, and by a probe;
+    min_backoff / max_backoff: plain steps before the first / the latest probe of a sequence turned off."""
 
     name = "adaptive"
 
     def __init__(self, costs: StepCosts = H200_9B_COSTS, decay: float = 0.8, prior: float = 0.8,
-                 prior_weight: float = 2.0):
+                 prior_weight: float = 2.0, min_backoff: int = 4, max_backoff: int = 128):
         if not isinstance(costs, StepCosts):
             raise TypeError(f"costs must be a StepCosts, got {type(costs).__name__}")
         if not 0.0 <= decay < 1.0 or not 0.0 <= prior <= 1.0 or not prior_weight > 0:
             raise ValueError(f"need 0 <= decay < 1, 0 <= prior <= 1, prior_weight > 0 "
                              f"(got {decay}, {prior}, {prior_weight})")
+        if not 1 <= min_backoff <= max_backoff:
+            raise ValueError(f"need 1 <= min_backoff <= max_backoff (got {min_backoff}, {max_backoff})")
         self.costs, self.decay, self.prior, self.prior_weight = costs, decay, prior, prior_weight
+        self.min_backoff, self.max_backoff = min_backoff, max_backoff
 
     def estimate(self, seq) -> AcceptanceEstimate:
         if seq.draft_estimate is None:
-            seq.draft_estimate = AcceptanceEstimate()
+            seq.draft_estimate = AcceptanceEstimate(backoff=self.min_backoff)
         return seq.draft_estimate
 
     def acceptance(self, seq) -> float:
         return self.estimate(seq).rate(self.prior, self.prior_weight)
 
-    def record(self, seq, drafts: int, accepted: int) -> None:
+    def due(self, seq) -> bool:
+        """seq has sat out its backoff: this step may probe it (at the prior's acceptance, or its own if higher)."""
         e = self.estimate(seq)
+        return e.idle >= e.backoff
+
+    def record(self, seq, drafts: int, accepted: int) -> None:
+        """A verification's result. A probe doubles the backoff (kept only if the sequence stays off); a run
+        the estimate chose resets it."""
+        e = self.estimate(seq)
+        e.backoff = min(2 * e.backoff, self.max_backoff) if self.due(seq) else self.min_backoff
+        e.idle = 0
         e.accepted = self.decay * e.accepted + accepted
         e.rejected = self.decay * e.rejected + (1.0 if accepted < drafts else 0.0)
 
     def skipped(self, seq) -> None:
+        """A plain step of a decoding sequence; one that was due and still not chosen backs off further."""
         e = self.estimate(seq)
-        e.accepted *= self.decay
-        e.rejected *= self.decay
+        if self.due(seq):
+            e.idle, e.backoff = 0, min(2 * e.backoff, self.max_backoff)
+        else:
+            e.idle += 1
 
     def choose(self, seqs: list, caps: list[int], rows: int) -> list[int]:
         """Drafts per sequence (0 = plain decode). caps: the most each may verify (0: not eligible); rows:
-        decoding sequences in the step (at least the eligible ones)."""
+        decoding sequences in the step (at least the eligible ones). Pure: the engine also asks it whether
+        a step would draft before committing to one."""
         live = [i for i, c in enumerate(caps) if c > 0]
         out = [0] * len(caps)
         if not live:
             return out
         S = max(rows, len(live))
         n_max = min(max(caps), self.costs.drafts[-1])
-        rates = {i: self.acceptance(seqs[i]) for i in live}
+        rates = {i: max(self.acceptance(seqs[i]), self.prior) if self.due(seqs[i]) else self.acceptance(seqs[i])
+                 for i in live}
         c0 = self.costs.cost(S, 0)
         best, choice = S / c0, (0, [])
         for N in sorted({d for d in self.costs.drafts if 0 < d <= n_max} | {n_max}):
-            cN = self.costs.cost(S, N)
             gains = sorted(((expected_tokens(rates[i], min(N, caps[i])) - 1.0, i) for i in live), reverse=True)
             tokens = float(S)
             for k, (g, _) in enumerate(gains, 1):
                 tokens += g
-                rate = tokens / (c0 + (cN - c0) * k / S)
+                rate = tokens / (c0 + self.costs.extra(k, N))
                 if rate > best * (1.0 + 1e-9):  # a tie keeps the cheaper choice
                     best, choice = rate, (N, [i for _, i in gains[:k]])
         N, chosen = choice
