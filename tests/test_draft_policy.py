@@ -325,6 +325,32 @@ def test_drafting_that_never_pays_runs_the_plain_engine(model, drafter):
     assert_idle(eng)
 
 
+def test_a_drafter_that_is_never_right_is_probed_with_a_growing_backoff(model, drafter):
+    """One request, 7 drafts a step costing 3 plain steps (CHEAP), every draft wrong: the engine verifies at
+    exactly the steps the policy's backoff allows (the prior's first two runs, then after 4, 8, 16, 32 plain
+    steps: the 2nd, 3rd, 8th, 17th, 34th and 67th generated tokens) and its output is plain decoding's, in as
+    many steps (a rejected run yields one token, as a plain step does)."""
+    prompt = random_token_ids(12, 512, seed=77)
+    sp = greedy(80, ignore_eos=True)
+    kw = dict(slots=1, step_tokens=32, block_tokens=16, num_blocks=12, prefix_interval=0)
+    (base,) = plain_outputs(model, [prompt], sp, **{k: v for k, v in kw.items() if k != "prefix_interval"})
+    eng = Engine(model, draft=drafter, n_draft=7, draft_policy="adaptive", draft_costs=CHEAP, **kw)
+    eng.spec.propose = wrong_by_one({tuple(prompt): prompt + base.token_ids})
+    at, record = [], eng.spec.policy.record
+
+    def recording(seq, drafts, accepted):
+        at.append(seq.num_generated)
+        record(seq, drafts, accepted)
+
+    eng.spec.policy.record = recording
+    (out,) = eng.generate([prompt], sp)
+    assert out.token_ids == base.token_ids
+    assert at == [2, 3, 8, 17, 34, 67]
+    st = eng.stats()
+    assert (st["spec_verifications"], st["accepted_tokens"], st["steps"], st["plain_decodes"]) == (6, 0, 80, 73)
+    assert_idle(eng)
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(w=spec_workloads())
 def test_random_workloads_with_adaptive_drafting_match_plain_decoding(model, drafter, w):
