@@ -152,7 +152,7 @@ def test_expected_tokens_and_estimates():
     fresh = Sequence(1, [1], SamplingParams(), 0)
     assert p.acceptance(fresh) == pytest.approx(0.8) and fresh.draft_estimate == AcceptanceEstimate()
     for bad in (dict(decay=1.0), dict(prior=1.5), dict(prior_weight=0.0), dict(min_backoff=0),
-                dict(min_backoff=8, max_backoff=4)):
+                dict(min_backoff=8, max_backoff=4), dict(probe_share=0.0)):
         with pytest.raises(ValueError):
             AdaptiveDrafting(**bad)
     with pytest.raises(TypeError, match="StepCosts"):
@@ -214,6 +214,19 @@ def test_adaptive_choices_for_given_tables_and_acceptances():
         assert p.choose([s], [4], 1) == [0]
         p.skipped(s)
     assert (s.draft_estimate.idle, s.draft_estimate.backoff) == (0, 8)
+    # the backoff after a speculative step amortises its extra cost to probe_share: 1 sequence of 4 speculating
+    # with 4 drafts adds c(1, 4) - c(1, 0) = 1 plain step at 4 sequences' c(4, 0) = 2: 0.5 / 5% = 10 steps
+    t = StepCosts((1, 4), (0, 4), ((1.0, 2.0), (2.0, 5.0)))
+    p = AdaptiveDrafting(t, prior=0.8, prior_weight=2.0)
+    batch = [seq_with(0.0, 8.0) for _ in range(4)]
+    p.planned(batch, [4, 0, 0, 0], 4)
+    assert batch[0].draft_estimate.step_extra == pytest.approx(0.5) and batch[1].draft_estimate.step_extra == 0.0
+    p.record(batch[0], 4, 0)
+    assert (batch[0].draft_estimate.idle, batch[0].draft_estimate.backoff) == (0, 10)
+    p.planned(batch, [4] * 4, 4)  # all four: c(4, 4) - c(4, 0) = 3 of 2 plain steps -> 30, a probe's doubling 20
+    batch[0].draft_estimate.idle = 10
+    p.record(batch[0], 4, 0)
+    assert batch[0].draft_estimate.backoff == 30
     # one probing sequence pays the speculative step's fixed part alone: by the H200 compiled table, 1 of 32
     # sequences at a = 0.9 adds c(1, 7) - c(1, 0) = 3.69 ms to 10.85 (36.9 / 14.54 tokens a ms < 32 / 10.85),
     # where a share of the 32-sequence row (1.06 ms) would have drafted it
@@ -326,10 +339,12 @@ def test_drafting_that_never_pays_runs_the_plain_engine(model, drafter):
 
 
 def test_a_drafter_that_is_never_right_is_probed_with_a_growing_backoff(model, drafter):
-    """One request, 7 drafts a step costing 3 plain steps (CHEAP), every draft wrong: the engine verifies at
-    exactly the steps the policy's backoff allows (the prior's first two runs, then after 4, 8, 16, 32 plain
-    steps: the 2nd, 3rd, 8th, 17th, 34th and 67th generated tokens) and its output is plain decoding's, in as
-    many steps (a rejected run yields one token, as a plain step does)."""
+    """One request, n_draft 7, every draft wrong, the CHEAP table (a step of 3 drafts costs 2 plain steps, of
+    1 draft 1.5). The 2nd generated token verifies 3 drafts (the prior, a = 0.8), the 3rd 1 draft (a = 0.53 after
+    one rejection); then the estimate (0.42) keeps it plain, and it is probed at the prior with 3 drafts after
+    10 plain steps (1 draft's extra 0.5 plain steps / 5%), then 20 (3 drafts' extra 1.0 / 5%), then 40 (doubled):
+    the 14th, 35th and 76th tokens. Output as plain decoding, in as many steps (a rejected run yields one
+    token, as a plain step does)."""
     prompt = random_token_ids(12, 512, seed=77)
     sp = greedy(80, ignore_eos=True)
     kw = dict(slots=1, step_tokens=32, block_tokens=16, num_blocks=12, prefix_interval=0)
@@ -345,9 +360,10 @@ def test_a_drafter_that_is_never_right_is_probed_with_a_growing_backoff(model, d
     eng.spec.policy.record = recording
     (out,) = eng.generate([prompt], sp)
     assert out.token_ids == base.token_ids
-    assert at == [2, 3, 8, 17, 34, 67]
+    assert at == [2, 3, 14, 35, 76]
     st = eng.stats()
-    assert (st["spec_verifications"], st["accepted_tokens"], st["steps"], st["plain_decodes"]) == (6, 0, 80, 73)
+    assert (st["spec_verifications"], st["accepted_tokens"], st["steps"], st["plain_decodes"]) == (5, 0, 80, 74)
+    assert st["draft_tokens"] == 3 + 1 + 3 * 3
     assert_idle(eng)
 
 

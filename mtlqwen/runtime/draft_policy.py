@@ -16,8 +16,10 @@ verifications (`AcceptanceEstimate`). N = 0 always competes, so by the table a d
 yield fewer tokens per unit of time than plain decoding.
 
 A sequence the estimate turns off is probed again after a backoff of plain steps that doubles with each
-probe that does not keep it drafting (4, 8, ... 128 steps): where the drafter never pays, its cost falls
-to one speculative step in 128; a sequence whose text turns predictable is found within one backoff.
+probe that does not keep it drafting (4, 8, ... 128 steps), and is at least long enough that its last
+speculative step's extra cost is `probe_share` (5%) of the plain steps in between: where the drafter never
+pays, it costs a few speculative steps at the start and then one in 128; a sequence whose text turns
+predictable is found within one backoff.
 
 `FixedDrafting` is the engine's original rule: every eligible sequence verifies all the drafts it may.
 
@@ -29,6 +31,7 @@ distinct length makes its own compiled trace and kernel instantiations, so a wor
 from __future__ import annotations
 
 import json
+import math
 from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,6 +189,7 @@ class AcceptanceEstimate:
     rejected: float = 0.0
     idle: int = 0
     backoff: int = 4
+    step_extra: float = 0.0  # its last speculative step's extra cost, in plain steps (AdaptiveDrafting.planned)
 
     def rate(self, prior: float, weight: float) -> float:
         return (self.accepted + weight * prior) / (self.accepted + self.rejected + weight)
@@ -205,6 +209,9 @@ class FixedDrafting:
     def choose(self, seqs: list, caps: list[int], rows: int) -> list[int]:
         return list(caps)
 
+    def planned(self, seqs: list, drafts: list[int], rows: int) -> None:
+        pass
+
     def record(self, seq, drafts: int, accepted: int) -> None:
         pass
 
@@ -216,21 +223,23 @@ class AdaptiveDrafting:
     """Draft length and speculating sequences per step, from `costs` and each sequence's acceptance (module
     docstring). decay: weight kept by past observations per verification (0.8 forgets with a horizon of ~5);
     prior / prior_weight: the acceptance assumed before a sequence has verified, and by a probe;
-    min_backoff / max_backoff: plain steps before the first / the latest probe of a sequence turned off."""
+    min_backoff / max_backoff: plain steps before the first / the latest probe of a sequence turned off;
+    probe_share: the most a speculative step's extra cost may be of the plain steps before the next probe."""
 
     name = "adaptive"
 
     def __init__(self, costs: StepCosts = H200_9B_COSTS, decay: float = 0.8, prior: float = 0.8,
-                 prior_weight: float = 2.0, min_backoff: int = 4, max_backoff: int = 128):
+                 prior_weight: float = 2.0, min_backoff: int = 4, max_backoff: int = 128, probe_share: float = 0.05):
         if not isinstance(costs, StepCosts):
             raise TypeError(f"costs must be a StepCosts, got {type(costs).__name__}")
         if not 0.0 <= decay < 1.0 or not 0.0 <= prior <= 1.0 or not prior_weight > 0:
             raise ValueError(f"need 0 <= decay < 1, 0 <= prior <= 1, prior_weight > 0 "
                              f"(got {decay}, {prior}, {prior_weight})")
-        if not 1 <= min_backoff <= max_backoff:
-            raise ValueError(f"need 1 <= min_backoff <= max_backoff (got {min_backoff}, {max_backoff})")
+        if not 1 <= min_backoff <= max_backoff or not probe_share > 0:
+            raise ValueError(f"need 1 <= min_backoff <= max_backoff and probe_share > 0 "
+                             f"(got {min_backoff}, {max_backoff}, {probe_share})")
         self.costs, self.decay, self.prior, self.prior_weight = costs, decay, prior, prior_weight
-        self.min_backoff, self.max_backoff = min_backoff, max_backoff
+        self.min_backoff, self.max_backoff, self.probe_share = min_backoff, max_backoff, probe_share
 
     def estimate(self, seq) -> AcceptanceEstimate:
         if seq.draft_estimate is None:
@@ -245,11 +254,24 @@ class AdaptiveDrafting:
         e = self.estimate(seq)
         return e.idle >= e.backoff
 
+    def planned(self, seqs: list, drafts: list[int], rows: int) -> None:
+        """The step's drafts as sent: each speculating sequence notes the step's extra cost over a plain one,
+        in plain steps, for the backoff after it."""
+        k = sum(1 for n in drafts if n > 0)
+        if not k:
+            return
+        S, N = max(rows, k), max(drafts)
+        extra = self.costs.extra(k, N) / self.costs.cost(S, 0)
+        for seq, n in zip(seqs, drafts):
+            if n > 0:
+                self.estimate(seq).step_extra = extra
+
     def record(self, seq, drafts: int, accepted: int) -> None:
         """A verification's result. A probe doubles the backoff (kept only if the sequence stays off); a run
-        the estimate chose resets it."""
+        the estimate chose resets it; either way at least what amortises the step to probe_share."""
         e = self.estimate(seq)
-        e.backoff = min(2 * e.backoff, self.max_backoff) if self.due(seq) else self.min_backoff
+        backoff = min(2 * e.backoff, self.max_backoff) if self.due(seq) else self.min_backoff
+        e.backoff = min(max(backoff, math.ceil(e.step_extra / self.probe_share - 1e-9)), self.max_backoff)
         e.idle = 0
         e.accepted = self.decay * e.accepted + accepted
         e.rejected = self.decay * e.rejected + (1.0 if accepted < drafts else 0.0)

@@ -208,9 +208,12 @@ class Speculator:
         a choice between lengths, e.g. an adaptive N from its table's columns, is bucketed the same way);
         decoding sequences left plain tell the policy so."""
         seqs = list(seqs)
-        n = self.policy.choose(seqs, [self.drafts_for(s) for s in seqs], sum(s.active for s in seqs))
+        rows = sum(s.active for s in seqs)
+        n = [bucket_drafts(k, self.lengths) for k in self.policy.choose(seqs, [self.drafts_for(s) for s in seqs], rows)]
+        planned = getattr(self.policy, "planned", None)  # a policy object of the caller's may not track costs
+        if planned is not None:
+            planned(seqs, n, rows)
         for seq, k in zip(seqs, n):
-            k = bucket_drafts(k, self.lengths)
             seq.spec_drafts = k
             if k == 0 and seq.active and seq.params.speculative and seq.num_generated > 0:
                 self.policy.skipped(seq)
