@@ -15,10 +15,11 @@ drafts are accepted with probability a each (one rejection ends the run), a esti
 verifications (`AcceptanceEstimate`). N = 0 always competes, so by the table a drafter never makes a step
 yield fewer tokens per unit of time than plain decoding.
 
-A sequence the estimate turns off is probed again after a backoff of plain steps that doubles with each
-probe that does not keep it drafting (4, 8, ... 128 steps), and is at least long enough that its last
-speculative step's extra cost is `probe_share` (5%) of the plain steps in between: where the drafter never
-pays, it costs a few speculative steps at the start and then one in 128; a sequence whose text turns
+A sequence the estimate turns off is probed again (at the prior) after a backoff of plain steps: 4, doubled by
+each probe that accepts nothing up to 128, reset by an accepted draft, and never shorter than what amortises its
+share of its last speculative step's extra cost to `probe_share` (5%) / S of the plain steps in between, S the
+step's sequences, so that all of them together spend at most 5% (past 128 steps where need be). Where the drafter never pays, it costs its first steps' drafts, then
+at most 5% (`test_draft_policy.py` checks the bound over random tables); a sequence whose text turns
 predictable is found within one backoff.
 
 `FixedDrafting` is the engine's original rule: every eligible sequence verifies all the drafts it may.
@@ -189,7 +190,7 @@ class AcceptanceEstimate:
     rejected: float = 0.0
     idle: int = 0
     backoff: int = 4
-    step_extra: float = 0.0  # its last speculative step's extra cost, in plain steps (AdaptiveDrafting.planned)
+    step_extra: float = 0.0  # its share of its last speculative step's extra cost x the batch (AdaptiveDrafting.planned)
 
     def rate(self, prior: float, weight: float) -> float:
         return (self.accepted + weight * prior) / (self.accepted + self.rejected + weight)
@@ -255,23 +256,26 @@ class AdaptiveDrafting:
         return e.idle >= e.backoff
 
     def planned(self, seqs: list, drafts: list[int], rows: int) -> None:
-        """The step's drafts as sent: each speculating sequence notes the step's extra cost over a plain one,
-        in plain steps, for the backoff after it."""
+        """The step's drafts as sent: each of the k speculating sequences notes its share of the step's extra
+        cost over a plain one, in plain steps, times the S sequences of the step, for the backoff after it:
+        each then spends at most probe_share / S of the steps in between, all of them probe_share."""
         k = sum(1 for n in drafts if n > 0)
         if not k:
             return
         S, N = max(rows, k), max(drafts)
-        extra = self.costs.extra(k, N) / self.costs.cost(S, 0)
+        extra = self.costs.extra(k, N) / self.costs.cost(S, 0) * S / k
         for seq, n in zip(seqs, drafts):
             if n > 0:
                 self.estimate(seq).step_extra = extra
 
     def record(self, seq, drafts: int, accepted: int) -> None:
-        """A verification's result. A probe doubles the backoff (kept only if the sequence stays off); a run
-        the estimate chose resets it; either way at least what amortises the step to probe_share."""
+        """A verification's result. An accepted draft resets the backoff; a probe that accepted none doubles
+        it, and a run that accepted none (the estimate's, or beside another sequence's probe) keeps it. Either
+        way it is at least what amortises the step to probe_share."""
         e = self.estimate(seq)
-        backoff = min(2 * e.backoff, self.max_backoff) if self.due(seq) else self.min_backoff
-        e.backoff = min(max(backoff, math.ceil(e.step_extra / self.probe_share - 1e-9)), self.max_backoff)
+        backoff = (self.min_backoff if accepted > 0 else
+                   min(2 * e.backoff, self.max_backoff) if self.due(seq) else e.backoff)
+        e.backoff = max(backoff, math.ceil(e.step_extra / self.probe_share - 1e-9))  # past max_backoff if need be
         e.idle = 0
         e.accepted = self.decay * e.accepted + accepted
         e.rejected = self.decay * e.rejected + (1.0 if accepted < drafts else 0.0)
