@@ -215,6 +215,10 @@ def test_adaptive_choices_for_given_tables_and_acceptances():
         assert p.choose([s], [4], 1) == [0]
         p.skipped(s)
     assert (s.draft_estimate.idle, s.draft_estimate.backoff) == (0, 8)
+    # an amortised backoff past max_backoff is never shortened by a declined probe
+    s.draft_estimate.idle = s.draft_estimate.backoff = 200
+    p.skipped(s)
+    assert (s.draft_estimate.idle, s.draft_estimate.backoff) == (0, 200)
     # the backoff after a speculative step amortises the sequence's share of the step's extra cost to
     # probe_share / S: 1 of 4 sequences speculating with 4 drafts adds c(1, 4) - c(1, 0) = 1 plain step at
     # c(4, 0) = 2, i.e. 0.5 of a plain step, all of it its own: 0.5 x 4 / 5% = 40 steps

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from dflash_checkpoints import write_tiny_drafter
 from engine_checks import (assert_drafter_context, assert_idle, assert_reference, greedy, in_flight_verifications,
-                           run_arrivals, run_checking_drafter_context)
+                           on_cpu, run_arrivals, run_checking_drafter_context)
 from hf_checkpoints import random_token_ids
 from mtlqwen import SeqLayout
 from mtlqwen.model.dflash import DrafterCache, load_drafter
@@ -132,7 +132,7 @@ def test_commit_writes_the_verified_conv_rows(model, verify_commit, mixed):
     the slot's conv rows are the last K-1 of (its old rows, the verification's raw rows 0..k), exactly (a
     copy); its recurrent state is the plain run's (exact on the CPU; on a GPU the verification's kernels
     differ from the decode kernels, within 1e-3)."""
-    exact = mx.default_device() == mx.cpu
+    exact = on_cpu()
     lay, toks = verification(mixed)
     for k in range(len(VER)):
         c = prefilled(model)

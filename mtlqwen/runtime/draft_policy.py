@@ -15,12 +15,12 @@ drafts are accepted with probability a each (one rejection ends the run), a esti
 verifications (`AcceptanceEstimate`). N = 0 always competes, so by the table a drafter never makes a step
 yield fewer tokens per unit of time than plain decoding.
 
-A sequence the estimate turns off is probed again (at the prior) after a backoff of plain steps: 4, doubled by
-each probe that accepts nothing up to 128, reset by an accepted draft, and never shorter than what amortises its
-share of its last speculative step's extra cost to `probe_share` (5%) / S of the plain steps in between, S the
-step's sequences, so that all of them together spend at most 5% (past 128 steps where need be). Where the drafter never pays, it costs its first steps' drafts, then
-at most 5% (`test_draft_policy.py` checks the bound over random tables); a sequence whose text turns
-predictable is found within one backoff.
+A sequence the estimate turns off is probed again (at the prior) after a backoff of plain steps: 4, doubled
+by each probe that accepts nothing up to 128, reset by an accepted draft, and never shorter than what
+amortises its share of its last speculative step's extra cost to `probe_share` (5%) / S of the plain steps in
+between, S the step's sequences, so that all of them together spend at most 5% (past 128 steps where need
+be). Where the drafter never pays, it costs its first steps' drafts, then at most 5% (`test_draft_policy.py`
+checks the bound over random tables); a sequence whose text turns predictable is found within one backoff.
 
 `FixedDrafting` is the engine's original rule: every eligible sequence verifies all the drafts it may.
 
@@ -190,7 +190,7 @@ class AcceptanceEstimate:
     rejected: float = 0.0
     idle: int = 0
     backoff: int = 4
-    step_extra: float = 0.0  # its share of its last speculative step's extra cost x the batch (AdaptiveDrafting.planned)
+    step_extra: float = 0.0  # its share of its last speculative step's extra cost x S (AdaptiveDrafting.planned)
 
     def rate(self, prior: float, weight: float) -> float:
         return (self.accepted + weight * prior) / (self.accepted + self.rejected + weight)
@@ -225,7 +225,7 @@ class AdaptiveDrafting:
     docstring). decay: weight kept by past observations per verification (0.8 forgets with a horizon of ~5);
     prior / prior_weight: the acceptance assumed before a sequence has verified, and by a probe;
     min_backoff / max_backoff: plain steps before the first / the latest probe of a sequence turned off;
-    probe_share: the most a speculative step's extra cost may be of the plain steps before the next probe."""
+    probe_share: the most all sequences' speculative steps may add to the plain steps between their probes."""
 
     name = "adaptive"
 
@@ -273,8 +273,7 @@ class AdaptiveDrafting:
         it, and a run that accepted none (the estimate's, or beside another sequence's probe) keeps it. Either
         way it is at least what amortises the step to probe_share."""
         e = self.estimate(seq)
-        backoff = (self.min_backoff if accepted > 0 else
-                   min(2 * e.backoff, self.max_backoff) if self.due(seq) else e.backoff)
+        backoff = self.min_backoff if accepted > 0 else self._longer(e.backoff) if self.due(seq) else e.backoff
         e.backoff = max(backoff, math.ceil(e.step_extra / self.probe_share - 1e-9))  # past max_backoff if need be
         e.idle = 0
         e.accepted = self.decay * e.accepted + accepted
@@ -284,9 +283,14 @@ class AdaptiveDrafting:
         """A plain step of a decoding sequence; one that was due and still not chosen backs off further."""
         e = self.estimate(seq)
         if self.due(seq):
-            e.idle, e.backoff = 0, min(2 * e.backoff, self.max_backoff)
+            e.idle, e.backoff = 0, self._longer(e.backoff)
         else:
             e.idle += 1
+
+    def _longer(self, backoff: int) -> int:
+        """The backoff after a probe that kept nothing: doubled up to max_backoff, never shortened (an
+        amortised one may be past it)."""
+        return max(backoff, min(2 * backoff, self.max_backoff))
 
     def choose(self, seqs: list, caps: list[int], rows: int) -> list[int]:
         """Drafts per sequence (0 = plain decode). caps: the most each may verify (0: not eligible); rows:
