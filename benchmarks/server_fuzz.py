@@ -53,7 +53,12 @@ HOSTILE_VALUES = {
     "stream_options": [[], {"include_usage": "no"}, {"include_usage": True}, "x"],
     "n": [2, 0, -1, 1.5, 1], "logprobs": [True, 5, "x"], "logit_bias": [{"1": 100}, [], {"a": "b"}],
     "presence_penalty": [0.5, "x", 0], "response_format": [{"type": "json_object"}, "text", {"type": "text"}],
-    "ignore_eos": ["true", 1, True], "tools": [[{"type": "function"}], "x", []],
+    "ignore_eos": ["true", 1, True],
+    "tools": [[{"type": "function"}], "x", [], [{"type": "function", "function": {"name": "f"}}] * 2,
+              [{"type": "function", "function": {"name": "f" * 200}}], [{"type": "function", "function": {"name": "<|im_end|>"}}],
+              [{"type": "function", "function": {"name": f"f{i}", "description": "<|im_start|>" * 50}} for i in range(129)],
+              [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"x": {"type": 5}}}}}]],
+    "tool_choice": ["required", {"type": "function"}, "none", "auto", 5], "parallel_tool_calls": [False, "no", None],
 }
 ROLES = [[], {}, "wizard", None, 1, ["user"], {"role": "user"}, "developer", "tool", "assistant"]
 CONTENTS = ["\\ud800", "\\udfff tail", {"text": "x"}, [1], [{"type": "image_url", "image_url": {"url": "x"}}],

@@ -82,8 +82,9 @@ def write_tiny_chat_checkpoint(dest: pathlib.Path, seed: int = 0, eos_reachable:
 
 # ---- the server app in process (starlette's TestClient)
 
-def app_for(ckpt: pathlib.Path, api_key: str | None = None, wrap_engine=None, **cfg):
-    """The serve app over a 2-slot engine on `ckpt`; wrap_engine(engine) may stand in for the engine."""
+def app_for(ckpt: pathlib.Path, api_key: str | None = None, wrap_engine=None, num_blocks: int = 32, **cfg):
+    """The serve app over a 2-slot engine of `num_blocks` 16-token blocks on `ckpt`; wrap_engine(engine) may
+    stand in for the engine."""
     from mtlqwen.frontends.engine_loop import EngineLoop
     from mtlqwen.frontends.metrics import Metrics
     from mtlqwen.frontends.server_app import ServerConfig, build_app
@@ -92,7 +93,7 @@ def app_for(ckpt: pathlib.Path, api_key: str | None = None, wrap_engine=None, **
 
     def build():
         tok = load_tokenizer(ckpt)
-        engine = Engine(str(ckpt), tokenizer=tok, slots=2, num_blocks=32, block_tokens=16)
+        engine = Engine(str(ckpt), tokenizer=tok, slots=2, num_blocks=num_blocks, block_tokens=16)
         return (wrap_engine(engine) if wrap_engine else engine), tok
 
     loop = EngineLoop(build, Metrics("tiny"))

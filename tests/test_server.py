@@ -235,7 +235,9 @@ def test_client_disconnect_frees_slot_and_blocks(server):
 # ---- errors
 
 @pytest.mark.parametrize("patch, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "required"},
+     "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces please"}}]}, "tools[0].function.name"),
     ({"logprobs": True}, "logprobs"),
     ({"n": 2}, "n"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),

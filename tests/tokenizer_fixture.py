@@ -21,7 +21,8 @@ ENDOFTEXT, IM_START, IM_END = 248044, 248045, 248046
 THINK, END_THINK = 248068, 248069
 GENERATION_EOS = [IM_END, ENDOFTEXT]
 
-# Qwen3.5-style ChatML. System prompt first; tools are listed in the system turn as JSON lines; past
+# Qwen3.5-style ChatML. System prompt first; tools are listed in the system turn as JSON lines, and calls are
+# written as Qwen3.5 writes them (<tool_call>, <function=...>, a <parameter=...> block per argument); past
 # assistant turns drop their reasoning, turns after the last user query keep it; the generation
 # prompt opens a thinking block, or closes an empty one when enable_thinking is false.
 QWEN35_CHAT_TEMPLATE = r"""{%- macro text_of(content) -%}
@@ -54,7 +55,8 @@ QWEN35_CHAT_TEMPLATE = r"""{%- macro text_of(content) -%}
     {%- for tool in tools %}
         {{- '\n' + (tool | tojson) }}
     {%- endfor %}
-    {{- '\n</tools>\n\nTo call one, reply with <tool_call></tool_call> around {"name": ..., "arguments": {...}}.<|im_end|>\n' }}
+    {{- '\n</tools>\n\nTo call one, reply with a block per call, one parameter per argument:\n<tool_call>\n<function=NAME>\n'
+        '<parameter=ARGUMENT>\nVALUE\n</parameter>\n</function>\n</tool_call><|im_end|>\n' }}
 {%- elif has_system %}
     {{- '<|im_start|>system\n' + text_of(messages[0].content) + '<|im_end|>\n' }}
 {%- endif %}
@@ -90,9 +92,14 @@ QWEN35_CHAT_TEMPLATE = r"""{%- macro text_of(content) -%}
             {%- if content or not loop.first %}
                 {{- '\n' }}
             {%- endif %}
-            {{- '<tool_call>\n{"name": "' + fn.name + '", "arguments": ' }}
-            {{- fn.arguments if fn.arguments is string else (fn.arguments | tojson) }}
-            {{- '}\n</tool_call>' }}
+            {{- '<tool_call>\n<function=' + fn.name + '>\n' }}
+            {%- if fn.arguments is not mapping %}
+                {{- raise_exception('tool call arguments must be a mapping') }}
+            {%- endif %}
+            {%- for key, value in fn.arguments | items %}
+                {{- '<parameter=' + key + '>\n' + (value if value is string else value | tojson) + '\n</parameter>\n' }}
+            {%- endfor %}
+            {{- '</function>\n</tool_call>' }}
         {%- endfor %}
         {{- '<|im_end|>\n' }}
     {%- elif message.role == 'tool' %}

@@ -3,17 +3,19 @@
 A body is validated straight from its bytes by pydantic's JSON parser, strictly: malformed JSON,
 nesting past the parser's depth limit, lone surrogates, NaN / Infinity and a wrong type anywhere are
 each a 400 naming the field. Sampling ranges are SamplingParams' own (its constants, not restated
-numbers). A field the engine cannot honour (tools, logprobs, n > 1, penalties...) is refused rather
-than silently ignored; harmless unknown fields (user, metadata, store...) are ignored and never reach
-the chat template.
+numbers). A field the engine cannot honour (a forced tool choice, logprobs, n > 1, penalties...) is
+refused rather than silently ignored; harmless unknown fields (user, metadata, store...) are ignored and
+never reach the chat template. `tools` go to the chat template, and the reply's calls are read back
+(tool_calls.py) unless `tool_choice` is "none".
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Callable, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..runtime.sampling import MAX_TOP_K, MIN_TEMPERATURE
@@ -21,6 +23,7 @@ from .api_responses import APIError, not_supported
 
 MAX_STOP = 16  # stop strings per request: each one is searched for in the text at every step
 MAX_STOP_CHARS = 256
+MAX_TOOLS = 128
 # Template variables a request may not set: the renderer's own arguments.
 RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "tokenize", "tools", "documents",
                                     "continue_final_message", "return_dict"})
@@ -48,6 +51,9 @@ class ParsedRequest:
     messages: list[dict] | None = None
     prompt: str | list[int] | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict] | None = None  # for the chat template
+    read_tool_calls: bool = False  # tools were given and tool_choice is not "none"
+    parallel_tool_calls: bool = True
 
 
 def _temperature(t: float) -> float:
@@ -74,8 +80,8 @@ class StreamOptions(_Body):
 
 # Fields whose non-default value the engine cannot honour -> 400 (value -> True when it must be refused).
 _REFUSED: dict[str, Callable[[Any], bool]] = {
-    "tools": bool, "functions": bool,
-    "tool_choice": lambda v: v not in ("none", "auto"), "function_call": lambda v: v not in ("none", "auto"),
+    "functions": bool, "function_call": lambda v: v not in ("none", "auto"),
+    "tool_choice": lambda v: v not in ("none", "auto"),
     "logprobs": bool, "top_logprobs": bool, "logit_bias": bool,
     "n": lambda v: v != 1, "best_of": lambda v: v != 1,
     "presence_penalty": lambda v: v != 0, "frequency_penalty": lambda v: v != 0,
@@ -85,7 +91,9 @@ _REFUSED: dict[str, Callable[[Any], bool]] = {
     "audio": lambda v: True, "guided_json": lambda v: True, "guided_regex": lambda v: True,
     "guided_choice": lambda v: True, "guided_grammar": lambda v: True,
 }
-_WHY = {"n": "one choice per request (send n separate requests)", "best_of": "one choice per request"}
+_WHY = {"n": "one choice per request (send n separate requests)", "best_of": "one choice per request",
+        "functions": "send them as 'tools'", "function_call": "send 'tools' and 'tool_choice'",
+        "tool_choice": "decoding is not constrained, so a call cannot be forced; 'auto' and 'none' are honoured"}
 
 
 class _Request(_Body):
@@ -105,7 +113,6 @@ class _Request(_Body):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     # declared so their types are checked; any value but the default is refused below
-    tools: list[Any] | None = None
     functions: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -165,8 +172,23 @@ class TextPart(_Body):
 
 
 class FunctionCall(_Body):
+    """A past call in the history. OpenAI sends `arguments` as a JSON object's text; chat templates iterate
+    it as a mapping (Qwen3.5 writes one line per argument), so it is parsed here."""
+
     name: str
-    arguments: str
+    arguments: str | dict[str, Any]
+
+    @model_validator(mode="after")
+    def _parsed(self):
+        if isinstance(self.arguments, str):
+            try:
+                value = json.loads(self.arguments) if self.arguments.strip() else {}
+            except ValueError:
+                value = None
+            if not isinstance(value, dict):
+                raise ValueError("'arguments' must be the text of a JSON object")
+            self.arguments = value
+        return self
 
 
 class ToolCall(_Body):
@@ -199,13 +221,48 @@ class Message(_Body):
         return out
 
 
+ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
+
+
+class FunctionDef(_Body):
+    name: ToolName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema: shown to the model, and types XML arguments
+    strict: bool | None = None  # accepted for OpenAI clients that always send it; decoding is not constrained
+
+
+class ToolDef(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
 class ChatRequest(_Request):
     messages: Annotated[list[Message], Field(min_length=1)]
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    parallel_tool_calls: bool = True
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_tools(cls, tools):
+        names = [t.function.name for t in tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError("tool names must be unique")
+        return tools
+
+    def template_tools(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class CompletionRequest(_Request):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    tools: list[Any] | None = None  # declared to be refused: a raw prompt has no template to show them
+
+    @model_validator(mode="after")
+    def _no_tools(self):
+        if self.tools:
+            raise not_supported("tools", "tools are read on /v1/chat/completions")
+        return self
 
 
 # ---- bytes -> ParsedRequest
@@ -266,9 +323,12 @@ def parse_chat(raw: bytes, d: Defaults, template_defaults: dict, allowed_templat
                        "(start it with --trust-request-chat-template to allow them)", 400,
                        "chat_template_kwargs.chat_template", "not_supported")
     stream, usage = req.stream_flags()
+    tools = req.template_tools()
     return ParsedRequest("chat", req.model, stream, usage, req.sampling(d),
                          messages=[m.for_template() for m in req.messages],
-                         template_kwargs={**template_defaults, **kwargs})
+                         template_kwargs={**template_defaults, **kwargs}, tools=tools,
+                         read_tool_calls=tools is not None and req.tool_choice != "none",
+                         parallel_tool_calls=req.parallel_tool_calls)
 
 
 def parse_completion(raw: bytes, d: Defaults) -> ParsedRequest:

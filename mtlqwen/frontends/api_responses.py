@@ -44,7 +44,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 def finish_reason(reason: str | None) -> str | None:
-    return reason if reason in ("stop", "length") else ("stop" if reason else None)
+    return reason if reason in ("stop", "length", "tool_calls") else ("stop" if reason else None)
 
 
 def _envelope(rid: str, obj: str, created: int, model: str, choices: list, use: dict | None = None) -> dict:
@@ -59,10 +59,14 @@ def _choice(reason: str | None, **fields) -> dict:
     return {"index": 0, **fields, "logprobs": None, "finish_reason": finish_reason(reason)}
 
 
-def chat_completion(rid: str, model: str, content: str, reasoning: str | None, reason: str, use: dict) -> dict:
-    msg: dict[str, Any] = {"role": "assistant", "content": content}
+def chat_completion(rid: str, model: str, content: str, reasoning: str | None, reason: str, use: dict,
+                    tool_calls: list[dict] | None = None) -> dict:
+    """tool_calls: the reply's calls as OpenAI objects; with them an empty content is null, as OpenAI sends it."""
+    msg: dict[str, Any] = {"role": "assistant", "content": content or None if tool_calls else content}
     if reasoning:
         msg["reasoning_content"] = reasoning
+    if tool_calls:
+        msg["tool_calls"] = tool_calls
     return _envelope(rid, "chat.completion", int(time.time()), model, [_choice(reason, message=msg)], use)
 
 

@@ -12,12 +12,13 @@ ends with finish_reason "length" at the context's edge.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ..chat_template import TemplateTimeout, render_time_limit
 from .api_requests import ParsedRequest
 from .api_responses import APIError
-from .prompting import render_ids
+from .prompting import has_chat_template, render_ids
 from .reasoning import prompt_opens_thinking
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop", "stop_token_ids")
@@ -67,11 +68,17 @@ class PromptBuilder:
             if len(ids) >= self.limit():
                 raise self._too_long("prompt", str(len(ids)), "prompt")
             return ids, False
-        self._check_bytes([str(m.get("content") or "") for m in req.messages], "messages", "messages")
+        texts = [str(m.get("content") or "") for m in req.messages] + ([json.dumps(req.tools)] if req.tools else [])
+        self._check_bytes(texts, "messages", "messages")
+        tools = {"tools": req.tools} if req.tools else {}
+        if tools and not has_chat_template(tok):
+            raise APIError("this model's tokenizer has no chat template to show tools to the model", 400, "tools",
+                           "not_supported")
         try:
             with render_time_limit(self.cfg.template_timeout_s):
                 ids, text = render_ids(tok, req.messages, add_generation_prompt=True,
-                                       literal_content=not self.cfg.special_tokens_in_content, **req.template_kwargs)
+                                       literal_content=not self.cfg.special_tokens_in_content,
+                                       **req.template_kwargs, **tools)
         except TemplateTimeout as e:
             raise APIError(f"{e} for these messages", 400, "messages", "template_timeout") from None
         except Exception as e:  # the template rejected the conversation (raise_exception, bad types, sandbox)

@@ -117,6 +117,8 @@ def render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = Tr
         text = render(tokenizer, messages, add_generation_prompt, **template_kwargs)
         return list(tokenizer.encode(text)), text
     esc = _Escaper(specials)
+    if template_kwargs.get("tools"):  # tool schemas are the client's text too
+        template_kwargs["tools"] = esc.value(template_kwargs["tools"], esc._pattern(()))
     marked = render(tokenizer, esc.messages(messages), add_generation_prompt, **template_kwargs)
 
     def restore(chunk: str) -> str:

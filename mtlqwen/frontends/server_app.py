@@ -28,6 +28,8 @@ from .engine_loop import Accepted, EngineLoop
 from .prompt_limits import PromptBuilder
 from .reasoning import split_reasoning
 from .request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, read_body
+from .tool_calls import ToolCallReader, new_call_id, split_tool_calls
+from .tool_calls import finish_reason as tool_finish
 from .sse import Formatter, SSEResponse, disconnected, failure, next_or_gone, usage_of
 
 log = logging.getLogger("mtlqwen.serve")
@@ -131,13 +133,15 @@ async def generate(request: Request, kind: str) -> Response:
         if err.status < 500:  # the engine refused what the request asked (too long for the pool, ids...)
             err.param = err.param or ("messages" if kind == "chat" else "prompt")
         raise err
-    fmt = Formatter(kind, rid, st.cfg.model_name, in_reasoning, req.include_usage)
+    tools = ToolCallReader.for_request(req)
+    fmt = Formatter(kind, rid, st.cfg.model_name, in_reasoning, req.include_usage, tools)
     if req.stream:
         return SSEResponse(handle, fmt)
-    return await collect(request, handle, kind, rid, in_reasoning)
+    return await collect(request, handle, kind, rid, in_reasoning, tools)
 
 
-async def collect(request: Request, handle, kind: str, rid: str, in_reasoning: bool) -> Response:
+async def collect(request: Request, handle, kind: str, rid: str, in_reasoning: bool,
+                  tools: ToolCallReader | None = None) -> Response:
     """A non-streaming answer: the request's deltas gathered; cancelled if the client leaves first."""
     name = state(request).cfg.model_name
     watcher = asyncio.ensure_future(disconnected(request.receive))
@@ -154,7 +158,12 @@ async def collect(request: Request, handle, kind: str, rid: str, in_reasoning: b
             out = item.output
             if kind == "chat":
                 reasoning, content = split_reasoning(out.text, in_reasoning)
-                body = oa.chat_completion(rid, name, content, reasoning or None, out.finish_reason, usage_of(out))
+                calls = []
+                if tools is not None:
+                    content, calls = split_tool_calls(content, tools.schemas, tools.parallel)
+                body = oa.chat_completion(rid, name, content, reasoning or None,
+                                          tool_finish(out.finish_reason, bool(calls)), usage_of(out),
+                                          [c.to_openai(new_call_id()) for c in calls])
             else:
                 body = oa.completion(rid, name, out.text, out.finish_reason, usage_of(out))
             return JSONResponse(body)

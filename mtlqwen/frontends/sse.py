@@ -13,6 +13,7 @@ from typing import Any
 from . import api_responses as oa
 from .engine_loop import Failed, RequestHandle
 from .reasoning import ReasoningSplitter
+from .tool_calls import ToolCallReader, finish_reason, new_call_id
 
 KEEPALIVE = object()
 KEEPALIVE_S = 15.0  # an SSE comment this often while nothing is produced (long prefills), so proxies keep the stream
@@ -59,14 +60,19 @@ def failure(item) -> oa.APIError | None:
 
 
 class Formatter:
-    """Turns one request's deltas into OpenAI chunks (chat or completion)."""
+    """Turns one request's deltas into OpenAI chunks (chat or completion). A chat reply's text goes through
+    the reasoning splitter, then (when the request's calls are read) the tool-call splitter: each call is
+    one chunk once its block closes."""
 
-    def __init__(self, kind: str, rid: str, model: str, in_reasoning: bool, include_usage: bool):
+    def __init__(self, kind: str, rid: str, model: str, in_reasoning: bool, include_usage: bool,
+                 tools: ToolCallReader | None = None):
         self.kind, self.rid, self.model, self.include_usage = kind, rid, model, include_usage
         self.created = int(time.time())
         self.split = ReasoningSplitter(in_reasoning) if kind == "chat" else None
+        self.calls = tools.splitter() if tools is not None and kind == "chat" else None
+        self.sent_calls = 0
 
-    def _chunk(self, reasoning: str, content: str, reason: str | None = None) -> list[dict]:
+    def _chunk(self, reasoning: str, content: str, reason: str | None = None, calls=()) -> list[dict]:
         if self.kind == "completion":
             return [oa.completion_chunk(self.rid, self.created, self.model, content, reason)] if content or reason else []
         out = []
@@ -74,7 +80,12 @@ class Formatter:
             out.append(oa.chat_chunk(self.rid, self.created, self.model, {"reasoning_content": reasoning}))
         if content:
             out.append(oa.chat_chunk(self.rid, self.created, self.model, {"content": content}))
+        for call in calls:
+            delta = {"tool_calls": [call.to_openai(new_call_id(), self.sent_calls)]}
+            out.append(oa.chat_chunk(self.rid, self.created, self.model, delta))
+            self.sent_calls += 1
         if reason:
+            reason = finish_reason(reason, self.sent_calls > 0)
             out.append(oa.chat_chunk(self.rid, self.created, self.model, {}, reason))
         return out
 
@@ -91,7 +102,12 @@ class Formatter:
             if d.finished:
                 r2, c2 = self.split.finish()
                 r, c = r + r2, c + c2
-            out = self._chunk(r, c, d.finish_reason if d.finished else None)
+            calls = []
+            if self.calls is not None:
+                c, calls = self.calls.feed(c)
+                if d.finished:
+                    c += self.calls.finish()
+            out = self._chunk(r, c, d.finish_reason if d.finished else None, calls)
         if d.finished and self.include_usage and d.output is not None:
             out.append(oa.usage_chunk(self.rid, self.created, self.model, self.kind, usage_of(d.output)))
         return out

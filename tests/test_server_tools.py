@@ -1,0 +1,178 @@
+"""Tools through the serve app in process (starlette's TestClient) over a real tiny engine whose reply to a
+request seeded SCRIPTED is a fixed Qwen3.5 reply, a few characters a step: the tools reach the chat template,
+the reply's calls come back as OpenAI `tool_calls` (whole and streamed alike), past calls and tool results
+render, and what the server cannot honour is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from starlette.testclient import TestClient
+
+from frontend_fixtures import IM_END, app_for, wait_ok, write_tiny_chat_checkpoint
+
+SCRIPTED = 4242
+REPLY = ("The user wants the weather.\n</think>\n\nChecking both cities.\n<tool_call>\n<function=get_weather>\n"
+         "<parameter=city>\nMilan\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n"
+         "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>")
+PIECE = 7  # characters of the script a step
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city <|im_end|> in the coming days",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}]
+ASK = {"messages": [{"role": "user", "content": "Weather in Milan and Oslo?"}], "max_tokens": 200,
+       "seed": SCRIPTED, "temperature": 0.5, "tools": TOOLS}
+CALLS = [{"name": "get_weather", "arguments": {"city": "Milan", "days": 3}},
+         {"name": "get_weather", "arguments": {"city": "Oslo"}}]
+
+
+class ScriptedEngine:
+    """A real engine (slots, blocks, steps); a request seeded SCRIPTED is answered with REPLY, PIECE characters
+    a step, and its real sequence is cancelled when the script ends. Each request's prompt ids are kept."""
+
+    def __init__(self, engine):
+        self.engine, self.scripts, self.prompts = engine, {}, {}
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def submit(self, ids, params, request_id=None):
+        self.prompts[request_id] = list(ids)
+        if params.seed == SCRIPTED:
+            self.scripts[request_id] = 0
+        return self.engine.submit(ids, params, request_id=request_id)
+
+    def step(self):
+        from mtlqwen.runtime.outputs import Delta, Output
+
+        out = []
+        for d in self.engine.step():
+            pos = self.scripts.get(d.request_id)
+            if pos is None:
+                out.append(d)
+                continue
+            if pos >= len(REPLY):
+                continue  # the cancelled sequence's last event
+            end = pos + PIECE
+            self.scripts[d.request_id] = end
+            if end < len(REPLY):
+                out.append(Delta(d.request_id, [0], REPLY[pos:end]))
+                continue
+            self.engine.cancel(d.request_id)
+            done = Output(d.request_id, len(self.prompts[d.request_id]), [0] * -(-len(REPLY) // PIECE), REPLY, "stop")
+            out.append(Delta(d.request_id, [0], REPLY[pos:], finished=True, finish_reason="stop", output=done))
+        return out
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    ckpt = write_tiny_chat_checkpoint(tmp_path_factory.mktemp("tools-ckpt"), eos_reachable=False)
+    engines = []
+
+    def wrap(engine):
+        engines.append(ScriptedEngine(engine))
+        return engines[0]
+
+    with TestClient(app_for(ckpt, wrap_engine=wrap, num_blocks=128)) as c:  # byte tokens: long prompts
+        wait_ok(c)
+        yield c, engines[0]
+
+
+def _calls(tool_calls: list[dict]) -> list[dict]:
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in tool_calls)
+    assert len({c["id"] for c in tool_calls}) == len(tool_calls)
+    return [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])} for c in tool_calls]
+
+
+def _prompt_text(engine, rid: str) -> str:
+    return engine.engine.tokenizer.decode(engine.prompts[rid])
+
+
+def test_a_reply_with_calls_comes_back_as_tool_calls(served):
+    c, engine = served
+    r = c.post("/v1/chat/completions", json=ASK)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    msg = choice["message"]
+    assert msg["content"] == "Checking both cities."
+    assert msg["reasoning_content"] == "The user wants the weather."
+    assert _calls(msg["tool_calls"]) == CALLS
+    prompt = _prompt_text(engine, body["id"])
+    assert json.dumps(TOOLS[0], ensure_ascii=False) in prompt  # the schemas reached the template
+    # a special-token string in a tool's description stays characters: the prompt's <|im_end|> tokens are the
+    # template's own (the tools' system turn and the user turn)
+    assert engine.prompts[body["id"]].count(IM_END) == 2
+
+
+def test_streamed_calls_equal_the_whole_reply(served):
+    c, _ = served
+    with c.stream("POST", "/v1/chat/completions", json={**ASK, "stream": True}) as s:
+        events = [json.loads(line[len("data: "):]) for line in s.iter_lines() if line and line != "data: [DONE]"]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    content = "".join(d.get("content") or "" for d in deltas)
+    reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+    streamed = [t for d in deltas for t in d.get("tool_calls") or []]
+    assert content == "Checking both cities." and reasoning.strip("\n") == "The user wants the weather."
+    assert [t["index"] for t in streamed] == [0, 1]
+    assert _calls(streamed) == CALLS
+    assert [e["choices"][0]["finish_reason"] for e in events][-1] == "tool_calls"
+    assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
+
+
+def test_tool_choice_none_leaves_the_reply_as_text(served):
+    c, _ = served
+    msg = c.post("/v1/chat/completions", json={**ASK, "tool_choice": "none"}).json()["choices"][0]
+    assert msg["finish_reason"] == "stop" and "tool_calls" not in msg["message"]
+    assert msg["message"]["content"] == REPLY.split("\n\n", 1)[1]
+
+
+def test_parallel_tool_calls_false_keeps_the_first(served):
+    c, _ = served
+    msg = c.post("/v1/chat/completions", json={**ASK, "parallel_tool_calls": False}).json()["choices"][0]["message"]
+    assert _calls(msg["tool_calls"]) == CALLS[:1]
+
+
+def test_past_calls_and_tool_results_render(served):
+    c, engine = served
+    history = [
+        {"role": "user", "content": "Weather in Milan?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Milan\", \"days\": 2}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    r = c.post("/v1/chat/completions", json={"messages": history, "tools": TOOLS, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    prompt = _prompt_text(engine, r.json()["id"])
+    assert ("<tool_call>\n<function=get_weather>\n<parameter=city>\nMilan\n</parameter>\n<parameter=days>\n2\n"
+            "</parameter>\n</function>\n</tool_call><|im_end|>") in prompt
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in prompt
+
+
+@pytest.mark.parametrize("patch, param, code", [
+    ({"tool_choice": "required"}, "tool_choice", "not_supported"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice", "not_supported"),
+    ({"functions": [{"name": "f"}]}, "functions", "not_supported"),
+    ({"tools": TOOLS * 2}, "tools", None),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name", None),
+    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type", None),
+    ({"tools": [{"type": "function"}]}, "tools[0].function", None),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "[1, 2]"}}]}]},
+     "messages[1].tool_calls[0].function", None),
+])
+def test_what_cannot_be_honoured_is_refused(served, patch, param, code):
+    c, _ = served
+    r = c.post("/v1/chat/completions", json={**ASK, **patch})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"]) == (param, code), err
+
+
+def test_a_raw_prompt_takes_no_tools(served):
+    c, _ = served
+    r = c.post("/v1/completions", json={"prompt": "x", "tools": TOOLS, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
