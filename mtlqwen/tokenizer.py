@@ -254,6 +254,10 @@ class Tokenizer:
         # The template already wrote every special token, so nothing else may be added.
         return self.encode(prompt, add_special_tokens=False) if tokenize else prompt
 
+    def template_source(self, chat_template: str | None = None, tools: list[dict] | None = None) -> str:
+        """The template source apply_chat_template would render with these arguments."""
+        return self._select_template(chat_template, tools)
+
     def _select_template(self, chat_template: str | None, tools: list[dict] | None) -> str:
         if chat_template is not None:
             return self.chat_templates.get(chat_template, chat_template)

@@ -12,10 +12,13 @@ from starlette.testclient import TestClient
 
 from frontend_fixtures import IM_END, app_for, wait_ok, write_tiny_chat_checkpoint
 
-SCRIPTED = 4242
+SCRIPTED, FORCED, FORCED_ANY = 4242, 4343, 4444
 REPLY = ("The user wants the weather.\n</think>\n\nChecking both cities.\n<tool_call>\n<function=get_weather>\n"
          "<parameter=city>\nMilan\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n"
          "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>")
+# the rest of a call whose opening the prompt holds: a named tool_choice (FORCED), "required" (FORCED_ANY)
+FORCED_REPLY = "<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"
+SCRIPTS = {SCRIPTED: REPLY, FORCED: FORCED_REPLY, FORCED_ANY: "<function=get_weather>\n" + FORCED_REPLY}
 PIECE = 7  # characters of the script a step
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city <|im_end|> in the coming days",
@@ -28,8 +31,9 @@ CALLS = [{"name": "get_weather", "arguments": {"city": "Milan", "days": 3}},
 
 
 class ScriptedEngine:
-    """A real engine (slots, blocks, steps); a request seeded SCRIPTED is answered with REPLY, PIECE characters
-    a step, and its real sequence is cancelled when the script ends. Each request's prompt ids are kept."""
+    """A real engine (slots, blocks, steps); a request seeded with a key of SCRIPTS is answered with its script,
+    PIECE characters a step, and its real sequence is cancelled when the script ends. Each request's prompt
+    ids are kept."""
 
     def __init__(self, engine):
         self.engine, self.scripts, self.prompts = engine, {}, {}
@@ -39,8 +43,8 @@ class ScriptedEngine:
 
     def submit(self, ids, params, request_id=None):
         self.prompts[request_id] = list(ids)
-        if params.seed == SCRIPTED:
-            self.scripts[request_id] = 0
+        if params.seed in SCRIPTS:
+            self.scripts[request_id] = (0, SCRIPTS[params.seed])
         return self.engine.submit(ids, params, request_id=request_id)
 
     def step(self):
@@ -48,20 +52,20 @@ class ScriptedEngine:
 
         out = []
         for d in self.engine.step():
-            pos = self.scripts.get(d.request_id)
-            if pos is None:
+            if d.request_id not in self.scripts:
                 out.append(d)
                 continue
-            if pos >= len(REPLY):
+            pos, reply = self.scripts[d.request_id]
+            if pos >= len(reply):
                 continue  # the cancelled sequence's last event
             end = pos + PIECE
-            self.scripts[d.request_id] = end
-            if end < len(REPLY):
-                out.append(Delta(d.request_id, [0], REPLY[pos:end]))
+            self.scripts[d.request_id] = (end, reply)
+            if end < len(reply):
+                out.append(Delta(d.request_id, [0], reply[pos:end]))
                 continue
             self.engine.cancel(d.request_id)
-            done = Output(d.request_id, len(self.prompts[d.request_id]), [0] * -(-len(REPLY) // PIECE), REPLY, "stop")
-            out.append(Delta(d.request_id, [0], REPLY[pos:], finished=True, finish_reason="stop", output=done))
+            done = Output(d.request_id, len(self.prompts[d.request_id]), [0] * -(-len(reply) // PIECE), reply, "stop")
+            out.append(Delta(d.request_id, [0], reply[pos:], finished=True, finish_reason="stop", output=done))
         return out
 
 
@@ -152,9 +156,41 @@ def test_past_calls_and_tool_results_render(served):
     assert "<tool_response>\nsunny, 21 C\n</tool_response>" in prompt
 
 
+@pytest.mark.parametrize("choice, opening", [
+    ("required", "<tool_call>\n"),  # the model picks the function
+    ({"type": "function", "function": {"name": "get_weather"}}, "<tool_call>\n<function=get_weather>\n"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_choice_opens_the_call_in_the_prompt(served, choice, opening, stream):
+    c, engine = served
+    body = {**ASK, "seed": FORCED_ANY if choice == "required" else FORCED, "tool_choice": choice, "stream": stream}
+    if stream:
+        with c.stream("POST", "/v1/chat/completions", json=body) as s:
+            events = [json.loads(line[len("data: "):]) for line in s.iter_lines() if line and line != "data: [DONE]"]
+        rid = events[0]["id"]
+        deltas = [e["choices"][0]["delta"] for e in events]
+        calls = [t for d in deltas for t in d.get("tool_calls") or []]
+        content = "".join(d.get("content") or "" for d in deltas)
+        reason = events[-1]["choices"][0]["finish_reason"]
+    else:
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        rid, choice0 = r.json()["id"], r.json()["choices"][0]
+        calls, content, reason = choice0["message"].get("tool_calls"), choice0["message"]["content"], choice0["finish_reason"]
+    prompt = _prompt_text(engine, rid)
+    # thinking closed as the template does with it off, then the call opened in Qwen3.5's form
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n" + opening)
+    tok = engine.engine.tokenizer
+    tail = [tok.token_to_id("<tool_call>"), *tok.encode_literal(opening[len("<tool_call>"):])]
+    assert engine.prompts[rid][-len(tail):] == tail  # the opening's <tool_call> is the control token
+    assert _calls(calls) == [{"name": "get_weather", "arguments": {"city": "Oslo"}}]
+    assert not content and reason == "tool_calls"
+
+
 @pytest.mark.parametrize("patch, param, code", [
-    ({"tool_choice": "required"}, "tool_choice", "not_supported"),
-    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice", "not_supported"),
+    ({"tool_choice": "required", "tools": None}, "tool_choice", None),
+    ({"tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice.function.name", None),
+    ({"tool_choice": "sometimes"}, "tool_choice", None),
     ({"functions": [{"name": "f"}]}, "functions", "not_supported"),
     ({"tools": TOOLS * 2}, "tools", None),
     ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name", None),

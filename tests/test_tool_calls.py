@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mtlqwen.frontends.tool_calls import (CLOSE, OPEN, ToolCall, ToolCallSplitter, convert_value, finish_reason,
-                                          parse_call, split_tool_calls)
+from mtlqwen.frontends.tool_calls import (CLOSE, OPEN, ToolCall, ToolCallReader, ToolCallSplitter, convert_value,
+                                          finish_reason, forced_opening, parse_call, split_tool_calls)
 
 WEATHER = {"get_weather": {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
@@ -155,3 +155,17 @@ def test_any_split_reads_as_the_whole_reply(segments, cuts):
     assert (content, calls) == whole
     if _plain(segments):  # nothing in the text segments looks like a tag: the calls and content are exact
         assert whole == _expected(segments)
+
+
+def test_a_forced_opening_in_either_form_is_continued_by_the_reply():
+    assert forced_opening("f", xml=True, opens_thinking=True) == "\n</think>\n\n<tool_call>\n<function=f>\n"
+    assert forced_opening("", xml=True, opens_thinking=False) == "<tool_call>\n"
+    hermes = forced_opening("f", xml=False, opens_thinking=False)
+    assert hermes == '<tool_call>\n{"name": "f", "arguments": '
+    reader = ToolCallReader({}, opened=hermes)
+    assert reader.split('{"a": 1}}\n</tool_call>') == ("", [ToolCall("f", '{"a": 1}')])
+    xml_reader = ToolCallReader(WEATHER, opened=forced_opening("get_weather", xml=True, opens_thinking=True))
+    assert xml_reader.split("<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>") == \
+        ("", [ToolCall("get_weather", '{"days": 2}')])
+    # cut short before the block closed: what stands of it is content, the opening included
+    assert xml_reader.split("<parameter=days>\n2") == ("<tool_call>\n<function=get_weather>\n<parameter=days>\n2", [])

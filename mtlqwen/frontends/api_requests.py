@@ -3,10 +3,10 @@
 A body is validated straight from its bytes by pydantic's JSON parser, strictly: malformed JSON,
 nesting past the parser's depth limit, lone surrogates, NaN / Infinity and a wrong type anywhere are
 each a 400 naming the field. Sampling ranges are SamplingParams' own (its constants, not restated
-numbers). A field the engine cannot honour (a forced tool choice, logprobs, n > 1, penalties...) is
-refused rather than silently ignored; harmless unknown fields (user, metadata, store...) are ignored and
-never reach the chat template. `tools` go to the chat template, and the reply's calls are read back
-(tool_calls.py) unless `tool_choice` is "none".
+numbers). A field the engine cannot honour (logprobs, n > 1, penalties...) is refused rather than
+silently ignored; harmless unknown fields (user, metadata, store...) are ignored and never reach the
+chat template. `tools` go to the chat template, and the reply's calls are read back (tool_calls.py)
+unless `tool_choice` is "none"; "required" or a named function opens the call in the prompt.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class ParsedRequest:
     tools: list[dict] | None = None  # for the chat template
     read_tool_calls: bool = False  # tools were given and tool_choice is not "none"
     parallel_tool_calls: bool = True
+    forced_call: str | None = None  # tool_choice "required" -> "" (any tool), a named function -> its name
 
 
 def _temperature(t: float) -> float:
@@ -81,7 +82,6 @@ class StreamOptions(_Body):
 # Fields whose non-default value the engine cannot honour -> 400 (value -> True when it must be refused).
 _REFUSED: dict[str, Callable[[Any], bool]] = {
     "functions": bool, "function_call": lambda v: v not in ("none", "auto"),
-    "tool_choice": lambda v: v not in ("none", "auto"),
     "logprobs": bool, "top_logprobs": bool, "logit_bias": bool,
     "n": lambda v: v != 1, "best_of": lambda v: v != 1,
     "presence_penalty": lambda v: v != 0, "frequency_penalty": lambda v: v != 0,
@@ -92,8 +92,16 @@ _REFUSED: dict[str, Callable[[Any], bool]] = {
     "guided_choice": lambda v: True, "guided_grammar": lambda v: True,
 }
 _WHY = {"n": "one choice per request (send n separate requests)", "best_of": "one choice per request",
-        "functions": "send them as 'tools'", "function_call": "send 'tools' and 'tool_choice'",
-        "tool_choice": "decoding is not constrained, so a call cannot be forced; 'auto' and 'none' are honoured"}
+        "functions": "send them as 'tools'", "function_call": "send 'tools' and 'tool_choice'"}
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class _Request(_Body):
@@ -114,7 +122,7 @@ class _Request(_Body):
     stream_options: StreamOptions | None = None
     # declared so their types are checked; any value but the default is refused below
     functions: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     function_call: str | dict[str, Any] | None = None
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
@@ -250,6 +258,23 @@ class ChatRequest(_Request):
             raise ValueError("tool names must be unique")
         return tools
 
+    @model_validator(mode="after")
+    def _choice_among_tools(self):
+        choice = self.tool_choice
+        if choice in (None, "none", "auto"):
+            return self
+        if not self.tools:
+            raise APIError("'tool_choice' asks for a call but the request has no 'tools'", 400, "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise APIError(f"'tool_choice' names '{choice.function.name:.100}', which is not one of the 'tools'", 400,
+                           "tool_choice.function.name")
+        return self
+
+    def forced_call(self) -> str | None:
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return "" if self.tool_choice == "required" else None
+
     def template_tools(self) -> list[dict] | None:
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
@@ -262,6 +287,8 @@ class CompletionRequest(_Request):
     def _no_tools(self):
         if self.tools:
             raise not_supported("tools", "tools are read on /v1/chat/completions")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise not_supported("tool_choice", "tools are read on /v1/chat/completions")
         return self
 
 
@@ -276,7 +303,7 @@ def _param(loc: tuple) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in _UNION_TAGS or "[" in part or "-" in part:
+        elif part in _UNION_TAGS or "[" in part or "-" in part or part[:1].isupper():  # a union member's tag
             continue
         else:
             out += f".{part}" if out else part
@@ -328,7 +355,7 @@ def parse_chat(raw: bytes, d: Defaults, template_defaults: dict, allowed_templat
                          messages=[m.for_template() for m in req.messages],
                          template_kwargs={**template_defaults, **kwargs}, tools=tools,
                          read_tool_calls=tools is not None and req.tool_choice != "none",
-                         parallel_tool_calls=req.parallel_tool_calls)
+                         parallel_tool_calls=req.parallel_tool_calls, forced_call=req.forced_call())
 
 
 def parse_completion(raw: bytes, d: Defaults) -> ParsedRequest:

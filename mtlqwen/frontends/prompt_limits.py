@@ -13,15 +13,22 @@ ends with finish_reason "length" at the context's edge.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..chat_template import TemplateTimeout, render_time_limit
 from .api_requests import ParsedRequest
 from .api_responses import APIError
 from .prompting import has_chat_template, render_ids
 from .reasoning import prompt_opens_thinking
+from .tool_calls import forced_opening
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop", "stop_token_ids")
+
+
+class Prompt(NamedTuple):
+    ids: list[int]
+    in_reasoning: bool  # the prompt leaves the model inside a thinking block
+    opened_call: str = ""  # the opening of a call the prompt forces (tool_calls.forced_opening); the reply continues it
 
 
 class PromptBuilder:
@@ -56,8 +63,7 @@ class PromptBuilder:
         return template in names or self.cfg.trust_request_template
 
     # ---- prompt ids (worker thread)
-    def prompt_ids(self, req: ParsedRequest) -> tuple[list[int], bool]:
-        """(token ids, whether the prompt leaves the model inside a thinking block)."""
+    def prompt_ids(self, req: ParsedRequest) -> Prompt:
         tok = self.loop.tokenizer
         if req.kind == "completion":
             if isinstance(req.prompt, str):
@@ -67,7 +73,7 @@ class PromptBuilder:
                 ids = list(req.prompt)
             if len(ids) >= self.limit():
                 raise self._too_long("prompt", str(len(ids)), "prompt")
-            return ids, False
+            return Prompt(ids, False)
         texts = [str(m.get("content") or "") for m in req.messages] + ([json.dumps(req.tools)] if req.tools else [])
         self._check_bytes(texts, "messages", "messages")
         tools = {"tools": req.tools} if req.tools else {}
@@ -83,9 +89,14 @@ class PromptBuilder:
             raise APIError(f"{e} for these messages", 400, "messages", "template_timeout") from None
         except Exception as e:  # the template rejected the conversation (raise_exception, bad types, sandbox)
             raise APIError(f"the chat template rejected the messages: {type(e).__name__}: {e}", 400, "messages") from None
+        opened = ""
+        if req.forced_call is not None:  # tool_choice asks for a call: the prompt opens it
+            xml = "<function=" in tok.template_source(req.template_kwargs.get("chat_template"), req.tools)
+            opened = forced_opening(req.forced_call, xml, prompt_opens_thinking(text))
+            ids, text = ids + tok.encode(opened), text + opened
         if len(ids) >= self.limit():
             raise self._too_long("messages", str(len(ids)), "messages")
-        return ids, prompt_opens_thinking(text)
+        return Prompt(ids, prompt_opens_thinking(text), opened)
 
     # ---- sampling
     def sampling_params(self, req: ParsedRequest, prompt_len: int):

@@ -28,7 +28,7 @@ from .engine_loop import Accepted, EngineLoop
 from .prompt_limits import PromptBuilder
 from .reasoning import split_reasoning
 from .request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, read_body
-from .tool_calls import ToolCallReader, new_call_id, split_tool_calls
+from .tool_calls import ToolCallReader, new_call_id
 from .tool_calls import finish_reason as tool_finish
 from .sse import Formatter, SSEResponse, disconnected, failure, next_or_gone, usage_of
 
@@ -122,7 +122,7 @@ async def generate(request: Request, kind: str) -> Response:
     st.check_model(req.model)
     st.ready()
     st.check_capacity()  # before the work of tokenising, and again once it is done
-    ids, in_reasoning = await run_in_threadpool(st.prompts.prompt_ids, req)
+    ids, in_reasoning, opened = await run_in_threadpool(st.prompts.prompt_ids, req)
     params = st.prompts.sampling_params(req, len(ids))
     st.check_capacity()
     rid = oa.new_id(kind)
@@ -133,7 +133,7 @@ async def generate(request: Request, kind: str) -> Response:
         if err.status < 500:  # the engine refused what the request asked (too long for the pool, ids...)
             err.param = err.param or ("messages" if kind == "chat" else "prompt")
         raise err
-    tools = ToolCallReader.for_request(req)
+    tools = ToolCallReader.for_request(req, opened)
     fmt = Formatter(kind, rid, st.cfg.model_name, in_reasoning, req.include_usage, tools)
     if req.stream:
         return SSEResponse(handle, fmt)
@@ -160,7 +160,7 @@ async def collect(request: Request, handle, kind: str, rid: str, in_reasoning: b
                 reasoning, content = split_reasoning(out.text, in_reasoning)
                 calls = []
                 if tools is not None:
-                    content, calls = split_tool_calls(content, tools.schemas, tools.parallel)
+                    content, calls = tools.split(content)
                 body = oa.chat_completion(rid, name, content, reasoning or None,
                                           tool_finish(out.finish_reason, bool(calls)), usage_of(out),
                                           [c.to_openai(new_call_id()) for c in calls])

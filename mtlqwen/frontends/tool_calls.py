@@ -237,20 +237,42 @@ def split_tool_calls(content: str, schemas: Mapping[str, dict] | None = None,
     return text + s.finish(), calls
 
 
+def forced_opening(name: str, xml: bool, opens_thinking: bool) -> str:
+    """The text appended to a rendered prompt so that the reply is a call: `tool_choice` "required" (name "":
+    the model picks the function) or a named function, opened in the form the chat template teaches (xml:
+    Qwen3.5's `<function=...>`, else Hermes JSON). A prompt left inside a thinking block closes it first, as
+    a template does with thinking off: the reply is the call."""
+    out = "\n</think>\n\n" if opens_thinking else ""
+    out += OPEN + "\n"
+    if name:
+        out += f"<function={name}>\n" if xml else '{"name": ' + json.dumps(name) + ', "arguments": '
+    return out
+
+
 @dataclass(frozen=True)
 class ToolCallReader:
-    """What a request asks of its reply's calls: the tools' schemas and whether several calls are kept."""
+    """What a request asks of its reply's calls: the tools' schemas, whether several calls are kept, and the
+    opening of a forced call that the prompt already holds (the reply continues it)."""
 
     schemas: dict
     parallel: bool = True
+    opened: str = ""
 
     @classmethod
-    def for_request(cls, req) -> "ToolCallReader | None":
+    def for_request(cls, req, opened: str = "") -> "ToolCallReader | None":
         """A parsed chat request -> its reader; None when its calls are not read (no tools, tool_choice none)."""
-        return cls(schemas_of(req.tools), req.parallel_tool_calls) if req.read_tool_calls else None
+        return cls(schemas_of(req.tools), req.parallel_tool_calls, opened) if req.read_tool_calls else None
 
     def splitter(self) -> ToolCallSplitter:
-        return ToolCallSplitter(self.schemas, self.parallel)
+        s = ToolCallSplitter(self.schemas, self.parallel)
+        s.feed(self.opened[self.opened.find(OPEN):] if OPEN in self.opened else "")  # inside the opened block
+        return s
+
+    def split(self, content: str) -> tuple[str, list[ToolCall]]:
+        """A whole reply's content -> (content, calls)."""
+        s = self.splitter()
+        text, calls = s.feed(content)
+        return text + s.finish(), calls
 
 
 def finish_reason(reason: str | None, called: bool) -> str | None:
