@@ -68,6 +68,38 @@ TEMPLATE_KWARGS = [{"chat_template": SLOW_TEMPLATE}, {"chat_template": "default"
 PROMPTS = [[2**40], [-1], [[1], [2]], [], "", list(range(5000)), "z" * 50000, [1.5], [[]], [True], ["a", "b"], None]
 
 
+# Anthropic /v1/messages: hostile values per field of a body that otherwise asks for 2 tokens
+MESSAGES_HOSTILE = {
+    "content": [[{"type": "image", "source": {}}], [{"type": "text"}], [{"type": "tool_result"}],
+                [{"type": "tool_use", "id": "t", "name": "f", "input": "x"}], [{"type": "thinking"}], [], 5,
+                [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": INJECTED}]}],
+                [{"type": "tool_use", "id": "t", "name": "f", "input": {"a": [[[[1]]]]}}], INJECTED],
+    "system": [5, [{"type": "text"}], [{"type": "text", "text": INJECTED}], "", None],
+    "tools": [[{"name": "f"}], [{"type": "bash_20250124", "name": "bash"}], [{"name": "f", "input_schema": {}}] * 2,
+              [{"name": "has space", "input_schema": {}}], "x"],
+    "tool_choice": [{"type": "any"}, {"type": "tool"}, {"type": "tool", "name": "f"}, {"type": "sometimes"}, "auto"],
+    "thinking": [{"type": "enabled", "budget_tokens": -1}, {"type": "maybe"}, {"type": "disabled"}, True],
+    "stop_sequences": [["x"] * 17, "x", [""], [5]], "max_tokens": [None, 0, -1, "2", 2**40],
+    "output_config": [{"format": {"type": "json_schema"}}, {"effort": "max"}, []],
+}
+
+
+def messages_body(rng: random.Random) -> dict:
+    body: dict = {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 2, "temperature": 0.8}
+    name = rng.choice(sorted(MESSAGES_HOSTILE))
+    value = rng.choice(MESSAGES_HOSTILE[name])
+    if name == "content":
+        body["messages"][0]["content"] = value
+        if rng.random() < 0.3:  # the same blocks in an assistant turn
+            body["messages"] = [body["messages"][0], {"role": "assistant", "content": value},
+                                {"role": "user", "content": "and?"}]
+    elif value is None:
+        body.pop(name, None)
+    else:
+        body[name] = value
+    return body
+
+
 def check_loopback(base: str) -> None:
     host = urlparse(base).hostname
     if host not in LOOPBACK:
@@ -100,6 +132,9 @@ def hostile_bodies(rng: random.Random, n: int) -> list[tuple[str, bytes]]:
     """n (path, body) pairs; a body that happens to be valid asks for at most a few tokens."""
     out = []
     for _ in range(n):
+        if rng.random() < 0.15:
+            out.append(("/v1/messages", _dump(messages_body(rng))))
+            continue
         chat = rng.random() < 0.65
         body: dict = ({"messages": [{"role": "user", "content": "hi there"}]} if chat else {"prompt": "hi there"})
         body.update(temperature=0.8, max_tokens=2)

@@ -100,6 +100,47 @@ def app_for(ckpt: pathlib.Path, api_key: str | None = None, wrap_engine=None, nu
     return build_app(loop, ServerConfig(served_names=("tiny",), slots=2, api_key=api_key, **cfg))
 
 
+class ScriptedEngine:
+    """A real engine (slots, blocks, steps) whose reply to a request seeded with a key of `scripts` is that
+    script, `piece` characters a step; the request's real sequence is cancelled when the script ends. Each
+    request's prompt ids are kept (`prompts`). Other requests run as they are."""
+
+    def __init__(self, engine, scripts: dict[int, str], piece: int = 7):
+        self.engine, self.scripts, self.piece = engine, dict(scripts), piece
+        self.running, self.prompts = {}, {}
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def submit(self, ids, params, request_id=None):
+        self.prompts[request_id] = list(ids)
+        if params.seed in self.scripts:
+            self.running[request_id] = (0, self.scripts[params.seed])
+        return self.engine.submit(ids, params, request_id=request_id)
+
+    def step(self):
+        from mtlqwen.runtime.outputs import Delta, Output
+
+        out = []
+        for d in self.engine.step():
+            if d.request_id not in self.running:
+                out.append(d)
+                continue
+            pos, reply = self.running[d.request_id]
+            if pos >= len(reply):
+                continue  # the cancelled sequence's last event
+            end = pos + self.piece
+            self.running[d.request_id] = (end, reply)
+            if end < len(reply):
+                out.append(Delta(d.request_id, [0], reply[pos:end]))
+                continue
+            self.engine.cancel(d.request_id)
+            steps = -(-len(reply) // self.piece)
+            done = Output(d.request_id, len(self.prompts[d.request_id]), [0] * steps, reply, "stop")
+            out.append(Delta(d.request_id, [0], reply[pos:], finished=True, finish_reason="stop", output=done))
+        return out
+
+
 def wait_ok(client, timeout: float = 60.0) -> None:
     """Until the in-process app's /health says ok (its model loads on the engine thread)."""
     deadline = time.monotonic() + timeout

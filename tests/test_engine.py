@@ -170,6 +170,8 @@ def test_stream_stop_tokens_and_stop_strings(model):
     assert final[rid_str].finish_reason == "stop" and final[rid_str].text == tok.decode(out)[:cut]
     assert final[rid_str].token_ids == out[:3]
     assert final[rid_full].text == full.text and final[rid_full].token_ids == out
+    # what stopped each: the stop token id, the stop string (not "<zzz>", which never occurs), nothing
+    assert [final[r].stop_reason for r in (rid_id, rid_str, rid_full)] == [out[3], across, None]
     for rid in final:  # deltas add up to the outputs; held-back text is released at the end
         assert toks[rid] == final[rid].token_ids and texts[rid] == final[rid].text
     # EOS: the model's eos ids end a completion unless ignore_eos

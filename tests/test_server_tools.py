@@ -10,7 +10,7 @@ import json
 import pytest
 from starlette.testclient import TestClient
 
-from frontend_fixtures import IM_END, app_for, wait_ok, write_tiny_chat_checkpoint
+from frontend_fixtures import IM_END, ScriptedEngine, app_for, wait_ok, write_tiny_chat_checkpoint
 
 SCRIPTED, FORCED, FORCED_ANY = 4242, 4343, 4444
 REPLY = ("The user wants the weather.\n</think>\n\nChecking both cities.\n<tool_call>\n<function=get_weather>\n"
@@ -30,52 +30,13 @@ CALLS = [{"name": "get_weather", "arguments": {"city": "Milan", "days": 3}},
          {"name": "get_weather", "arguments": {"city": "Oslo"}}]
 
 
-class ScriptedEngine:
-    """A real engine (slots, blocks, steps); a request seeded with a key of SCRIPTS is answered with its script,
-    PIECE characters a step, and its real sequence is cancelled when the script ends. Each request's prompt
-    ids are kept."""
-
-    def __init__(self, engine):
-        self.engine, self.scripts, self.prompts = engine, {}, {}
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def submit(self, ids, params, request_id=None):
-        self.prompts[request_id] = list(ids)
-        if params.seed in SCRIPTS:
-            self.scripts[request_id] = (0, SCRIPTS[params.seed])
-        return self.engine.submit(ids, params, request_id=request_id)
-
-    def step(self):
-        from mtlqwen.runtime.outputs import Delta, Output
-
-        out = []
-        for d in self.engine.step():
-            if d.request_id not in self.scripts:
-                out.append(d)
-                continue
-            pos, reply = self.scripts[d.request_id]
-            if pos >= len(reply):
-                continue  # the cancelled sequence's last event
-            end = pos + PIECE
-            self.scripts[d.request_id] = (end, reply)
-            if end < len(reply):
-                out.append(Delta(d.request_id, [0], reply[pos:end]))
-                continue
-            self.engine.cancel(d.request_id)
-            done = Output(d.request_id, len(self.prompts[d.request_id]), [0] * -(-len(reply) // PIECE), reply, "stop")
-            out.append(Delta(d.request_id, [0], reply[pos:], finished=True, finish_reason="stop", output=done))
-        return out
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     ckpt = write_tiny_chat_checkpoint(tmp_path_factory.mktemp("tools-ckpt"), eos_reachable=False)
     engines = []
 
     def wrap(engine):
-        engines.append(ScriptedEngine(engine))
+        engines.append(ScriptedEngine(engine, SCRIPTS, PIECE))
         return engines[0]
 
     with TestClient(app_for(ckpt, wrap_engine=wrap, num_blocks=128)) as c:  # byte tokens: long prompts

@@ -328,7 +328,8 @@ def _api_error(e: ValidationError) -> APIError:
     return APIError(f"'{param}': {' or '.join(msgs)}{shown}", 400, param, code)
 
 
-def _validate(model: type[_Request], raw: bytes) -> _Request:
+def validate_body(model: type[BaseModel], raw: bytes) -> Any:
+    """A body validated strictly from its bytes; every failure an APIError naming the field."""
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:
@@ -339,7 +340,7 @@ def _validate(model: type[_Request], raw: bytes) -> _Request:
 
 def parse_chat(raw: bytes, d: Defaults, template_defaults: dict, allowed_templates: Callable[[str], bool]) -> ParsedRequest:
     """allowed_templates(name_or_source): whether a request's `chat_template` may be used."""
-    req = _validate(ChatRequest, raw)
+    req = validate_body(ChatRequest, raw)
     kwargs = dict(req.chat_template_kwargs or {})
     for key in kwargs:
         if key in RESERVED_TEMPLATE_ARGS:
@@ -359,7 +360,7 @@ def parse_chat(raw: bytes, d: Defaults, template_defaults: dict, allowed_templat
 
 
 def parse_completion(raw: bytes, d: Defaults) -> ParsedRequest:
-    req = _validate(CompletionRequest, raw)
+    req = validate_body(CompletionRequest, raw)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) > 1:

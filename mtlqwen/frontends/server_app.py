@@ -24,7 +24,11 @@ from starlette.routing import Route
 
 from . import api_responses as oa
 from .api_requests import Defaults, ParsedRequest, parse_chat, parse_completion
+from . import messages_reply
 from .engine_loop import Accepted, EngineLoop
+from .messages_api import error_body as messages_error
+from .messages_api import parse_messages
+from .messages_reply import MessagesFormatter, new_message_id
 from .prompt_limits import PromptBuilder
 from .reasoning import split_reasoning
 from .request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, read_body
@@ -83,8 +87,11 @@ class ServerState:
                               f"{', '.join(self.cfg.served_names)}", 404, "model", "model_not_found")
 
     def parse(self, raw: bytes, kind: str) -> ParsedRequest:
+        """kind: "chat", "completion" (OpenAI) or "messages" (Anthropic; a chat request once parsed)."""
         if kind == "chat":
             return parse_chat(raw, self.cfg.defaults, self.cfg.template_defaults, self.prompts.template_allowed)
+        if kind in ("messages", "count_tokens"):
+            return parse_messages(raw, self.cfg.defaults, self.cfg.template_defaults, kind == "count_tokens")
         return parse_completion(raw, self.cfg.defaults)
 
     def check_capacity(self) -> None:
@@ -98,17 +105,19 @@ def state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-def error_response(e: oa.APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+def error_response(e: oa.APIError, kind: str = "chat") -> JSONResponse:
+    """An error in the shape of the route's API: Anthropic's for /v1/messages, OpenAI's elsewhere."""
+    body = messages_error(e) if kind in ("messages", "count_tokens") else e.body()
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
 
 
-async def refusals(st: ServerState, coro) -> Response:
+async def refusals(st: ServerState, coro, kind: str = "chat") -> Response:
     """The route's response, or its refusal as an error response (counted by status)."""
     try:
         return await coro
     except oa.APIError as e:
         st.metrics.on_rejected(e.status)
-        return error_response(e)
+        return error_response(e, kind)
     except ClientDisconnect:  # the client left while sending its body: nobody reads an answer
         return Response(status_code=499)
 
@@ -125,25 +134,39 @@ async def generate(request: Request, kind: str) -> Response:
     ids, in_reasoning, opened = await run_in_threadpool(st.prompts.prompt_ids, req)
     params = st.prompts.sampling_params(req, len(ids))
     st.check_capacity()
-    rid = oa.new_id(kind)
+    rid = new_message_id() if kind == "messages" else oa.new_id(kind)
     handle = st.loop.submit(rid, ids, params)
     first = await handle.next()
     if not isinstance(first, Accepted):
         err = failure(first)
         if err.status < 500:  # the engine refused what the request asked (too long for the pool, ids...)
-            err.param = err.param or ("messages" if kind == "chat" else "prompt")
+            err.param = err.param or ("prompt" if kind == "completion" else "messages")
         raise err
     tools = ToolCallReader.for_request(req, opened)
-    fmt = Formatter(kind, rid, st.cfg.model_name, in_reasoning, req.include_usage, tools)
+    name = st.cfg.model_name
     if req.stream:
+        fmt = (MessagesFormatter(rid, name, len(ids), in_reasoning, tools) if kind == "messages"
+               else Formatter(kind, rid, name, in_reasoning, req.include_usage, tools))
         return SSEResponse(handle, fmt)
-    return await collect(request, handle, kind, rid, in_reasoning, tools)
+    return await collect(request, handle, kind, lambda out: reply_body(kind, rid, name, out, in_reasoning, tools))
 
 
-async def collect(request: Request, handle, kind: str, rid: str, in_reasoning: bool,
-                  tools: ToolCallReader | None = None) -> Response:
+def reply_body(kind: str, rid: str, name: str, out, in_reasoning: bool, tools: ToolCallReader | None) -> dict:
+    """A finished request's whole answer in its API's shape."""
+    if kind == "messages":
+        return messages_reply.message(rid, name, out, in_reasoning, tools)
+    if kind == "completion":
+        return oa.completion(rid, name, out.text, out.finish_reason, usage_of(out))
+    reasoning, content = split_reasoning(out.text, in_reasoning)
+    calls = []
+    if tools is not None:
+        content, calls = tools.split(content)
+    return oa.chat_completion(rid, name, content, reasoning or None, tool_finish(out.finish_reason, bool(calls)),
+                              usage_of(out), [c.to_openai(new_call_id()) for c in calls])
+
+
+async def collect(request: Request, handle, kind: str, body_of) -> Response:
     """A non-streaming answer: the request's deltas gathered; cancelled if the client leaves first."""
-    name = state(request).cfg.model_name
     watcher = asyncio.ensure_future(disconnected(request.receive))
     try:
         while True:
@@ -152,21 +175,9 @@ async def collect(request: Request, handle, kind: str, rid: str, in_reasoning: b
                 return Response(status_code=499)  # nobody will read it
             err = failure(item)
             if err is not None:  # the engine failed this request while running it: not a refusal
-                return error_response(err)
-            if not item.finished:
-                continue
-            out = item.output
-            if kind == "chat":
-                reasoning, content = split_reasoning(out.text, in_reasoning)
-                calls = []
-                if tools is not None:
-                    content, calls = tools.split(content)
-                body = oa.chat_completion(rid, name, content, reasoning or None,
-                                          tool_finish(out.finish_reason, bool(calls)), usage_of(out),
-                                          [c.to_openai(new_call_id()) for c in calls])
-            else:
-                body = oa.completion(rid, name, out.text, out.finish_reason, usage_of(out))
-            return JSONResponse(body)
+                return error_response(err, kind)
+            if item.finished:
+                return JSONResponse(body_of(item.output))
     finally:
         watcher.cancel()
         handle.cancel()
@@ -178,6 +189,25 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     return await refusals(state(request), generate(request, "completion"))
+
+
+async def messages(request: Request) -> Response:
+    return await refusals(state(request), generate(request, "messages"), "messages")
+
+
+async def count_tokens(request: Request) -> Response:
+    """Anthropic's count of a Messages request's input tokens: its prompt as the server would render it."""
+    st = state(request)
+
+    async def run() -> Response:
+        raw = await read_body(request, st.cfg.max_body_bytes, st.cfg.body_timeout_s)
+        req = await run_in_threadpool(st.parse, raw, "count_tokens")
+        st.check_model(req.model)
+        st.ready()
+        prompt = await run_in_threadpool(st.prompts.prompt_ids, req)
+        return JSONResponse({"input_tokens": len(prompt.ids)})
+
+    return await refusals(st, run(), "count_tokens")
 
 
 # ---- information and operator routes
@@ -227,6 +257,8 @@ async def reset_prefix_cache(request: Request) -> Response:
 ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/messages", messages, methods=["POST"]),
+    Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
     Route("/v1/models", models, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics_endpoint, methods=["GET"]),
@@ -277,6 +309,7 @@ class APIKeyMiddleware:
         if hmac.compare_digest(token, self.key):
             return await self.app(scope, receive, send)
         self.metrics.on_rejected(401)
-        e = oa.APIError("invalid or missing API key (send 'Authorization: Bearer <key>')", 401,
-                        code="invalid_api_key")
-        await error_response(e)(scope, receive, send)
+        e = oa.APIError("invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
+                        401, code="invalid_api_key")
+        kind = "messages" if str(scope.get("path", "")).startswith("/v1/messages") else "chat"
+        await error_response(e, kind)(scope, receive, send)

@@ -64,6 +64,13 @@ class Formatter:
     the reasoning splitter, then (when the request's calls are read) the tool-call splitter: each call is
     one chunk once its block closes."""
 
+    end = b"data: [DONE]\n\n"
+    encode = staticmethod(sse)
+
+    @staticmethod
+    def error(err: oa.APIError) -> bytes:
+        return sse(err.body())
+
     def __init__(self, kind: str, rid: str, model: str, in_reasoning: bool, include_usage: bool,
                  tools: ToolCallReader | None = None):
         self.kind, self.rid, self.model, self.include_usage = kind, rid, model, include_usage
@@ -114,9 +121,10 @@ class Formatter:
 
 
 class SSEResponse:
-    """text/event-stream of OpenAI chunks; cancels the request when the client disconnects."""
+    """text/event-stream of the formatter's events (OpenAI chunks, or Anthropic events: messages_reply.py);
+    cancels the request when the client disconnects."""
 
-    def __init__(self, handle: RequestHandle, fmt: Formatter):
+    def __init__(self, handle: RequestHandle, fmt):
         self.handle, self.fmt = handle, fmt
 
     async def __call__(self, scope, receive, send) -> None:
@@ -126,7 +134,7 @@ class SSEResponse:
         try:
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             for c in self.fmt.start():
-                await send({"type": "http.response.body", "body": sse(c), "more_body": True})
+                await send({"type": "http.response.body", "body": self.fmt.encode(c), "more_body": True})
             while True:
                 item = await next_or_gone(self.handle, watcher, KEEPALIVE_S)
                 if item is None:
@@ -135,10 +143,10 @@ class SSEResponse:
                     await send({"type": "http.response.body", "body": b": keepalive\n\n", "more_body": True})
                     continue
                 err = failure(item)
-                body = sse(err.body()) if err is not None else b"".join(sse(c) for c in self.fmt.delta(item))
+                body = self.fmt.error(err) if err is not None else b"".join(self.fmt.encode(c) for c in self.fmt.delta(item))
                 done = err is not None or item.finished
                 if done:
-                    body += b"data: [DONE]\n\n"
+                    body += self.fmt.end
                 if body:
                     await send({"type": "http.response.body", "body": body, "more_body": not done})
                 if done:

@@ -421,13 +421,16 @@ class Engine(Generation):
         self._seqs.pop(seq.request_id, None)
         if seq.text is not None and reason != "stop_string":
             seq.text.flush()
+        stop_reason = seq.text.matched if reason == "stop_string" else None
+        if reason == "stop" and seq.generated and seq.generated[-1] in seq.params.stop_token_ids:
+            stop_reason = seq.generated[-1]
         reason = "stop" if reason == "stop_string" else reason
         seq.finish_reason, seq.finish_time = reason, now
         text = seq.text.delta(True) if seq.text else ""
         out = Output(
             seq.request_id, seq.prompt_len, list(seq.generated), seq.text.text if seq.text else "", reason, error,
             (seq.first_token_time - seq.arrival_time) if seq.first_token_time else None,
-            now - seq.arrival_time, seq.num_preemptions, seq.cached_tokens,
+            now - seq.arrival_time, seq.num_preemptions, seq.cached_tokens, stop_reason,
         )
         return Delta(seq.request_id, toks, text, True, reason, error, out)
 

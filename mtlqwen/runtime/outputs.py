@@ -23,6 +23,7 @@ class Output:
     total_time: float | None = None
     num_preemptions: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
+    stop_reason: str | int | None = None  # what stopped it, when not EOS: the stop string, or the stop token id
 
     @property
     def completion_tokens(self) -> int:
@@ -52,6 +53,7 @@ class TextState:
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.emitted = 0
+        self.matched: str | None = None  # the stop string that ended the text
 
     def add(self, token_id: int) -> bool:
         """Append a token's text; True when a stop string is now complete (the text is cut before it)."""
@@ -62,9 +64,10 @@ class TextState:
             return False
         search_from = max(0, len(self.text) - self.holdback)
         self.text += piece
-        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            i, self.matched = min(hits, key=lambda h: h[0])
+            self.text = self.text[:i]
             return True
         return False
 
