@@ -152,3 +152,22 @@ def test_slow_rendering_does_not_block_the_event_loop(ckpt):
     assert health.status_code == 200 and health_s < 0.5, health_s
     assert other.status_code == 200 and other_done < total, (other_done, total)
     assert error_of(r, 400)["code"] == "template_timeout" and 2.0 <= total < 6, total
+
+
+def test_penalties_reach_the_engine(ckpt):
+    from mtlqwen.runtime import Engine, SamplingParams
+    from mtlqwen.tokenizer import load_tokenizer
+
+    prompt = [5, 9, 5, 9, 5, 9, 12]
+    body = {"prompt": prompt, "max_tokens": 30, "presence_penalty": 1.5, "frequency_penalty": 0.5,
+            "repetition_penalty": 1.3}
+    with TestClient(app_for(ckpt)) as c:
+        wait_ok(c)
+        got = c.post("/v1/completions", json=body)
+        assert got.status_code == 200, got.text
+        plain = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 30}).json()["choices"][0]["text"]
+    tok = load_tokenizer(ckpt)
+    engine = Engine(str(ckpt), tokenizer=tok, slots=1, num_blocks=32, block_tokens=16)
+    want = engine.generate([prompt], SamplingParams(max_tokens=30, presence_penalty=1.5, frequency_penalty=0.5,
+                                                    repetition_penalty=1.3))[0]
+    assert got.json()["choices"][0]["text"] == want.text != plain  # plain greedy repeats a token by then

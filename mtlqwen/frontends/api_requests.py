@@ -3,7 +3,7 @@
 A body is validated straight from its bytes by pydantic's JSON parser, strictly: malformed JSON,
 nesting past the parser's depth limit, lone surrogates, NaN / Infinity and a wrong type anywhere are
 each a 400 naming the field. Sampling ranges are SamplingParams' own (its constants, not restated
-numbers). A field the engine cannot honour (logprobs, n > 1, penalties...) is refused rather than
+numbers). A field the engine cannot honour (logprobs, n > 1, logit_bias...) is refused rather than
 silently ignored; harmless unknown fields (user, metadata, store...) are ignored and never reach the
 chat template. `tools` go to the chat template, and the reply's calls are read back (tool_calls.py)
 unless `tool_choice` is "none"; "required" or a named function opens the call in the prompt.
@@ -39,6 +39,9 @@ class Defaults:
     min_p: float = 0.0
     max_tokens: int = 512
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 @dataclass
@@ -84,8 +87,6 @@ _REFUSED: dict[str, Callable[[Any], bool]] = {
     "functions": bool, "function_call": lambda v: v not in ("none", "auto"),
     "logprobs": bool, "top_logprobs": bool, "logit_bias": bool,
     "n": lambda v: v != 1, "best_of": lambda v: v != 1,
-    "presence_penalty": lambda v: v != 0, "frequency_penalty": lambda v: v != 0,
-    "repetition_penalty": lambda v: v != 1,
     "response_format": lambda v: not (isinstance(v, dict) and v.get("type") == "text"),
     "echo": bool, "suffix": bool, "min_tokens": lambda v: v != 0,
     "audio": lambda v: True, "guided_json": lambda v: True, "guided_regex": lambda v: True,
@@ -160,6 +161,9 @@ class _Request(_Body):
             max_tokens=self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens,
             seed=pick(self.seed, d.seed), stop=tuple(s for s in stop if s),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+            presence_penalty=pick(self.presence_penalty, d.presence_penalty),
+            frequency_penalty=pick(self.frequency_penalty, d.frequency_penalty),
+            repetition_penalty=pick(self.repetition_penalty, d.repetition_penalty),
         )
 
     def stream_flags(self) -> tuple[bool, bool]:

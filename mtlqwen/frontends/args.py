@@ -32,6 +32,13 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability (default 0)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling (reproducible per request)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="lower the logits of tokens already in the reply by this, in [-2, 2] (default 0: off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="lower them by this x their count in the reply, in [-2, 2] (default 0: off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide positive (multiply negative) logits of tokens in the prompt or reply by this "
+                        "(default 1: off); a penalised request does not draft")
 
 
 def add_model_args(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -110,7 +117,12 @@ def parse_template_args(text: str | None) -> dict:
 
 
 SAMPLING_FLAGS = {"temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
-                  "max_tokens": "--max-tokens", "seed": "--seed"}
+                  "max_tokens": "--max-tokens", "seed": "--seed", "presence_penalty": "--presence-penalty",
+                  "frequency_penalty": "--frequency-penalty", "repetition_penalty": "--repetition-penalty"}
+
+
+def penalty_args(args) -> dict:
+    return {k: getattr(args, k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")}
 
 
 def sampling_defaults(args) -> tuple[float, float]:
@@ -130,7 +142,7 @@ def sampling_from_args(args):
     temp, top_p = sampling_defaults(args)
     try:
         return SamplingParams(temperature=temp, top_p=top_p, top_k=args.top_k, min_p=args.min_p,
-                              max_tokens=args.max_tokens, seed=args.seed)
+                              max_tokens=args.max_tokens, seed=args.seed, **penalty_args(args))
     except ValueError as e:
         flag = SAMPLING_FLAGS.get(str(e).split(maxsplit=1)[0])
         raise ValueError(f"{flag}: {e}" if flag else str(e)) from None

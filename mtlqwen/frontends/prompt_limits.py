@@ -22,7 +22,8 @@ from .prompting import has_chat_template, render_ids
 from .reasoning import prompt_opens_thinking
 from .tool_calls import forced_opening
 
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop", "stop_token_ids")
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop", "stop_token_ids",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 class Prompt(NamedTuple):

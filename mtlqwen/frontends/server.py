@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .args import (
     add_draft_bits_arg, add_model_args, add_sampling_args, add_warmup_arg, check_draft_bits,
-    load_model_and_tokenizer, parse_template_args, sampling_defaults,
+    load_model_and_tokenizer, parse_template_args, penalty_args, sampling_defaults, sampling_from_args,
 )
 from .request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 
@@ -181,7 +181,6 @@ def cmd_serve(args) -> int:
         print("mtlqwen serve: error: the server needs starlette and uvicorn (pip install starlette uvicorn)",
               file=sys.stderr)
         return 1
-    from ..runtime import SamplingParams  # noqa: PLC0415
     from .api_requests import Defaults  # noqa: PLC0415
     from .engine_loop import EngineLoop  # noqa: PLC0415
     from .metrics import Metrics  # noqa: PLC0415
@@ -194,9 +193,8 @@ def cmd_serve(args) -> int:
     template_defaults = parse_template_args(args.chat_template_args)
     temp, top_p = sampling_defaults(args)
     defaults = Defaults(temperature=temp, top_p=top_p, top_k=args.top_k, min_p=args.min_p,
-                        max_tokens=args.max_tokens, seed=args.seed)
-    SamplingParams(temperature=defaults.temperature, top_p=defaults.top_p, top_k=defaults.top_k,
-                   min_p=defaults.min_p, max_tokens=defaults.max_tokens, seed=defaults.seed)  # flags fail early
+                        max_tokens=args.max_tokens, seed=args.seed, **penalty_args(args))
+    sampling_from_args(args)  # flags out of range fail early, naming the flag
     api_key = args.api_key or os.environ.get("MTLQWEN_API_KEY") or None
     names = served_names(args)
     group = getattr(args, "group", None)

@@ -31,6 +31,7 @@ from .memory import plan_memory
 from .outputs import Delta, Output, TextState
 from .kv_manager import KVManager, StepSnapshots
 from .prefix_cache import model_identity
+from .penalties import apply_penalties, penalty_rows
 from .sampling import SamplingParams, sample_isolating
 from .scheduler import ScheduledSeq, Scheduler, StepPlan
 from .spec_pipeline import SpecPipeline
@@ -334,6 +335,7 @@ class Engine(Generation):
             else:
                 logits = self.model.forward(plan_batch.input_ids, plan_batch.layout, cache, plan_batch.logits_rows)
             samp = plan_batch.sampling
+            logits = apply_penalties(logits, penalty_rows(samp, plan_batch.input_ids, plan_batch.logits_rows))
             tokens, bad = sample_isolating(logits, [s.seq.params for s in samp], [s.seq.seed for s in samp],
                                            [s.sample_index for s in samp])
             failed = [(samp[r].seq, e) for r, e in bad.items()]

@@ -19,6 +19,8 @@ _MASK64 = (1 << 64) - 1
 MIN_TEMPERATURE = 1e-2
 # top_k is a count of vocabulary entries; the engine also checks it against its vocabulary at submit.
 MAX_TOP_K = (1 << 31) - 1
+MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty|: OpenAI's range
+MAX_REPETITION_PENALTY = 100.0
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,9 @@ class SamplingParams:
     """temperature 0 is greedy. Filters apply in the order top_k, top_p, min_p (min_p is relative to the
     most likely token, so it is unaffected by the other two). `stop` strings need a tokenizer; the
     completion text ends before the stop string. `stop_token_ids` and EOS (unless ignore_eos) end the
-    completion and are kept in its token ids."""
+    completion and are kept in its token ids. Penalties (penalties.py) lower the logits of tokens already
+    produced: repetition_penalty (1 = off) over prompt and reply, frequency_penalty and presence_penalty
+    (0 = off) over the reply; a penalised request never drafts."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -38,6 +42,9 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     speculative: bool = True  # False: this request never drafts, even when the engine has a drafter
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -69,6 +76,12 @@ class SamplingParams:
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if any(not 0 <= t <= MAX_TOP_K for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= num(name) <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}] (0 = off), got {getattr(self, name)}")
+        if not 0 < num("repetition_penalty") <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}] (1 = off), "
+                             f"got {self.repetition_penalty}")
         if not isinstance(self.speculative, bool):
             raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -85,6 +98,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def drafts(self) -> bool:
+        """Whether this request may draft: it asked to, and no penalty makes its distribution depend on the
+        drafts before each position."""
+        return self.speculative and not self.penalized
 
     @property
     def filtered(self) -> bool:

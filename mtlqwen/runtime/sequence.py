@@ -50,6 +50,7 @@ class Sequence:
     prefix_keys: list[int] = field(default_factory=list)  # chained prefix-cache keys of whole intervals, memoised
     restore: Any = None  # prefix_cache.PrefixEntry to load into the slot before the first chunk (a hit)
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache at the latest admission
+    _prompt_vocab: tuple[int, ...] | None = field(default=None, repr=False)  # prompt_vocab()'s memo
 
     def __post_init__(self):
         if not self.prompt_len:
@@ -82,3 +83,9 @@ class Sequence:
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len :]
+
+    def prompt_vocab(self) -> tuple[int, ...]:
+        """The distinct prompt tokens (what a repetition penalty marks besides the reply); computed once."""
+        if self._prompt_vocab is None:
+            self._prompt_vocab = tuple(sorted(set(self.tokens[: self.prompt_len])))
+        return self._prompt_vocab

@@ -67,7 +67,7 @@ class SpecPipeline:
         seqs, n = [v.seqs[j].seq for j in rows], [v.n[j] for j in rows]
         for seq, nj in zip(seqs, n):
             p = seq.params
-            if not (p.greedy and p.speculative) or seq.pending != 1 or seq.kv_valid < 1:
+            if not (p.greedy and p.drafts) or seq.pending != 1 or seq.kv_valid < 1:
                 return None
             # worst case: N yields nj + 1 tokens, N+1 another nj + 1 (num_generated counts N's one pending)
             if seq.num_generated - 1 + 2 * (nj + 1) > p.max_tokens:

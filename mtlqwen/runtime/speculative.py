@@ -43,6 +43,7 @@ from .draft_policy import FixedDrafting, bucket_drafts, draft_lengths
 from .context_backlog import ContextBacklog
 from .kv_manager import KVManager
 from .rejection import position_noise, sample_drafts, verify
+from .penalties import apply_penalties, penalty_rows
 from .sampling import sample_isolating
 from .scheduler import ScheduledSeq, StepPlan
 
@@ -193,7 +194,7 @@ class Speculator:
         up to drafts + 1). With a prefix cache, a verification stops short of the next interval boundary:
         the boundary is then reached by a plain step, whose state the cache captures at launch (a
         verification's state is only known at read-back). Rounded down to a draft length (draft_lengths)."""
-        if not (seq.active and seq.params.speculative and seq.pending == 0 and seq.need == 1 and seq.kv_valid > 0):
+        if not (seq.active and seq.params.drafts and seq.pending == 0 and seq.need == 1 and seq.kv_valid > 0):
             return 0
         return self._cap(seq)
 
@@ -215,7 +216,7 @@ class Speculator:
             planned(seqs, n, rows)
         for seq, k in zip(seqs, n):
             seq.spec_drafts = k
-            if k == 0 and seq.active and seq.params.speculative and seq.num_generated > 0:
+            if k == 0 and seq.active and seq.params.drafts and seq.num_generated > 0:
                 self.policy.skipped(seq)
 
     def must_sync(self, flight, seqs) -> bool:
@@ -223,7 +224,7 @@ class Speculator:
         it sampled once their tokens are on the host (seqs: every live sequence, for the batch size)."""
         if flight.spec is not None:
             return True
-        cand = [s.seq for s in flight.sampling if s.seq.active and s.seq.params.speculative]
+        cand = [s.seq for s in flight.sampling if s.seq.active and s.seq.params.drafts]
         if not cand:
             return False
         if isinstance(self.policy, FixedDrafting):  # drafts whenever it may: the original rule
@@ -293,7 +294,8 @@ class Speculator:
         tokens, failed = None, []
         if R:
             samp = batch.sampling
-            tokens, bad = sample_isolating(logits[:R], [s.seq.params for s in samp], [s.seq.seed for s in samp],
+            plain = apply_penalties(logits[:R], penalty_rows(samp, batch.input_ids, batch.logits_rows))
+            tokens, bad = sample_isolating(plain, [s.seq.params for s in samp], [s.seq.seed for s in samp],
                                            [s.sample_index for s in samp])
             failed = [(samp[r].seq, e) for r, e in bad.items()]
         state = None
