@@ -89,6 +89,21 @@ def run_arrivals(eng, requests, max_steps: int = 20_000):
     return [outs[i] for i in range(len(requests))]
 
 
+def run_preempting(model, params: list, lens: tuple, seed: int, spread: int, num_blocks: int):
+    """Requests of random prompts of `lens` tokens cycling through `params`, arriving over `spread` steps, on a
+    4-slot engine whose pool of num_blocks 16-token blocks makes it preempt (checked). Returns (requests
+    as (arrival, prompt, params), outputs)."""
+    from hf_checkpoints import random_token_ids  # noqa: PLC0415
+    from mtlqwen.runtime import Engine  # noqa: PLC0415
+
+    reqs = [(k % spread, random_token_ids(n, 512, seed=seed + k), params[k % len(params)]) for k, n in enumerate(lens)]
+    eng = Engine(model, slots=4, step_tokens=32, block_tokens=16, num_blocks=num_blocks, prefix_interval=0)
+    outs = run_arrivals(eng, reqs)
+    assert eng.stats()["preemptions"] > 0
+    assert_idle(eng)
+    return reqs, outs
+
+
 def in_flight_verifications(eng):
     """Step `eng` until it has no work; after each step whose launch verified drafts, yield that
     verification (its sequences and stash) while it is still in flight, before its commit."""

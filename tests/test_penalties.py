@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflash_checkpoints import write_tiny_drafter
-from engine_checks import assert_idle, near_tie, ref_logits, run_arrivals
+from engine_checks import near_tie, ref_logits, run_preempting
 from hf_checkpoints import random_token_ids
 from mtlqwen.model.dflash import load_drafter
 from mtlqwen.runtime import Engine, SamplingParams
@@ -73,17 +73,12 @@ def test_penalised_greedy_is_the_request_alone_with_the_rule(model):
     """Batched with arrivals, chunked prompts and preemptions on a tight pool; the engine's steps are pipelined
     (each is launched before the previous one's tokens are read), so every penalised token after the first
     counted a token still in flight."""
-    reqs = [(k % 3, random_token_ids(n, 512, seed=40 + k), p)
-            for k, (n, p) in enumerate(zip((30, 5, 47, 12, 21, 9), PENALISED * 2))]
-    eng = Engine(model, slots=4, step_tokens=32, block_tokens=16, num_blocks=9, prefix_interval=0)
-    outs = run_arrivals(eng, reqs)
-    assert eng.stats()["preemptions"] > 0
+    reqs, outs = run_preempting(model, PENALISED, (30, 5, 47, 12, 21, 9), seed=40, spread=3, num_blocks=9)
     for (_, prompt, p), out in zip(reqs, outs):
         assert len(out.token_ids) == 14
         check_penalised_greedy(model, prompt, out, p)
     assert outs[0].token_ids != Engine(model, slots=1, prefix_interval=0).generate(
         [reqs[0][1]], SamplingParams(max_tokens=14, ignore_eos=True))[0].token_ids  # the penalty did something
-    assert_idle(eng)
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))

@@ -237,7 +237,8 @@ def test_client_disconnect_frees_slot_and_blocks(server):
 @pytest.mark.parametrize("patch, param", [
     ({"tool_choice": "required"}, "tool_choice"),  # a call asked for, no tools given
     ({"tools": [{"type": "function", "function": {"name": "no spaces please"}}]}, "tools[0].function.name"),
-    ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"n": 2}, "n"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),
     ({"presence_penalty": 2.5}, "presence_penalty"),

@@ -171,3 +171,42 @@ def test_penalties_reach_the_engine(ckpt):
     want = engine.generate([prompt], SamplingParams(max_tokens=30, presence_penalty=1.5, frequency_penalty=0.5,
                                                     repetition_penalty=1.3))[0]
     assert got.json()["choices"][0]["text"] == want.text != plain  # plain greedy repeats a token by then
+
+
+def test_logprobs_in_both_shapes_whole_and_streamed(ckpt):
+    from mtlqwen.runtime import Engine, SamplingParams
+    from mtlqwen.tokenizer import load_tokenizer
+
+    prompt = [5, 9, 5, 9, 5, 9, 12]
+    tok = load_tokenizer(ckpt)
+    want = Engine(str(ckpt), tokenizer=tok, slots=1, num_blocks=32, block_tokens=16).generate(
+        [prompt], SamplingParams(max_tokens=6, logprobs=3))[0]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "logprobs": True, "top_logprobs": 2}
+    with TestClient(app_for(ckpt)) as c:
+        wait_ok(c)
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "logprobs": 3}).json()
+        lp = r["choices"][0]["logprobs"]
+        assert lp["token_logprobs"] == [x.logprob for x in want.logprobs]
+        assert lp["tokens"] == [tok.token_bytes(t).decode("utf-8", "replace") for t in want.token_ids]
+        text = lambda t: tok.token_bytes(t).decode("utf-8", "replace")  # noqa: E731
+        # a text two of the top tokens share (bytes of split characters) is listed once, with the likelier one
+        assert lp["top_logprobs"] == [{text(t): v for t, v in reversed(x.top)} for x in want.logprobs]
+        assert lp["text_offset"] == [sum(len(s) for s in lp["tokens"][:i]) for i in range(6)]
+        with c.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "logprobs": 3,
+                                                       "stream": True}) as s:
+            events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+        streamed = [v for e in events if e["choices"][0]["logprobs"] for v in e["choices"][0]["logprobs"]["token_logprobs"]]
+        assert streamed == lp["token_logprobs"]
+
+        whole = c.post("/v1/chat/completions", json=chat).json()
+        content = whole["choices"][0]["logprobs"]["content"]
+        assert len(content) == whole["usage"]["completion_tokens"] == 6
+        assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["logprob"] >= e["logprob"] - 1e-6
+                   and bytes(e["bytes"]).decode("utf-8", "replace") == e["token"] for e in content)
+        with c.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as s:
+            events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+        streamed = [e for ev in events if ev["choices"] and ev["choices"][0]["logprobs"]
+                    for e in ev["choices"][0]["logprobs"]["content"]]
+        assert streamed == content
+        plain = c.post("/v1/chat/completions", json={**chat, "logprobs": False, "top_logprobs": None}).json()
+        assert plain["choices"][0]["logprobs"] is None

@@ -3,7 +3,7 @@
 A body is validated straight from its bytes by pydantic's JSON parser, strictly: malformed JSON,
 nesting past the parser's depth limit, lone surrogates, NaN / Infinity and a wrong type anywhere are
 each a 400 naming the field. Sampling ranges are SamplingParams' own (its constants, not restated
-numbers). A field the engine cannot honour (logprobs, n > 1, logit_bias...) is refused rather than
+numbers). A field the engine cannot honour (n > 1, logit_bias, echo...) is refused rather than
 silently ignored; harmless unknown fields (user, metadata, store...) are ignored and never reach the
 chat template. `tools` go to the chat template, and the reply's calls are read back (tool_calls.py)
 unless `tool_choice` is "none"; "required" or a named function opens the call in the prompt.
@@ -18,6 +18,7 @@ from typing import Annotated, Any, Callable, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from ..runtime.logprobs import MAX_LOGPROBS
 from ..runtime.sampling import MAX_TOP_K, MIN_TEMPERATURE
 from .api_responses import APIError, not_supported
 
@@ -85,7 +86,7 @@ class StreamOptions(_Body):
 # Fields whose non-default value the engine cannot honour -> 400 (value -> True when it must be refused).
 _REFUSED: dict[str, Callable[[Any], bool]] = {
     "functions": bool, "function_call": lambda v: v not in ("none", "auto"),
-    "logprobs": bool, "top_logprobs": bool, "logit_bias": bool,
+    "logit_bias": bool,
     "n": lambda v: v != 1, "best_of": lambda v: v != 1,
     "response_format": lambda v: not (isinstance(v, dict) and v.get("type") == "text"),
     "echo": bool, "suffix": bool, "min_tokens": lambda v: v != 0,
@@ -125,8 +126,6 @@ class _Request(_Body):
     functions: list[Any] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     function_call: str | dict[str, Any] | None = None
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
     logit_bias: dict[str, float] | None = None
     n: int | None = None
     best_of: int | None = None
@@ -164,7 +163,12 @@ class _Request(_Body):
             presence_penalty=pick(self.presence_penalty, d.presence_penalty),
             frequency_penalty=pick(self.frequency_penalty, d.frequency_penalty),
             repetition_penalty=pick(self.repetition_penalty, d.repetition_penalty),
+            logprobs=self.logprob_count(),
         )
+
+    def logprob_count(self) -> int | None:
+        """Alternatives each token reports (SamplingParams.logprobs); None: no logprobs."""
+        return None
 
     def stream_flags(self) -> tuple[bool, bool]:
         stream = bool(self.stream)
@@ -248,8 +252,13 @@ class ToolDef(_Body):
     function: FunctionDef
 
 
+LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+
+
 class ChatRequest(_Request):
     messages: Annotated[list[Message], Field(min_length=1)]
+    logprobs: bool = False
+    top_logprobs: LogprobCount | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
     parallel_tool_calls: bool = True
@@ -274,6 +283,15 @@ class ChatRequest(_Request):
                            "tool_choice.function.name")
         return self
 
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("'top_logprobs' needs 'logprobs': true", 400, "top_logprobs")
+        return self
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def forced_call(self) -> str | None:
         if isinstance(self.tool_choice, NamedToolChoice):
             return self.tool_choice.function.name
@@ -285,6 +303,10 @@ class ChatRequest(_Request):
 
 class CompletionRequest(_Request):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    logprobs: LogprobCount | None = None  # the legacy API's: alternatives a token reports
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
     tools: list[Any] | None = None  # declared to be refused: a raw prompt has no template to show them
 
     @model_validator(mode="after")

@@ -55,31 +55,33 @@ def _envelope(rid: str, obj: str, created: int, model: str, choices: list, use: 
     return out
 
 
-def _choice(reason: str | None, **fields) -> dict:
-    return {"index": 0, **fields, "logprobs": None, "finish_reason": finish_reason(reason)}
+def _choice(reason: str | None, logprobs: dict | None = None, **fields) -> dict:
+    return {"index": 0, **fields, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
 
 
 def chat_completion(rid: str, model: str, content: str, reasoning: str | None, reason: str, use: dict,
-                    tool_calls: list[dict] | None = None) -> dict:
+                    tool_calls: list[dict] | None = None, logprobs: dict | None = None) -> dict:
     """tool_calls: the reply's calls as OpenAI objects; with them an empty content is null, as OpenAI sends it."""
     msg: dict[str, Any] = {"role": "assistant", "content": content or None if tool_calls else content}
     if reasoning:
         msg["reasoning_content"] = reasoning
     if tool_calls:
         msg["tool_calls"] = tool_calls
-    return _envelope(rid, "chat.completion", int(time.time()), model, [_choice(reason, message=msg)], use)
+    return _envelope(rid, "chat.completion", int(time.time()), model, [_choice(reason, logprobs, message=msg)], use)
 
 
-def chat_chunk(rid: str, created: int, model: str, delta: dict, reason: str | None = None) -> dict:
-    return _envelope(rid, "chat.completion.chunk", created, model, [_choice(reason, delta=delta)])
+def chat_chunk(rid: str, created: int, model: str, delta: dict, reason: str | None = None,
+               logprobs: dict | None = None) -> dict:
+    return _envelope(rid, "chat.completion.chunk", created, model, [_choice(reason, logprobs, delta=delta)])
 
 
-def completion(rid: str, model: str, text: str, reason: str, use: dict) -> dict:
-    return _envelope(rid, "text_completion", int(time.time()), model, [_choice(reason, text=text)], use)
+def completion(rid: str, model: str, text: str, reason: str, use: dict, logprobs: dict | None = None) -> dict:
+    return _envelope(rid, "text_completion", int(time.time()), model, [_choice(reason, logprobs, text=text)], use)
 
 
-def completion_chunk(rid: str, created: int, model: str, text: str, reason: str | None = None) -> dict:
-    return _envelope(rid, "text_completion", created, model, [_choice(reason, text=text)])
+def completion_chunk(rid: str, created: int, model: str, text: str, reason: str | None = None,
+                     logprobs: dict | None = None) -> dict:
+    return _envelope(rid, "text_completion", created, model, [_choice(reason, logprobs, text=text)])
 
 
 def usage_chunk(rid: str, created: int, model: str, kind: str, use: dict) -> dict:

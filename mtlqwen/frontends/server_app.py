@@ -26,6 +26,7 @@ from . import api_responses as oa
 from .api_requests import Defaults, ParsedRequest, parse_chat, parse_completion
 from . import messages_reply
 from .engine_loop import Accepted, EngineLoop
+from .logprob_format import LogprobFormat
 from .messages_api import error_body as messages_error
 from .messages_api import parse_messages
 from .messages_reply import MessagesFormatter, new_message_id
@@ -144,25 +145,30 @@ async def generate(request: Request, kind: str) -> Response:
         raise err
     tools = ToolCallReader.for_request(req, opened)
     name = st.cfg.model_name
+    lpf = LogprobFormat(st.loop.tokenizer) if params.logprobs is not None else None
     if req.stream:
         fmt = (MessagesFormatter(rid, name, len(ids), in_reasoning, tools) if kind == "messages"
-               else Formatter(kind, rid, name, in_reasoning, req.include_usage, tools))
+               else Formatter(kind, rid, name, in_reasoning, req.include_usage, tools, lpf))
         return SSEResponse(handle, fmt)
-    return await collect(request, handle, kind, lambda out: reply_body(kind, rid, name, out, in_reasoning, tools))
+    return await collect(request, handle, kind,
+                         lambda out: reply_body(kind, rid, name, out, in_reasoning, tools, lpf))
 
 
-def reply_body(kind: str, rid: str, name: str, out, in_reasoning: bool, tools: ToolCallReader | None) -> dict:
+def reply_body(kind: str, rid: str, name: str, out, in_reasoning: bool, tools: ToolCallReader | None,
+               lpf: LogprobFormat | None = None) -> dict:
     """A finished request's whole answer in its API's shape."""
     if kind == "messages":
         return messages_reply.message(rid, name, out, in_reasoning, tools)
     if kind == "completion":
-        return oa.completion(rid, name, out.text, out.finish_reason, usage_of(out))
+        lp = lpf.completion(out.logprobs) if lpf is not None else None
+        return oa.completion(rid, name, out.text, out.finish_reason, usage_of(out), lp)
     reasoning, content = split_reasoning(out.text, in_reasoning)
     calls = []
     if tools is not None:
         content, calls = tools.split(content)
     return oa.chat_completion(rid, name, content, reasoning or None, tool_finish(out.finish_reason, bool(calls)),
-                              usage_of(out), [c.to_openai(new_call_id()) for c in calls])
+                              usage_of(out), [c.to_openai(new_call_id()) for c in calls],
+                              lpf.chat(out.logprobs) if lpf is not None else None)
 
 
 async def collect(request: Request, handle, kind: str, body_of) -> Response:

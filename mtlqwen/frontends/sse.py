@@ -12,6 +12,7 @@ from typing import Any
 
 from . import api_responses as oa
 from .engine_loop import Failed, RequestHandle
+from .logprob_format import LogprobFormat
 from .reasoning import ReasoningSplitter
 from .tool_calls import ToolCallReader, finish_reason, new_call_id
 
@@ -72,12 +73,25 @@ class Formatter:
         return sse(err.body())
 
     def __init__(self, kind: str, rid: str, model: str, in_reasoning: bool, include_usage: bool,
-                 tools: ToolCallReader | None = None):
+                 tools: ToolCallReader | None = None, logprobs: LogprobFormat | None = None):
+        """logprobs: set when the request asked for them; each delta's tokens' logprobs ride on its first
+        chunk (a chunk with an empty delta when the delta's text is all held back)."""
         self.kind, self.rid, self.model, self.include_usage = kind, rid, model, include_usage
         self.created = int(time.time())
         self.split = ReasoningSplitter(in_reasoning) if kind == "chat" else None
         self.calls = tools.splitter() if tools is not None and kind == "chat" else None
         self.sent_calls = 0
+        self.logprobs = logprobs
+
+    def _with_logprobs(self, out: list[dict], d) -> list[dict]:
+        if self.logprobs is None or not d.logprobs:
+            return out
+        lp = self.logprobs.chat(d.logprobs) if self.kind == "chat" else self.logprobs.completion(d.logprobs)
+        if not out:
+            out = [oa.chat_chunk(self.rid, self.created, self.model, {}) if self.kind == "chat"
+                   else oa.completion_chunk(self.rid, self.created, self.model, "")]
+        out[0]["choices"][0]["logprobs"] = lp
+        return out
 
     def _chunk(self, reasoning: str, content: str, reason: str | None = None, calls=()) -> list[dict]:
         if self.kind == "completion":
@@ -115,6 +129,7 @@ class Formatter:
                 if d.finished:
                     c += self.calls.finish()
             out = self._chunk(r, c, d.finish_reason if d.finished else None, calls)
+        out = self._with_logprobs(out, d)
         if d.finished and self.include_usage and d.output is not None:
             out.append(oa.usage_chunk(self.rid, self.created, self.model, self.kind, usage_of(d.output)))
         return out

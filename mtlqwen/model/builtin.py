@@ -150,6 +150,9 @@ class ByteTokenizer:
     def detokenizer(self) -> "_ByteStream":
         return _ByteStream()
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if token_id < 256 else b""
+
 
 class _ByteStream:
     """Holds back bytes until they complete a UTF-8 character; invalid bytes become U+FFFD."""

@@ -31,8 +31,8 @@ from .memory import plan_memory
 from .outputs import Delta, Output, TextState
 from .kv_manager import KVManager, StepSnapshots
 from .prefix_cache import model_identity
-from .penalties import apply_penalties, penalty_rows
-from .sampling import SamplingParams, sample_isolating
+from .logprobs import StepLogprobs
+from .sampling import SamplingParams, sample_rows
 from .scheduler import ScheduledSeq, Scheduler, StepPlan
 from .spec_pipeline import SpecPipeline
 from .speculative import Speculator, load_draft
@@ -48,6 +48,7 @@ class _InFlight:
     snapshots: StepSnapshots | None = None  # the step's prefix-cache captures, published at read-back
     spec: Any = None  # speculative._Verification: the step's verifying sequences, applied at read-back
     failed: list[tuple[Sequence, Exception]] = field(default_factory=list)  # sampler errors of one request each
+    logprobs: StepLogprobs | None = None  # of the sampling rows that asked for them, read back with the tokens
 
 
 _UNSET: Any = object()  # an Engine keyword left out: EngineConfig's value stands
@@ -323,9 +324,9 @@ class Engine(Generation):
         cache = self.cache
         # fresh slots zeroed, prefix-cache hits restored (lazily, inside this step's graph: no sync)
         snapshots = self.kv.step_snapshots(scheduled, plan_batch.reset_slots, cache)
-        spec, failed = None, []
+        spec, failed, logprobs = None, [], None
         if self.spec is not None:  # drafting, taps, verification (speculative.py)
-            tokens, spec, failed = self.spec.launch(plan, plan_batch, cache)
+            tokens, spec, failed, logprobs = self.spec.launch(plan, plan_batch, cache)
         elif plan_batch.logits_rows is None:  # mid-prompt chunks only: no head, no sampling
             self.model.hidden(plan_batch.input_ids, plan_batch.layout, cache)
             tokens = None
@@ -335,14 +336,14 @@ class Engine(Generation):
             else:
                 logits = self.model.forward(plan_batch.input_ids, plan_batch.layout, cache, plan_batch.logits_rows)
             samp = plan_batch.sampling
-            logits = apply_penalties(logits, penalty_rows(samp, plan_batch.input_ids, plan_batch.logits_rows))
-            tokens, bad = sample_isolating(logits, [s.seq.params for s in samp], [s.seq.seed for s in samp],
-                                           [s.sample_index for s in samp])
-            failed = [(samp[r].seq, e) for r, e in bad.items()]
+            drawn = sample_rows(logits, samp, plan_batch.input_ids, plan_batch.logits_rows)
+            tokens, logprobs = drawn.tokens, drawn.logprobs
+            failed = [(samp[r].seq, e) for r, e in drawn.failed.items()]
         flight = _InFlight([s.seq for s in scheduled], plan_batch.sampling, tokens,
-                           {s.seq: r for r, s in enumerate(plan_batch.sampling)}, snapshots, spec, failed)
+                           {s.seq: r for r, s in enumerate(plan_batch.sampling)}, snapshots, spec, failed, logprobs)
         try:  # the CPU evaluates part of the graph here already: a failing kernel can raise now
-            mx.async_eval(*([tokens] if tokens is not None else []), *cache.arrays())
+            mx.async_eval(*([tokens] if tokens is not None else []), *(logprobs.arrays() if logprobs else []),
+                          *cache.arrays())
             snapshots.capture()  # a separate evaluation, after the step's in-place KV writes (attention/kv_write.py)
         except Exception as e:
             raise EvalFailed(e, flight) from e
@@ -353,6 +354,7 @@ class Engine(Generation):
         read-back raises EvalFailed; an error applying one request's tokens fails that request."""
         try:
             tokens = flight.tokens.tolist() if flight.tokens is not None else []
+            logprobs = flight.logprobs.read(tokens) if flight.logprobs is not None else {}
             verified = self.spec.read(flight.spec) if flight.spec is not None else None
         except Exception as e:
             raise EvalFailed(e) from e
@@ -360,20 +362,20 @@ class Engine(Generation):
         new: dict[Sequence, list[int]] = {}
         done: dict[Sequence, str] = {}
         failed: dict[Sequence, str] = {}
-        runs = [(s, [tok]) for s, tok in zip(flight.sampling, tokens)]
+        runs = [(s, [tok], [logprobs.get(r)]) for r, (s, tok) in enumerate(zip(flight.sampling, tokens))]
         if flight.spec is not None:  # each verification yields its accepted drafts + one token
             try:
-                runs += self.spec.commit(flight.spec, verified)
+                runs += [(s, toks, None) for s, toks in self.spec.commit(flight.spec, verified)]
             except Exception as e:  # the verifying sequences' state is not committed: they fail
                 msg = reason(e)
                 for s in flight.spec.seqs:
                     s.seq.pending -= 1
                     failed[s.seq] = msg
-        for s, toks in runs:
+        for s, toks, lps in runs:
             seq = s.seq
             seq.pending -= 1
             try:
-                self._append(seq, toks, new, done, now)
+                self._append(seq, toks, lps, new, done, now)
             except Exception as e:  # e.g. the detokenizer: this request alone
                 failed[seq] = reason(e)
         if flight.snapshots is not None:  # every captured prefix's tokens are on the host now
@@ -385,18 +387,22 @@ class Engine(Generation):
             if seq in done:
                 deltas.append(self._finish(seq, done[seq], toks, now))
             else:
-                deltas.append(Delta(seq.request_id, toks, seq.text.delta(False) if seq.text else ""))
+                deltas.append(Delta(seq.request_id, toks, seq.text.delta(False) if seq.text else "",
+                                    logprobs=self._logprobs(seq, len(toks))))
         for seq, msg in failed.items():
             if seq.status is not SeqStatus.FINISHED:
                 deltas.append(self._finish(seq, "error", new.get(seq, []), now, msg))
         return deltas
 
-    def _append(self, seq: Sequence, toks: list[int], new: dict, done: dict, now: float) -> None:
-        for tok in toks:
+    def _append(self, seq: Sequence, toks: list[int], lps: list | None, new: dict, done: dict, now: float) -> None:
+        """lps: each token's TokenLogprob, when its row computed one (logprobs.py)."""
+        for i, tok in enumerate(toks):
             if seq.status is SeqStatus.FINISHED or seq in done:
                 break  # finished or cancelled after this step was launched, or stopped inside a run
             seq.tokens.append(tok)
             new.setdefault(seq, []).append(tok)
+            if seq.params.logprobs is not None:
+                seq.logprobs.append(lps[i] if lps else None)
             self.counters["generated_tokens"] += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -433,8 +439,16 @@ class Engine(Generation):
             seq.request_id, seq.prompt_len, list(seq.generated), seq.text.text if seq.text else "", reason, error,
             (seq.first_token_time - seq.arrival_time) if seq.first_token_time else None,
             now - seq.arrival_time, seq.num_preemptions, seq.cached_tokens, stop_reason,
+            list(seq.logprobs) if seq.params.logprobs is not None else None,
         )
-        return Delta(seq.request_id, toks, text, True, reason, error, out)
+        return Delta(seq.request_id, toks, text, True, reason, error, out, self._logprobs(seq, len(toks)))
+
+    @staticmethod
+    def _logprobs(seq: Sequence, n: int) -> list | None:
+        """The logprobs of a sequence's last n tokens, when it asked for them."""
+        if seq.params.logprobs is None:
+            return None
+        return seq.logprobs[len(seq.logprobs) - n:] if n else []
 
     @property
     def pool(self):

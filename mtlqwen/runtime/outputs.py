@@ -24,6 +24,7 @@ class Output:
     num_preemptions: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
     stop_reason: str | int | None = None  # what stopped it, when not EOS: the stop string, or the stop token id
+    logprobs: list | None = None  # logprobs.TokenLogprob per generated token, when SamplingParams.logprobs is set
 
     @property
     def completion_tokens(self) -> int:
@@ -41,6 +42,7 @@ class Delta:
     finish_reason: str | None = None
     error: str | None = None
     output: Output | None = None
+    logprobs: list | None = None  # the new tokens' logprobs.TokenLogprob, when the request asked for them
 
 
 class TextState:

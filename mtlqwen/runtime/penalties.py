@@ -18,10 +18,12 @@ counts that include the drafts before it, which the rejection step does not mode
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from .sampling import SamplingParams
+if TYPE_CHECKING:
+    from .sampling import SamplingParams
 
 
 @dataclass

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from .logprobs import MAX_LOGPROBS, StepLogprobs, step_logprobs
+from .penalties import apply_penalties, penalty_rows
+
 _MASK64 = (1 << 64) - 1
 # Below this a temperature divides bf16/fp32 logits into inf/nan (1e-40 gave garbage, not greedy); vLLM
 # clamps at the same value. Use 0 for greedy.
@@ -45,6 +48,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logprobs: int | None = None  # each token's log probability and this many alternatives (logprobs.py)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -82,6 +86,8 @@ class SamplingParams:
         if not 0 < num("repetition_penalty") <= MAX_REPETITION_PENALTY:
             raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}] (1 = off), "
                              f"got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= num("logprobs", (int,)) <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be None (off) or in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if not isinstance(self.speculative, bool):
             raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -91,6 +97,8 @@ class SamplingParams:
         """ValueError for token-id fields outside a vocabulary of vocab_size entries."""
         if self.top_k > vocab_size:
             raise ValueError(f"top_k must be <= the vocabulary size {vocab_size} (0 = off), got {self.top_k}")
+        if self.logprobs is not None and self.logprobs > vocab_size:
+            raise ValueError(f"logprobs must be <= the vocabulary size {vocab_size}, got {self.logprobs}")
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab_size})")
@@ -105,9 +113,9 @@ class SamplingParams:
 
     @property
     def drafts(self) -> bool:
-        """Whether this request may draft: it asked to, and no penalty makes its distribution depend on the
-        drafts before each position."""
-        return self.speculative and not self.penalized
+        """Whether this request may draft: it asked to, no penalty makes its distribution depend on the drafts
+        before each position, and it wants no logprobs (a verification scores drafts, not samples)."""
+        return self.speculative and not self.penalized and self.logprobs is None
 
     @property
     def filtered(self) -> bool:
@@ -198,3 +206,20 @@ def sample_isolating(logits: mx.array, params: list[SamplingParams], seeds: list
         rows = mx.array(ok, dtype=mx.int32)
         tokens[rows] = sample(logits[rows], [params[r] for r in ok], [seeds[r] for r in ok], [indices[r] for r in ok])
     return tokens, failed
+
+
+@dataclass
+class SampledRows:
+    tokens: mx.array  # [R] int32, on the device
+    failed: dict[int, Exception]  # rows whose own sampling raised (sample_isolating)
+    logprobs: StepLogprobs | None  # the rows that asked for them
+
+
+def sample_rows(logits: mx.array, sampling, input_ids: mx.array, logits_rows: mx.array | None) -> SampledRows:
+    """A step's plain sampling rows (scheduler.ScheduledSeq, one per logits row [R, V]): penalties
+    (penalties.py), the sampler, and the logprobs of what it drew (logprobs.py), all lazily."""
+    params = [s.seq.params for s in sampling]
+    penalized = apply_penalties(logits, penalty_rows(sampling, input_ids, logits_rows))
+    tokens, failed = sample_isolating(penalized, params, [s.seq.seed for s in sampling],
+                                      [s.sample_index for s in sampling])
+    return SampledRows(tokens, failed, step_logprobs(logits, tokens, params))

@@ -51,6 +51,7 @@ class Sequence:
     restore: Any = None  # prefix_cache.PrefixEntry to load into the slot before the first chunk (a hit)
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache at the latest admission
     _prompt_vocab: tuple[int, ...] | None = field(default=None, repr=False)  # prompt_vocab()'s memo
+    logprobs: list = field(default_factory=list)  # logprobs.TokenLogprob per generated token (params.logprobs set)
 
     def __post_init__(self):
         if not self.prompt_len:

@@ -31,6 +31,7 @@ anchor's kv_valid), and the step that commits that position writes it again firs
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import mlx.core as mx
@@ -43,8 +44,7 @@ from .draft_policy import FixedDrafting, bucket_drafts, draft_lengths
 from .context_backlog import ContextBacklog
 from .kv_manager import KVManager
 from .rejection import position_noise, sample_drafts, verify
-from .penalties import apply_penalties, penalty_rows
-from .sampling import sample_isolating
+from .sampling import sample_rows
 from .scheduler import ScheduledSeq, StepPlan
 
 
@@ -248,9 +248,10 @@ class Speculator:
         return self.compiled_draft.propose(anchors, layout, self.dcache, n)
 
     # ---- the step
-    def launch(self, plan: StepPlan, batch, cache) -> tuple[mx.array | None, _Verification | None, list]:
+    def launch(self, plan: StepPlan, batch, cache) -> tuple[mx.array | None, _Verification | None, list, Any]:
         """Run draft + target for the packed batch; returns (tokens of the plain sampling rows, verification,
-        (sequence, error) of the rows whose own sampling raised: sampling.sample_isolating)."""
+        (sequence, error) of the rows whose own sampling raised: sampling.sample_isolating, the plain rows'
+        logprobs.StepLogprobs or None)."""
         lay, ids = batch.layout, batch.input_ids
         ver = [i for i, v in enumerate(lay.verify or []) if v]
         hold = not ver and self._holds_back(plan)
@@ -291,13 +292,12 @@ class Speculator:
         else:
             fwd = self.compiled.with_taps if compiled else self.model.forward_with_taps
             logits, taps = fwd(ids, lay, cache, self.taps, fwd_rows)
-        tokens, failed = None, []
+        tokens, failed, logprobs = None, [], None
         if R:
             samp = batch.sampling
-            plain = apply_penalties(logits[:R], penalty_rows(samp, batch.input_ids, batch.logits_rows))
-            tokens, bad = sample_isolating(plain, [s.seq.params for s in samp], [s.seq.seed for s in samp],
-                                           [s.sample_index for s in samp])
-            failed = [(samp[r].seq, e) for r, e in bad.items()]
+            drawn = sample_rows(logits[:R], samp, batch.input_ids, batch.logits_rows)
+            tokens, logprobs = drawn.tokens, drawn.logprobs
+            failed = [(samp[r].seq, e) for r, e in drawn.failed.items()]
         state = None
         if ver:
             tl = logits[R:].reshape(len(ver), N + 1, -1)
@@ -308,12 +308,12 @@ class Speculator:
             mx.async_eval(k, nxt, drafts)
         if hold:  # plain decodes: their rows wait in the backlog (taps stay lazy; their inputs are kept)
             self.backlog.add(taps, plan.scheduled)
-            return tokens, state, failed
+            return tokens, state, failed, logprobs
         # drafter context of every row, a verification's anchor + all its drafts included: rows past the
         # accepted ones lie past kv_valid, where nothing reads them, until a later step writes them again
         self.write_context(taps, lay)
         mx.async_eval(*self.dcache.arrays())
-        return tokens, state, failed
+        return tokens, state, failed, logprobs
 
     @staticmethod
     def read(v: _Verification) -> tuple[list[int], list[int], list[list[int]]]:

@@ -1,0 +1,82 @@
+"""Log probabilities of generated tokens (runtime/logprobs.py) on the CPU: each token's logprob and its top k are
+the model's own distribution at that position, run alone (raw logits: before penalties and temperature),
+whatever the batching, pipelining and preemptions; streamed deltas carry their tokens' logprobs; a request
+asking for them never drafts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash_checkpoints import write_tiny_drafter
+from engine_checks import close, ref_logits, run_preempting
+from hf_checkpoints import random_token_ids
+from mtlqwen.model.dflash import load_drafter
+from mtlqwen.runtime import Engine, SamplingParams
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max()
+    return x - m - np.log(np.exp(x - m).sum())
+
+
+def check_logprobs(model, prompt, out, k: int):
+    toks = out.token_ids
+    assert out.logprobs is not None and [lp.token for lp in out.logprobs] == toks
+    rows = ref_logits(model, prompt + toks[:-1])[len(prompt) - 1:]
+    for tok, row, lp in zip(toks, rows, out.logprobs):
+        want = log_softmax(row)
+        assert close(lp.logprob, want[tok]), (lp.logprob, want[tok])
+        assert len(lp.top) == k
+        ids, vals = [t for t, _ in lp.top], [v for _, v in lp.top]
+        assert vals == sorted(vals, reverse=True)
+        assert close(vals, want[ids])  # each listed logprob is its token's
+        kth = np.sort(want)[::-1][k - 1] if k else None
+        if k:  # and they are the k most likely (ties at the k-th value may be listed either way)
+            assert close(vals[-1], kth) and all(want[t] <= vals[-1] + 2e-5 for t in set(range(len(want))) - set(ids))
+
+
+REQS = [SamplingParams(max_tokens=9, ignore_eos=True, logprobs=3),
+        SamplingParams(max_tokens=9, ignore_eos=True, logprobs=0, presence_penalty=1.5),
+        SamplingParams(max_tokens=9, ignore_eos=True, logprobs=20, temperature=0.8, seed=5),
+        SamplingParams(max_tokens=9, ignore_eos=True)]
+
+
+def test_logprobs_are_the_model_alone_at_each_position(model):
+    reqs, outs = run_preempting(model, REQS, (25, 6, 40, 13, 19, 31), seed=60, spread=2, num_blocks=8)
+    for (_, prompt, p), out in zip(reqs, outs):
+        if p.logprobs is None:
+            assert out.logprobs is None
+        else:
+            check_logprobs(model, prompt, out, p.logprobs)
+
+
+def test_streamed_deltas_carry_their_tokens_logprobs(model):
+    eng = Engine(model, slots=2, step_tokens=16, block_tokens=16, num_blocks=16)
+    prompt = random_token_ids(21, 512, seed=3)
+    rid = eng.submit(prompt, SamplingParams(max_tokens=7, logprobs=2, ignore_eos=True))
+    toks, lps, final = [], [], None
+    while eng.has_work():
+        for d in eng.step():
+            assert d.request_id == rid and len(d.logprobs) == len(d.token_ids)
+            toks += d.token_ids
+            lps += d.logprobs
+            final = d.output if d.finished else final
+    assert toks == final.token_ids and lps == final.logprobs
+
+
+def test_a_request_asking_for_logprobs_never_drafts(ckpt, model, tmp_path):
+    drafter = load_drafter(write_tiny_drafter(tmp_path / "drafter", ckpt, num_layers=2, block_size=16), model)
+    eng = Engine(model, slots=2, step_tokens=32, block_tokens=16, num_blocks=20, draft=drafter, n_draft=3,
+                 prefix_interval=0)
+    prompt = random_token_ids(15, 512, seed=8)
+    out = eng.generate([prompt], SamplingParams(max_tokens=10, logprobs=1))[0]
+    assert eng.stats()["draft_tokens"] == 0
+    check_logprobs(model, prompt, out, 1)
+
+
+@pytest.mark.parametrize("value", [-1, 21, 1.5, True])
+def test_logprobs_out_of_range_are_refused(value):
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=value)
