@@ -27,12 +27,17 @@ def reference(x: np.ndarray, history: list[int], prompt: list[int], p: SamplingP
         hit = counts > 0
         hit[list(prompt)] = True
         x = np.where(hit, np.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x)
-    return x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+    x = x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+    for t, b in p.logit_bias:
+        x[t] += b
+    return x
 
 
 _PARAMS = st.builds(
-    lambda pres, freq, rep: SamplingParams(presence_penalty=pres, frequency_penalty=freq, repetition_penalty=rep),
-    st.sampled_from([0.0, 1.5, -0.5, 2.0]), st.sampled_from([0.0, 0.7, -2.0]), st.sampled_from([1.0, 1.3, 0.8]))
+    lambda pres, freq, rep, bias: SamplingParams(presence_penalty=pres, frequency_penalty=freq, repetition_penalty=rep,
+                                                 logit_bias=bias),
+    st.sampled_from([0.0, 1.5, -0.5, 2.0]), st.sampled_from([0.0, 0.7, -2.0]), st.sampled_from([1.0, 1.3, 0.8]),
+    st.dictionaries(st.integers(0, 2), st.sampled_from([-100.0, 2.5, 100.0]), max_size=2))
 
 
 @settings(max_examples=60, deadline=None)
@@ -110,9 +115,21 @@ def test_penalised_requests_never_draft(model, drafter):
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, sps)]
 
 
+def test_a_logit_bias_of_100_forces_its_token_and_minus_100_bans_it(model):
+    prompt = random_token_ids(13, 512, seed=2)
+    eng = Engine(model, slots=2, step_tokens=16, block_tokens=16, num_blocks=16)
+    plain, forced = eng.generate([prompt] * 2, [SamplingParams(max_tokens=6, ignore_eos=True),
+                                                SamplingParams(max_tokens=6, ignore_eos=True, logit_bias={77: 100})])
+    assert forced.token_ids == [77] * 6
+    banned = eng.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True,
+                                                   logit_bias={t: -100 for t in set(plain.token_ids)}))[0]
+    assert not set(banned.token_ids) & set(plain.token_ids)
+
+
 @pytest.mark.parametrize("field, value", [("presence_penalty", 2.5), ("frequency_penalty", -2.1),
                                           ("repetition_penalty", 0), ("repetition_penalty", 101),
-                                          ("presence_penalty", "1")])
+                                          ("presence_penalty", "1"), ("logit_bias", {5: 100.5}),
+                                          ("logit_bias", {-3: 1}), ("logit_bias", {i: 1 for i in range(1025)})])
 def test_out_of_range_penalties_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})

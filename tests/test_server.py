@@ -240,7 +240,7 @@ def test_client_disconnect_frees_slot_and_blocks(server):
     ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"n": 2}, "n"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"logit_bias": {"5": 150}}, "logit_bias"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"temperature": -1}, "temperature"),

@@ -210,3 +210,14 @@ def test_logprobs_in_both_shapes_whole_and_streamed(ckpt):
         assert streamed == content
         plain = c.post("/v1/chat/completions", json={**chat, "logprobs": False, "top_logprobs": None}).json()
         assert plain["choices"][0]["logprobs"] is None
+
+
+def test_a_logit_bias_reaches_the_engine(ckpt):
+    with TestClient(app_for(ckpt)) as c:
+        wait_ok(c)
+        r = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 5, "logit_bias": {"65": 100}})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "AAAAA", r.text  # byte 65 is "A"
+        r = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 5, "logit_bias": {"65": 101}})
+        assert error_of(r, 400)["param"] == "logit_bias"
+        assert error_of(c.post("/v1/completions", json={"prompt": "abc", "logit_bias": {"A": 1}}), 400)["param"] == \
+            "logit_bias"

@@ -3,7 +3,7 @@
 A body is validated straight from its bytes by pydantic's JSON parser, strictly: malformed JSON,
 nesting past the parser's depth limit, lone surrogates, NaN / Infinity and a wrong type anywhere are
 each a 400 naming the field. Sampling ranges are SamplingParams' own (its constants, not restated
-numbers). A field the engine cannot honour (n > 1, logit_bias, echo...) is refused rather than
+numbers). A field the engine cannot honour (n > 1, echo, response_format...) is refused rather than
 silently ignored; harmless unknown fields (user, metadata, store...) are ignored and never reach the
 chat template. `tools` go to the chat template, and the reply's calls are read back (tool_calls.py)
 unless `tool_choice` is "none"; "required" or a named function opens the call in the prompt.
@@ -19,7 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from pydantic_core import PydanticCustomError
 
 from ..runtime.logprobs import MAX_LOGPROBS
-from ..runtime.sampling import MAX_TOP_K, MIN_TEMPERATURE
+from ..runtime.sampling import MAX_LOGIT_BIAS_ENTRIES, MAX_TOP_K, MIN_TEMPERATURE
 from .api_responses import APIError, not_supported
 
 MAX_STOP = 16  # stop strings per request: each one is searched for in the text at every step
@@ -86,7 +86,6 @@ class StreamOptions(_Body):
 # Fields whose non-default value the engine cannot honour -> 400 (value -> True when it must be refused).
 _REFUSED: dict[str, Callable[[Any], bool]] = {
     "functions": bool, "function_call": lambda v: v not in ("none", "auto"),
-    "logit_bias": bool,
     "n": lambda v: v != 1, "best_of": lambda v: v != 1,
     "response_format": lambda v: not (isinstance(v, dict) and v.get("type") == "text"),
     "echo": bool, "suffix": bool, "min_tokens": lambda v: v != 0,
@@ -122,16 +121,16 @@ class _Request(_Body):
     ignore_eos: bool = False
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    # declared so their types are checked; any value but the default is refused below
-    functions: list[Any] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    function_call: str | dict[str, Any] | None = None
-    logit_bias: dict[str, float] | None = None
-    n: int | None = None
-    best_of: int | None = None
-    presence_penalty: float | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # chat: ChatRequest checks it
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
+    presence_penalty: float | None = None  # the ranges: SamplingParams'
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    # declared so their types are checked; any value but the default is refused below
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    n: int | None = None
+    best_of: int | None = None
     response_format: dict[str, Any] | None = None
     echo: bool | None = None
     suffix: str | None = None
@@ -163,8 +162,17 @@ class _Request(_Body):
             presence_penalty=pick(self.presence_penalty, d.presence_penalty),
             frequency_penalty=pick(self.frequency_penalty, d.frequency_penalty),
             repetition_penalty=pick(self.repetition_penalty, d.repetition_penalty),
-            logprobs=self.logprob_count(),
+            logprobs=self.logprob_count(), logit_bias=self.token_bias(),
         )
+
+    def token_bias(self) -> dict[int, float]:
+        """OpenAI's logit_bias (token ids as strings) as SamplingParams takes it."""
+        out = {}
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isascii() or not key.isdigit():
+                raise APIError(f"'logit_bias' keys are token ids, got {key!r:.40}", 400, "logit_bias")
+            out[int(key)] = bias
+        return out
 
     def logprob_count(self) -> int | None:
         """Alternatives each token reports (SamplingParams.logprobs); None: no logprobs."""

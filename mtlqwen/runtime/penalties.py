@@ -5,7 +5,9 @@ taken greedily), the logits of tokens the request has already produced are lower
   when positive, multiplied by r when not (r > 1 discourages it);
 - frequency_penalty f and presence_penalty p (in [-2, 2]; 0 = off): logit -= f * count + p * (count > 0),
   count = the token's occurrences in the reply so far.
-Repetition is applied first, then the other two, then temperature and the filters (sampling.py).
+- logit_bias: a fixed amount (in [-100, 100]) added to given tokens' logits, as OpenAI's `logit_bias`.
+Repetition is applied first, then the other two, then the bias, then temperature and the filters
+(sampling.py).
 
 "The reply so far" for the t-th generated token is tokens 0..t-1 of the generation. The host knows them all
 except, in a pipelined step, the one the step in flight is sampling. That token is the scored row's own input
@@ -90,7 +92,13 @@ def penalized(x: mx.array, pen: PenaltyRows) -> mx.array:
         x = mx.where(hit, mx.where(x > 0, x / r, x * r), x)
     freq = mx.array([p.frequency_penalty for p in pen.params], dtype=mx.float32)[:, None]
     pres = mx.array([p.presence_penalty for p in pen.params], dtype=mx.float32)[:, None]
-    return x - freq * counts - pres * seen.astype(mx.float32)
+    x = x - freq * counts - pres * seen.astype(mx.float32)
+    biased = [(r * V + t, b) for r, p in enumerate(pen.params) for t, b in p.logit_bias]
+    if biased:
+        bias = mx.zeros((P * V,), dtype=mx.float32).at[mx.array([i for i, _ in biased], dtype=mx.int32)].add(
+            mx.array([b for _, b in biased], dtype=mx.float32))
+        x = x + bias.reshape(P, V)
+    return x
 
 
 def apply_penalties(logits: mx.array, pen: PenaltyRows | None) -> mx.array:

@@ -24,6 +24,7 @@ MIN_TEMPERATURE = 1e-2
 MAX_TOP_K = (1 << 31) - 1
 MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty|: OpenAI's range
 MAX_REPETITION_PENALTY = 100.0
+MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES = 100.0, 1024  # OpenAI's range of a bias; entries a request may give
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,8 @@ class SamplingParams:
     completion text ends before the stop string. `stop_token_ids` and EOS (unless ignore_eos) end the
     completion and are kept in its token ids. Penalties (penalties.py) lower the logits of tokens already
     produced: repetition_penalty (1 = off) over prompt and reply, frequency_penalty and presence_penalty
-    (0 = off) over the reply; a penalised request never drafts."""
+    (0 = off) over the reply; logit_bias adds a fixed amount to given tokens' logits; a request with either
+    never drafts."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -49,12 +51,15 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # each token's log probability and this many alternatives (logprobs.py)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit); a dict is accepted
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
         self.validate()
 
     def validate(self) -> None:
@@ -88,6 +93,13 @@ class SamplingParams:
                              f"got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= num("logprobs", (int,)) <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be None (off) or in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias may bias at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(self.logit_bias)}")
+        for t, b in self.logit_bias:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOP_K:
+                raise ValueError(f"logit_bias keys must be token ids, got {t!r}")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {b!r}")
         if not isinstance(self.speculative, bool):
             raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -99,6 +111,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be <= the vocabulary size {vocab_size} (0 = off), got {self.top_k}")
         if self.logprobs is not None and self.logprobs > vocab_size:
             raise ValueError(f"logprobs must be <= the vocabulary size {vocab_size}, got {self.logprobs}")
+        bad = [t for t, _ in self.logit_bias if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: {bad[0]} is outside the vocabulary [0, {vocab_size})")
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab_size})")
@@ -109,7 +124,9 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        """Whether the request changes its logits before sampling: a penalty or a logit bias (penalties.py)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or bool(self.logit_bias))
 
     @property
     def drafts(self) -> bool:
