@@ -230,6 +230,18 @@ def test_client_disconnect_frees_slot_and_blocks(server):
            or metric(server.base, "kv_blocks_used") > metric(server.base, "prefix_cache_blocks")):
         assert time.monotonic() < deadline, "a non-streaming request was not cancelled when its client left"
         time.sleep(0.05)
+    # and every choice of a request of three
+    with httpx.stream("POST", server.base + "/v1/completions", json={**body, "n": 3}, timeout=TIMEOUT) as r:
+        lines = r.iter_lines()
+        for _ in range(6):
+            assert next(lines).startswith("data: ")
+            next(lines)
+        assert metric(server.base, "num_requests_running") == 3
+    deadline = time.monotonic() + 10
+    while (metric(server.base, "request_success_total", 'finished_reason="abort"') < aborted0 + 5
+           or metric(server.base, "kv_blocks_used") > metric(server.base, "prefix_cache_blocks")):
+        assert time.monotonic() < deadline, "the choices of a request were not all cancelled when its client left"
+        time.sleep(0.05)
 
 
 # ---- errors
@@ -239,7 +251,8 @@ def test_client_disconnect_frees_slot_and_blocks(server):
     ({"tools": [{"type": "function", "function": {"name": "no spaces please"}}]}, "tools[0].function.name"),
     ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
+    ({"best_of": 2}, "best_of"),
     ({"logit_bias": {"5": 150}}, "logit_bias"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
@@ -269,7 +282,7 @@ def test_malformed_bodies_and_unknown_paths_then_still_serving(server):
     assert_error(httpx.post(server.base + "/v1/completions", json={"prompt": [1, 99999]}, timeout=TIMEOUT), 400)
     assert_error(httpx.get(server.base + "/v1/nothing-here", timeout=TIMEOUT), 404)
     with pytest.raises(openai.BadRequestError):
-        client(server.base).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=3)
+        client(server.base).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=30)
     ok = client(server.base).completions.create(model="tiny", prompt="still alive?", max_tokens=3)
     assert ok.usage.completion_tokens >= 1
     assert metric(server.base, "request_rejected_total", 'status="400"') >= 5

@@ -221,3 +221,38 @@ def test_a_logit_bias_reaches_the_engine(ckpt):
         assert error_of(r, 400)["param"] == "logit_bias"
         assert error_of(c.post("/v1/completions", json={"prompt": "abc", "logit_bias": {"A": 1}}), 400)["param"] == \
             "logit_bias"
+
+
+def test_n_choices_whole_and_streamed(ckpt):
+    """Choice i samples with seed + i, so each is the single request with that seed; greedy choices are equal;
+    usage counts the prompt once; a stream's chunks carry their choice's index and its usage comes last."""
+    hot = {"prompt": "abc", "max_tokens": 5, "temperature": 0.9, "seed": 7}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0.9, "seed": 3}
+    with TestClient(app_for(ckpt, max_queue=2)) as c:
+        wait_ok(c)
+        r = c.post("/v1/completions", json={**hot, "n": 3}).json()
+        alone = [c.post("/v1/completions", json={**hot, "seed": 7 + i}).json() for i in range(3)]
+        assert [ch["index"] for ch in r["choices"]] == [0, 1, 2]
+        assert [ch["text"] for ch in r["choices"]] == [a["choices"][0]["text"] for a in alone]
+        assert r["usage"]["prompt_tokens"] == alone[0]["usage"]["prompt_tokens"]
+        assert r["usage"]["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone) == 15
+        greedy = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 5, "n": 2}).json()["choices"]
+        assert greedy[0]["text"] == greedy[1]["text"]
+
+        whole = c.post("/v1/chat/completions", json={**chat, "n": 2}).json()
+        with c.stream("POST", "/v1/chat/completions",
+                      json={**chat, "n": 2, "stream": True, "stream_options": {"include_usage": True}}) as s:
+            events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+        for i in range(2):
+            mine = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == i]
+            want = whole["choices"][i]
+            joined = lambda key: "".join(m["delta"].get(key) or "" for m in mine)  # noqa: E731
+            assert joined("reasoning_content").strip("\n") == (want["message"].get("reasoning_content") or "")
+            assert joined("content") == want["message"]["content"]
+            assert mine[-1]["finish_reason"] == want["finish_reason"]
+        assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
+
+        assert error_of(c.post("/v1/completions", json={**hot, "n": 17}), 400)["param"] == "n"
+        assert error_of(c.post("/v1/completions", json={**hot, "n": 0}), 400)["param"] == "n"
+        # 2 slots + a queue of 2: a request of 5 choices cannot be taken
+        assert error_of(c.post("/v1/completions", json={**hot, "n": 5}), 429)["code"] == "queue_full"

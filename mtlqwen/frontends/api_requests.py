@@ -3,7 +3,7 @@
 A body is validated straight from its bytes by pydantic's JSON parser, strictly: malformed JSON,
 nesting past the parser's depth limit, lone surrogates, NaN / Infinity and a wrong type anywhere are
 each a 400 naming the field. Sampling ranges are SamplingParams' own (its constants, not restated
-numbers). A field the engine cannot honour (n > 1, echo, response_format...) is refused rather than
+numbers). A field the engine cannot honour (best_of, echo, response_format...) is refused rather than
 silently ignored; harmless unknown fields (user, metadata, store...) are ignored and never reach the
 chat template. `tools` go to the chat template, and the reply's calls are read back (tool_calls.py)
 unless `tool_choice` is "none"; "required" or a named function opens the call in the prompt.
@@ -25,6 +25,7 @@ from .api_responses import APIError, not_supported
 MAX_STOP = 16  # stop strings per request: each one is searched for in the text at every step
 MAX_STOP_CHARS = 256
 MAX_TOOLS = 128
+MAX_CHOICES = 16  # `n`: each choice is an engine request
 # Template variables a request may not set: the renderer's own arguments.
 RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "tokenize", "tools", "documents",
                                     "continue_final_message", "return_dict"})
@@ -59,6 +60,7 @@ class ParsedRequest:
     read_tool_calls: bool = False  # tools were given and tool_choice is not "none"
     parallel_tool_calls: bool = True
     forced_call: str | None = None  # tool_choice "required" -> "" (any tool), a named function -> its name
+    n: int = 1  # choices
 
 
 def _temperature(t: float) -> float:
@@ -86,13 +88,13 @@ class StreamOptions(_Body):
 # Fields whose non-default value the engine cannot honour -> 400 (value -> True when it must be refused).
 _REFUSED: dict[str, Callable[[Any], bool]] = {
     "functions": bool, "function_call": lambda v: v not in ("none", "auto"),
-    "n": lambda v: v != 1, "best_of": lambda v: v != 1,
+    "best_of": lambda v: v != 1,
     "response_format": lambda v: not (isinstance(v, dict) and v.get("type") == "text"),
     "echo": bool, "suffix": bool, "min_tokens": lambda v: v != 0,
     "audio": lambda v: True, "guided_json": lambda v: True, "guided_regex": lambda v: True,
     "guided_choice": lambda v: True, "guided_grammar": lambda v: True,
 }
-_WHY = {"n": "one choice per request (send n separate requests)", "best_of": "one choice per request",
+_WHY = {"best_of": "replies are not ranked (send n for several)",
         "functions": "send them as 'tools'", "function_call": "send 'tools' and 'tool_choice'"}
 
 
@@ -126,10 +128,10 @@ class _Request(_Body):
     presence_penalty: float | None = None  # the ranges: SamplingParams'
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1  # choices of one prompt (choices.py)
     # declared so their types are checked; any value but the default is refused below
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
-    n: int | None = None
     best_of: int | None = None
     response_format: dict[str, Any] | None = None
     echo: bool | None = None
@@ -390,7 +392,7 @@ def parse_chat(raw: bytes, d: Defaults, template_defaults: dict, allowed_templat
                          messages=[m.for_template() for m in req.messages],
                          template_kwargs={**template_defaults, **kwargs}, tools=tools,
                          read_tool_calls=tools is not None and req.tool_choice != "none",
-                         parallel_tool_calls=req.parallel_tool_calls, forced_call=req.forced_call())
+                         parallel_tool_calls=req.parallel_tool_calls, forced_call=req.forced_call(), n=req.n)
 
 
 def parse_completion(raw: bytes, d: Defaults) -> ParsedRequest:
@@ -403,4 +405,4 @@ def parse_completion(raw: bytes, d: Defaults) -> ParsedRequest:
     if not prompt:
         raise APIError("'prompt' must be a non-empty string or a list of token ids", 400, "prompt")
     stream, usage = req.stream_flags()
-    return ParsedRequest("completion", req.model, stream, usage, req.sampling(d), prompt=prompt)
+    return ParsedRequest("completion", req.model, stream, usage, req.sampling(d), prompt=prompt, n=req.n)

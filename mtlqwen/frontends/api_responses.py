@@ -55,8 +55,8 @@ def _envelope(rid: str, obj: str, created: int, model: str, choices: list, use: 
     return out
 
 
-def _choice(reason: str | None, logprobs: dict | None = None, **fields) -> dict:
-    return {"index": 0, **fields, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+def _choice(reason: str | None, logprobs: dict | None = None, index: int = 0, **fields) -> dict:
+    return {"index": index, **fields, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
 
 
 def chat_completion(rid: str, model: str, content: str, reasoning: str | None, reason: str, use: dict,
@@ -71,8 +71,8 @@ def chat_completion(rid: str, model: str, content: str, reasoning: str | None, r
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict, reason: str | None = None,
-               logprobs: dict | None = None) -> dict:
-    return _envelope(rid, "chat.completion.chunk", created, model, [_choice(reason, logprobs, delta=delta)])
+               logprobs: dict | None = None, index: int = 0) -> dict:
+    return _envelope(rid, "chat.completion.chunk", created, model, [_choice(reason, logprobs, index, delta=delta)])
 
 
 def completion(rid: str, model: str, text: str, reason: str, use: dict, logprobs: dict | None = None) -> dict:
@@ -80,8 +80,16 @@ def completion(rid: str, model: str, text: str, reason: str, use: dict, logprobs
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str, reason: str | None = None,
-                     logprobs: dict | None = None) -> dict:
-    return _envelope(rid, "text_completion", created, model, [_choice(reason, logprobs, text=text)])
+                     logprobs: dict | None = None, index: int = 0) -> dict:
+    return _envelope(rid, "text_completion", created, model, [_choice(reason, logprobs, index, text=text)])
+
+
+def merged(bodies: list[dict], use: dict) -> dict:
+    """n one-choice bodies of one request -> one body whose choices are theirs, indexed in order."""
+    out = dict(bodies[0])
+    out["choices"] = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
+    out["usage"] = use
+    return out
 
 
 def usage_chunk(rid: str, created: int, model: str, kind: str, use: dict) -> dict:

@@ -125,7 +125,8 @@ class MessagesFormatter:
                     "delta": {"type": "input_json_delta", "partial_json": call.arguments}})
         return out + self._close()
 
-    def delta(self, d) -> list[dict]:
+    def delta(self, i: int, d) -> list[dict]:
+        """The reply's next delta (i: its choice, always 0: a Messages request has one)."""
         r, c = self.split.feed(d.text)
         if d.finished:
             r2, c2 = self.split.finish()

@@ -13,7 +13,7 @@ import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -23,19 +23,21 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from . import api_responses as oa
-from .api_requests import Defaults, ParsedRequest, parse_chat, parse_completion
 from . import messages_reply
-from .engine_loop import Accepted, EngineLoop
+from .api_requests import Defaults, ParsedRequest, parse_chat, parse_completion
+from .choices import Choices, choice_ids
+from .engine_loop import EngineLoop
 from .logprob_format import LogprobFormat
 from .messages_api import error_body as messages_error
 from .messages_api import parse_messages
 from .messages_reply import MessagesFormatter, new_message_id
+from .openai_stream import Formatter, combined_usage
 from .prompt_limits import PromptBuilder
 from .reasoning import split_reasoning
 from .request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, read_body
+from .sse import SSEResponse, disconnected, failure, next_or_gone, usage_of
 from .tool_calls import ToolCallReader, new_call_id
 from .tool_calls import finish_reason as tool_finish
-from .sse import Formatter, SSEResponse, disconnected, failure, next_or_gone, usage_of
 
 log = logging.getLogger("mtlqwen.serve")
 
@@ -95,8 +97,9 @@ class ServerState:
             return parse_messages(raw, self.cfg.defaults, self.cfg.template_defaults, kind == "count_tokens")
         return parse_completion(raw, self.cfg.defaults)
 
-    def check_capacity(self) -> None:
-        if self.loop.live >= self.cfg.slots + self.cfg.max_queue:  # bounded queue: refuse rather than grow
+    def check_capacity(self, n: int = 1) -> None:
+        """n: the engine requests about to be added (a request's choices)."""
+        if self.loop.live + n > self.cfg.slots + self.cfg.max_queue:  # bounded queue: refuse rather than grow
             raise oa.APIError(f"the server is at capacity ({self.cfg.slots} running, {self.cfg.max_queue} waiting); "
                               "retry later", 429, code="queue_full", type_="rate_limit_error",
                               headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -131,62 +134,75 @@ async def generate(request: Request, kind: str) -> Response:
     req = await run_in_threadpool(st.parse, raw, kind)
     st.check_model(req.model)
     st.ready()
-    st.check_capacity()  # before the work of tokenising, and again once it is done
+    st.check_capacity(req.n)  # before the work of tokenising, and again once it is done
     ids, in_reasoning, opened = await run_in_threadpool(st.prompts.prompt_ids, req)
     params = st.prompts.sampling_params(req, len(ids))
-    st.check_capacity()
+    st.check_capacity(req.n)
     rid = new_message_id() if kind == "messages" else oa.new_id(kind)
-    handle = st.loop.submit(rid, ids, params)
-    first = await handle.next()
-    if not isinstance(first, Accepted):
+    choices = Choices([st.loop.submit(r, ids, params if i == 0 or params.seed is None
+                                      else replace(params, seed=params.seed + i))
+                       for i, r in enumerate(choice_ids(rid, req.n))])
+    first = await choices.accepted()
+    if first is not None:
         err = failure(first)
         if err.status < 500:  # the engine refused what the request asked (too long for the pool, ids...)
             err.param = err.param or ("prompt" if kind == "completion" else "messages")
         raise err
     tools = ToolCallReader.for_request(req, opened)
     name = st.cfg.model_name
-    lpf = LogprobFormat(st.loop.tokenizer) if params.logprobs is not None else None
+    lp_tok = st.loop.tokenizer if params.logprobs is not None else None
     if req.stream:
         fmt = (MessagesFormatter(rid, name, len(ids), in_reasoning, tools) if kind == "messages"
-               else Formatter(kind, rid, name, in_reasoning, req.include_usage, tools, lpf))
-        return SSEResponse(handle, fmt)
-    return await collect(request, handle, kind,
-                         lambda out: reply_body(kind, rid, name, out, in_reasoning, tools, lpf))
+               else Formatter(kind, rid, name, in_reasoning, req.include_usage, tools, lp_tok, req.n))
+        return SSEResponse(choices, fmt)
+    return await collect(request, choices, kind,
+                         lambda outs: reply_body(kind, rid, name, outs, in_reasoning, tools, lp_tok))
 
 
-def reply_body(kind: str, rid: str, name: str, out, in_reasoning: bool, tools: ToolCallReader | None,
-               lpf: LogprobFormat | None = None) -> dict:
-    """A finished request's whole answer in its API's shape."""
+def reply_body(kind: str, rid: str, name: str, outs: list, in_reasoning: bool, tools: ToolCallReader | None,
+               lp_tok=None) -> dict:
+    """A finished request's whole answer in its API's shape; outs: each choice's Output. lp_tok: the
+    tokenizer, when the request asked for logprobs."""
     if kind == "messages":
-        return messages_reply.message(rid, name, out, in_reasoning, tools)
-    if kind == "completion":
-        lp = lpf.completion(out.logprobs) if lpf is not None else None
-        return oa.completion(rid, name, out.text, out.finish_reason, usage_of(out), lp)
-    reasoning, content = split_reasoning(out.text, in_reasoning)
-    calls = []
-    if tools is not None:
-        content, calls = tools.split(content)
-    return oa.chat_completion(rid, name, content, reasoning or None, tool_finish(out.finish_reason, bool(calls)),
-                              usage_of(out), [c.to_openai(new_call_id()) for c in calls],
-                              lpf.chat(out.logprobs) if lpf is not None else None)
+        return messages_reply.message(rid, name, outs[0], in_reasoning, tools)
+    bodies = []
+    for out in outs:
+        lpf = LogprobFormat(lp_tok) if lp_tok is not None else None
+        if kind == "completion":
+            lp = lpf.completion(out.logprobs) if lpf is not None else None
+            bodies.append(oa.completion(rid, name, out.text, out.finish_reason, usage_of(out), lp))
+            continue
+        reasoning, content = split_reasoning(out.text, in_reasoning)
+        calls = []
+        if tools is not None:
+            content, calls = tools.split(content)
+        bodies.append(oa.chat_completion(rid, name, content, reasoning or None,
+                                         tool_finish(out.finish_reason, bool(calls)), usage_of(out),
+                                         [c.to_openai(new_call_id()) for c in calls],
+                                         lpf.chat(out.logprobs) if lpf is not None else None))
+    return bodies[0] if len(bodies) == 1 else oa.merged(bodies, combined_usage(outs))
 
 
-async def collect(request: Request, handle, kind: str, body_of) -> Response:
-    """A non-streaming answer: the request's deltas gathered; cancelled if the client leaves first."""
+async def collect(request: Request, choices: Choices, kind: str, body_of) -> Response:
+    """A non-streaming answer: every choice's deltas gathered; all cancelled if the client leaves first."""
     watcher = asyncio.ensure_future(disconnected(request.receive))
+    outputs: list = [None] * len(choices.handles)
     try:
         while True:
-            item = await next_or_gone(handle, watcher)
+            item = await next_or_gone(choices, watcher)
             if item is None:
                 return Response(status_code=499)  # nobody will read it
+            i, item = item
             err = failure(item)
             if err is not None:  # the engine failed this request while running it: not a refusal
                 return error_response(err, kind)
             if item.finished:
-                return JSONResponse(body_of(item.output))
+                outputs[i] = item.output
+                if choices.done:
+                    return JSONResponse(body_of(outputs))
     finally:
         watcher.cancel()
-        handle.cancel()
+        choices.cancel()
 
 
 async def chat_completions(request: Request) -> Response:

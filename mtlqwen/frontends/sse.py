@@ -7,14 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 from . import api_responses as oa
-from .engine_loop import Failed, RequestHandle
-from .logprob_format import LogprobFormat
-from .reasoning import ReasoningSplitter
-from .tool_calls import ToolCallReader, finish_reason, new_call_id
+from .engine_loop import Failed
 
 KEEPALIVE = object()
 KEEPALIVE_S = 15.0  # an SSE comment this often while nothing is produced (long prefills), so proxies keep the stream
@@ -32,8 +28,8 @@ async def disconnected(receive) -> None:
             return
 
 
-async def next_or_gone(handle: RequestHandle, watcher: asyncio.Task, keepalive: float | None = None):
-    """The handle's next item; KEEPALIVE when `keepalive` seconds pass without one; None when the client
+async def next_or_gone(handle, watcher: asyncio.Task, keepalive: float | None = None):
+    """The next item of `handle` (choices.Choices: a (choice index, item) pair); KEEPALIVE when `keepalive` seconds pass without one; None when the client
     disconnected first (the request is then cancelled). A cancelled queue read loses no item."""
     get = asyncio.ensure_future(handle.next())
     done, _ = await asyncio.wait({get, watcher}, timeout=keepalive, return_when=asyncio.FIRST_COMPLETED)
@@ -60,86 +56,12 @@ def failure(item) -> oa.APIError | None:
     return None
 
 
-class Formatter:
-    """Turns one request's deltas into OpenAI chunks (chat or completion). A chat reply's text goes through
-    the reasoning splitter, then (when the request's calls are read) the tool-call splitter: each call is
-    one chunk once its block closes."""
-
-    end = b"data: [DONE]\n\n"
-    encode = staticmethod(sse)
-
-    @staticmethod
-    def error(err: oa.APIError) -> bytes:
-        return sse(err.body())
-
-    def __init__(self, kind: str, rid: str, model: str, in_reasoning: bool, include_usage: bool,
-                 tools: ToolCallReader | None = None, logprobs: LogprobFormat | None = None):
-        """logprobs: set when the request asked for them; each delta's tokens' logprobs ride on its first
-        chunk (a chunk with an empty delta when the delta's text is all held back)."""
-        self.kind, self.rid, self.model, self.include_usage = kind, rid, model, include_usage
-        self.created = int(time.time())
-        self.split = ReasoningSplitter(in_reasoning) if kind == "chat" else None
-        self.calls = tools.splitter() if tools is not None and kind == "chat" else None
-        self.sent_calls = 0
-        self.logprobs = logprobs
-
-    def _with_logprobs(self, out: list[dict], d) -> list[dict]:
-        if self.logprobs is None or not d.logprobs:
-            return out
-        lp = self.logprobs.chat(d.logprobs) if self.kind == "chat" else self.logprobs.completion(d.logprobs)
-        if not out:
-            out = [oa.chat_chunk(self.rid, self.created, self.model, {}) if self.kind == "chat"
-                   else oa.completion_chunk(self.rid, self.created, self.model, "")]
-        out[0]["choices"][0]["logprobs"] = lp
-        return out
-
-    def _chunk(self, reasoning: str, content: str, reason: str | None = None, calls=()) -> list[dict]:
-        if self.kind == "completion":
-            return [oa.completion_chunk(self.rid, self.created, self.model, content, reason)] if content or reason else []
-        out = []
-        if reasoning:
-            out.append(oa.chat_chunk(self.rid, self.created, self.model, {"reasoning_content": reasoning}))
-        if content:
-            out.append(oa.chat_chunk(self.rid, self.created, self.model, {"content": content}))
-        for call in calls:
-            delta = {"tool_calls": [call.to_openai(new_call_id(), self.sent_calls)]}
-            out.append(oa.chat_chunk(self.rid, self.created, self.model, delta))
-            self.sent_calls += 1
-        if reason:
-            reason = finish_reason(reason, self.sent_calls > 0)
-            out.append(oa.chat_chunk(self.rid, self.created, self.model, {}, reason))
-        return out
-
-    def start(self) -> list[dict]:
-        if self.kind == "chat":
-            return [oa.chat_chunk(self.rid, self.created, self.model, {"role": "assistant", "content": ""})]
-        return []
-
-    def delta(self, d) -> list[dict]:
-        if self.split is None:
-            out = self._chunk("", d.text, d.finish_reason if d.finished else None)
-        else:
-            r, c = self.split.feed(d.text)
-            if d.finished:
-                r2, c2 = self.split.finish()
-                r, c = r + r2, c + c2
-            calls = []
-            if self.calls is not None:
-                c, calls = self.calls.feed(c)
-                if d.finished:
-                    c += self.calls.finish()
-            out = self._chunk(r, c, d.finish_reason if d.finished else None, calls)
-        out = self._with_logprobs(out, d)
-        if d.finished and self.include_usage and d.output is not None:
-            out.append(oa.usage_chunk(self.rid, self.created, self.model, self.kind, usage_of(d.output)))
-        return out
-
-
 class SSEResponse:
-    """text/event-stream of the formatter's events (OpenAI chunks, or Anthropic events: messages_reply.py);
-    cancels the request when the client disconnects."""
+    """text/event-stream of the formatter's events (OpenAI chunks: openai_stream.py, or Anthropic events:
+    messages_reply.py) for a request's choices (choices.Choices); ends when every choice has or one fails, and
+    cancels them all when the client disconnects."""
 
-    def __init__(self, handle: RequestHandle, fmt):
+    def __init__(self, handle, fmt):
         self.handle, self.fmt = handle, fmt
 
     async def __call__(self, scope, receive, send) -> None:
@@ -157,9 +79,11 @@ class SSEResponse:
                 if item is KEEPALIVE:
                     await send({"type": "http.response.body", "body": b": keepalive\n\n", "more_body": True})
                     continue
+                i, item = item
                 err = failure(item)
-                body = self.fmt.error(err) if err is not None else b"".join(self.fmt.encode(c) for c in self.fmt.delta(item))
-                done = err is not None or item.finished
+                body = self.fmt.error(err) if err is not None else b"".join(
+                    self.fmt.encode(c) for c in self.fmt.delta(i, item))
+                done = err is not None or self.handle.done
                 if done:
                     body += self.fmt.end
                 if body:

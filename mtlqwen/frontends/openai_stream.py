@@ -1,0 +1,104 @@
+"""One request's deltas as OpenAI stream chunks (chat.completion.chunk or text_completion), per choice.
+
+A chat choice's text goes through the reasoning splitter, then (when the request's calls are read) the
+tool-call splitter: each call is one chunk once its block closes. A delta's tokens' logprobs ride on its first
+chunk (one with an empty delta when the delta's text is all held back). With `include_usage`, the usage of
+every choice comes in one last chunk once all have finished.
+"""
+
+from __future__ import annotations
+
+import time
+
+from . import api_responses as oa
+from .logprob_format import LogprobFormat
+from .reasoning import ReasoningSplitter
+from .sse import sse, usage_of
+from .tool_calls import ToolCallReader, finish_reason, new_call_id
+
+
+class _Choice:
+    """One choice's text state."""
+
+    def __init__(self, kind: str, in_reasoning: bool, tools: ToolCallReader | None, tokenizer):
+        self.split = ReasoningSplitter(in_reasoning) if kind == "chat" else None
+        self.calls = tools.splitter() if tools is not None and kind == "chat" else None
+        self.sent_calls = 0
+        self.logprobs = LogprobFormat(tokenizer) if tokenizer is not None else None
+        self.output = None
+
+
+def combined_usage(outputs: list) -> dict:
+    """n choices' usage: the prompt counted once, the completions summed (OpenAI's)."""
+    first = usage_of(outputs[0])
+    return oa.usage(first["prompt_tokens"], sum(len(o.token_ids) for o in outputs),
+                    first["prompt_tokens_details"]["cached_tokens"])
+
+
+class Formatter:
+    end = b"data: [DONE]\n\n"
+    encode = staticmethod(sse)
+
+    @staticmethod
+    def error(err: oa.APIError) -> bytes:
+        return sse(err.body())
+
+    def __init__(self, kind: str, rid: str, model: str, in_reasoning: bool, include_usage: bool,
+                 tools: ToolCallReader | None = None, logprob_tokenizer=None, n: int = 1):
+        """logprob_tokenizer: the tokenizer, when the request asked for logprobs."""
+        self.kind, self.rid, self.model, self.include_usage = kind, rid, model, include_usage
+        self.created = int(time.time())
+        self.choices = [_Choice(kind, in_reasoning, tools, logprob_tokenizer) for _ in range(n)]
+
+    def _chunk(self, i: int, delta: dict | str, reason: str | None = None) -> dict:
+        if self.kind == "completion":
+            return oa.completion_chunk(self.rid, self.created, self.model, delta, reason, index=i)
+        return oa.chat_chunk(self.rid, self.created, self.model, delta, reason, index=i)
+
+    def _text(self, i: int, ch: _Choice, reasoning: str, content: str, reason: str | None, calls) -> list[dict]:
+        if self.kind == "completion":
+            return [self._chunk(i, content, reason)] if content or reason else []
+        out = []
+        if reasoning:
+            out.append(self._chunk(i, {"reasoning_content": reasoning}))
+        if content:
+            out.append(self._chunk(i, {"content": content}))
+        for call in calls:
+            out.append(self._chunk(i, {"tool_calls": [call.to_openai(new_call_id(), ch.sent_calls)]}))
+            ch.sent_calls += 1
+        if reason:
+            out.append(self._chunk(i, {}, finish_reason(reason, ch.sent_calls > 0)))
+        return out
+
+    def start(self) -> list[dict]:
+        if self.kind == "chat":
+            return [self._chunk(i, {"role": "assistant", "content": ""}) for i in range(len(self.choices))]
+        return []
+
+    def delta(self, i: int, d) -> list[dict]:
+        """Choice i's next delta -> its chunks (and the usage chunk after the last choice's end)."""
+        ch = self.choices[i]
+        reason = d.finish_reason if d.finished else None
+        calls = []
+        if ch.split is None:
+            r, c = "", d.text
+        else:
+            r, c = ch.split.feed(d.text)
+            if d.finished:
+                r2, c2 = ch.split.finish()
+                r, c = r + r2, c + c2
+            if ch.calls is not None:
+                c, calls = ch.calls.feed(c)
+                if d.finished:
+                    c += ch.calls.finish()
+        out = self._text(i, ch, r, c, reason, calls)
+        if ch.logprobs is not None and d.logprobs:
+            lp = ch.logprobs.chat(d.logprobs) if self.kind == "chat" else ch.logprobs.completion(d.logprobs)
+            out = out or [self._chunk(i, {} if self.kind == "chat" else "")]
+            out[0]["choices"][0]["logprobs"] = lp
+        if d.finished:
+            ch.output = d.output
+            outputs = [c.output for c in self.choices]
+            if self.include_usage and all(o is not None for o in outputs):
+                out.append(oa.usage_chunk(self.rid, self.created, self.model, self.kind, combined_usage(outputs)))
+        return out
