@@ -82,7 +82,8 @@ def write_tiny_chat_checkpoint(dest: pathlib.Path, seed: int = 0, eos_reachable:
 
 # ---- the server app in process (starlette's TestClient)
 
-def app_for(ckpt: pathlib.Path, api_key: str | None = None, wrap_engine=None, num_blocks: int = 32, **cfg):
+def app_for(ckpt: pathlib.Path, api_key: str | None = None, wrap_engine=None, num_blocks: int = 32,
+            prefix_interval: int = 512, **cfg):
     """The serve app over a 2-slot engine of `num_blocks` 16-token blocks on `ckpt`; wrap_engine(engine) may
     stand in for the engine."""
     from mtlqwen.frontends.engine_loop import EngineLoop
@@ -93,7 +94,8 @@ def app_for(ckpt: pathlib.Path, api_key: str | None = None, wrap_engine=None, nu
 
     def build():
         tok = load_tokenizer(ckpt)
-        engine = Engine(str(ckpt), tokenizer=tok, slots=2, num_blocks=num_blocks, block_tokens=16)
+        engine = Engine(str(ckpt), tokenizer=tok, slots=2, num_blocks=num_blocks, block_tokens=16,
+                        prefix_interval=prefix_interval)
         return (wrap_engine(engine) if wrap_engine else engine), tok
 
     loop = EngineLoop(build, Metrics("tiny"))

@@ -158,6 +158,31 @@ def test_decode_publishes_generated_tokens(model):
     assert_idle(eng)
 
 
+def test_a_cache_salt_is_chained_in_before_the_tokens():
+    tokens = list(range(100, 132))
+    cache = pc.PrefixCache(BlockPool(4), 16, 8, 1 << 20, "mtlqwen-test-identity")
+    root = pc.root_key("mtlqwen-test-identity")
+    salted = xxhash.xxh3_64_intdigest(struct.pack("<Q", root) + "salt:tenant-\u00e9".encode())
+    seq = Sequence(0, tokens, greedy(1, cache_salt="tenant-\u00e9"), seed=0)
+    assert cache.root_of(seq) == salted and cache.keys(seq, 2) == pc.prefix_keys(salted, tokens, 16)
+    assert cache.keys(Sequence(1, tokens, greedy(1), seed=0), 2) == pc.prefix_keys(root, tokens, 16)
+
+
+def test_requests_share_entries_and_waits_only_within_their_salt(model):
+    """The same prompt three ways at once and again: unsalted, salt a, salt b. Each salt computes its own
+    prefix (no wait across salts) and later hits only its own entries, turn entries included."""
+    eng = Engine(model, slots=3, step_tokens=48, block_tokens=8, num_blocks=60, prefix_interval=16)
+    p = random_token_ids(35, 500, seed=6)
+    salts = [None, "a", "b"]
+    first = eng.generate([p] * 3, [greedy(3, cache_salt=s) for s in salts])
+    assert [o.cached_tokens for o in first] == [0, 0, 0] and eng.stats()["prefix_waits"] == 0
+    assert sorted(e.length for e in entries(eng, "interval")) == [16, 16, 16, 32, 32, 32]
+    again = eng.generate([p + first[0].token_ids + [7]] * 3 + [p], [greedy(2, cache_salt=s) for s in salts + ["c"]])
+    assert [o.cached_tokens for o in again] == [37, 37, 37, 0]  # each its own turn entry; "c" nothing
+    assert [o.token_ids for o in first] == [first[0].token_ids] * 3
+    assert_idle(eng)
+
+
 def test_requests_sharing_an_uncached_prefix_wait_and_one_entry_is_kept(model):
     eng = Engine(model, slots=3, step_tokens=48, block_tokens=8, num_blocks=40, prefix_interval=16)
     p = random_token_ids(35, 500, seed=5)

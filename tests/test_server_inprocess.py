@@ -256,3 +256,15 @@ def test_n_choices_whole_and_streamed(ckpt):
         assert error_of(c.post("/v1/completions", json={**hot, "n": 0}), 400)["param"] == "n"
         # 2 slots + a queue of 2: a request of 5 choices cannot be taken
         assert error_of(c.post("/v1/completions", json={**hot, "n": 5}), 429)["code"] == "queue_full"
+
+
+def test_a_cache_salt_keeps_prefix_hits_within_it(tmp_path):
+    ckpt = write_tiny_chat_checkpoint(tmp_path / "ckpt", eos_reachable=False)
+    body = {"prompt": "x" * 40, "max_tokens": 2}
+    with TestClient(app_for(ckpt, num_blocks=64, prefix_interval=16)) as c:
+        wait_ok(c)
+        cached = lambda extra: c.post("/v1/completions", json={**body, **extra}).json()["usage"][  # noqa: E731
+            "prompt_tokens_details"]["cached_tokens"]
+        assert cached({"cache_salt": "alice"}) == 0
+        assert cached({"cache_salt": "bob"}) == 0 and cached({}) == 0  # another salt, no salt: no hit
+        assert cached({"cache_salt": "alice"}) > 0

@@ -129,6 +129,7 @@ class _Request(_Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1  # choices of one prompt (choices.py)
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # vLLM's: prefix-cache isolation
     # declared so their types are checked; any value but the default is refused below
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -164,7 +165,7 @@ class _Request(_Body):
             presence_penalty=pick(self.presence_penalty, d.presence_penalty),
             frequency_penalty=pick(self.frequency_penalty, d.frequency_penalty),
             repetition_penalty=pick(self.repetition_penalty, d.repetition_penalty),
-            logprobs=self.logprob_count(), logit_bias=self.token_bias(),
+            logprobs=self.logprob_count(), logit_bias=self.token_bias(), cache_salt=self.cache_salt,
         )
 
     def token_bias(self) -> dict[int, float]:

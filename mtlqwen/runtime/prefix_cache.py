@@ -9,7 +9,10 @@ possible at an exact snapshot; prefill chunks are cut on interval boundaries to 
 only: kv_manager.KVManager decides when to look up, restore, capture and evict, and writes the sequence.
 
 Keys are chained: key(k) = xxh3_64(key(k-1) as 8 bytes LE ‖ tokens of interval k as int32 LE), with
-key(0) = xxh3_64(model identity), so entries never cross models or drafters. A lookup compares the
+key(0) = xxh3_64(model identity), so entries never cross models or drafters; a request's cache_salt
+(SamplingParams) is chained in first, key(0) = xxh3_64(that ‖ "salt:" ‖ the salt), so requests share
+entries, turn entries and in-flight prefixes only with requests of the same salt (vLLM's per-tenant
+isolation: no one learns from a hit's timing what another tenant sent). A lookup compares the
 stored prefix tokens too: a hash collision is a miss, never a wrong answer.
 
 When the interval is not a multiple of block_tokens, the last block of a prefix is partial and its
@@ -152,12 +155,18 @@ class PrefixCache:
         self.counters = dict.fromkeys(COUNTERS, 0)
 
     # ---- keys and lookup
+    def root_of(self, seq) -> int:
+        """key(0) of seq's prefixes: the model's, or its salt's chained onto it."""
+        salt = seq.params.cache_salt
+        return self.root if salt is None else xxhash.xxh3_64_intdigest(
+            self.root.to_bytes(8, "little") + b"salt:" + salt.encode("utf-8", "surrogatepass"))
+
     def keys(self, seq, k: int) -> list[int]:
         """Keys of seq's first k prefixes, memoised on the sequence (whole intervals never change)."""
         ks, I = seq.prefix_keys, self.interval
         while len(ks) < k:
             j = len(ks)
-            ks.append(chunk_key(ks[-1] if ks else self.root, seq.tokens[j * I : (j + 1) * I]))
+            ks.append(chunk_key(ks[-1] if ks else self.root_of(seq), seq.tokens[j * I : (j + 1) * I]))
         return ks[:k]
 
     def _find(self, seq, k: int) -> PrefixEntry | None:
@@ -168,7 +177,7 @@ class PrefixCache:
 
     def _bucket(self, seq, k: int) -> int:
         """The bucket of turn entries between k and k + 1 intervals of seq's tokens."""
-        return self.keys(seq, k)[-1] if k else self.root
+        return self.keys(seq, k)[-1] if k else self.root_of(seq)
 
     def lookup(self, seq) -> PrefixEntry | None:
         """The longest entry (either kind) for a proper prefix of seq's tokens: at least one token is

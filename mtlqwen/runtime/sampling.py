@@ -52,6 +52,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # each token's log probability and this many alternatives (logprobs.py)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit); a dict is accepted
+    cache_salt: str | None = None  # prefix-cache entries are shared only among requests with the same salt
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -100,6 +101,8 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be token ids, got {t!r}")
             if isinstance(b, bool) or not isinstance(b, (int, float)) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {b!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= 256):
+            raise ValueError(f"cache_salt must be a non-empty string of at most 256 characters, got {self.cache_salt!r:.40}")
         if not isinstance(self.speculative, bool):
             raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
