@@ -268,3 +268,22 @@ def test_a_cache_salt_keeps_prefix_hits_within_it(tmp_path):
         assert cached({"cache_salt": "alice"}) == 0
         assert cached({"cache_salt": "bob"}) == 0 and cached({}) == 0  # another salt, no salt: no hit
         assert cached({"cache_salt": "alice"}) > 0
+
+
+def test_tokenize_and_detokenize(ckpt):
+    from mtlqwen.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(ckpt)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    with TestClient(app_for(ckpt)) as c:
+        wait_ok(c)
+        r = c.post("/tokenize", json={"prompt": "héllo<|im_end|>"}).json()
+        assert r["tokens"] == tok.encode("héllo<|im_end|>") and r["count"] == len(r["tokens"])
+        assert r["max_model_len"] == 32 * 16 + 1  # the pool's, under the model's 2,048
+        assert c.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "héllo<|im_end|>"}
+        rendered = c.post("/tokenize", json=chat).json()
+        used = c.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens"]
+        assert rendered["count"] == used  # the chat route's own prompt
+        assert error_of(c.post("/detokenize", json={"tokens": [5, 10**6]}), 400)["param"] == "tokens"
+        assert error_of(c.post("/tokenize", json={"prompt": 5}), 400)["param"] == "prompt"
+        assert error_of(c.post("/tokenize", json={"prompt": "x", "model": "nope"}), 404)["param"] == "model"

@@ -329,6 +329,19 @@ class CompletionRequest(_Request):
         return self
 
 
+class TokenizeText(_Body):
+    """vLLM's /tokenize of a raw prompt (a chat's messages go through parse_chat instead)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class Detokenize(_Body):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
 # ---- bytes -> ParsedRequest
 
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP app (Starlette): one function per route, the API key, error handling.
+(Anthropic's Messages route shares the generation path; token counting: token_routes.py.)
 
-Every route reaches the server's state through `request.app.state.server` (a ServerState). The
+Every route reaches the server's state through `request.app.state.server` (server_state.py). The
 event loop only moves bytes: parsing, prompt rendering and tokenisation run in worker threads, the
 engine on its own thread (engine_loop.py). A request is refused with an OpenAI-style error before
 it reaches the engine whenever the refusal can be decided there; each refusal is counted by status.
@@ -11,119 +12,32 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from . import api_responses as oa
 from . import messages_reply
-from .api_requests import Defaults, ParsedRequest, parse_chat, parse_completion
 from .choices import Choices, choice_ids
 from .engine_loop import EngineLoop
 from .logprob_format import LogprobFormat
-from .messages_api import error_body as messages_error
-from .messages_api import parse_messages
 from .messages_reply import MessagesFormatter, new_message_id
 from .openai_stream import Formatter, combined_usage
-from .prompt_limits import PromptBuilder
 from .reasoning import split_reasoning
-from .request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, read_body
+from .request_body import read_body
+from .server_state import ServerConfig, ServerState, error_response, refusals, state
 from .sse import SSEResponse, disconnected, failure, next_or_gone, usage_of
+from .token_routes import count_tokens, detokenize, tokenize
 from .tool_calls import ToolCallReader, new_call_id
 from .tool_calls import finish_reason as tool_finish
 
 log = logging.getLogger("mtlqwen.serve")
-
-RETRY_AFTER_S = 1  # what a 429 asks the client to wait: a slot frees as soon as any request ends
-
-
-@dataclass
-class ServerConfig:
-    served_names: tuple[str, ...]  # the first is the name responses carry; requests may use any
-    slots: int
-    max_queue: int = 64
-    api_key: str | None = None
-    defaults: Defaults = field(default_factory=Defaults)
-    template_defaults: dict = field(default_factory=dict)
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
-    template_timeout_s: float = 5.0
-    trust_request_template: bool = False  # may a request send its own chat template source
-    special_tokens_in_content: bool = False  # do special-token strings in messages act as control tokens
-    started: int = field(default_factory=lambda: int(time.time()))
-
-    def __post_init__(self):
-        if not self.served_names:
-            raise ValueError("at least one served model name is needed")
-
-    @property
-    def model_name(self) -> str:
-        return self.served_names[0]
-
-
-@dataclass
-class ServerState:
-    loop: EngineLoop
-    cfg: ServerConfig
-
-    def __post_init__(self):
-        self.metrics = self.loop.metrics
-        self.prompts = PromptBuilder(self.loop, self.cfg)
-
-    def ready(self) -> None:
-        if self.loop.state == "loading":
-            raise oa.APIError("the model is still loading; retry when GET /health answers ok", 503,
-                              code="model_loading", type_="server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
-        if self.loop.state != "ok":
-            raise oa.APIError(f"the engine is not running: {self.loop.error}", 503, type_="server_error")
-
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.cfg.served_names:
-            raise oa.APIError(f"the model '{name:.100}' does not exist; this server serves: "
-                              f"{', '.join(self.cfg.served_names)}", 404, "model", "model_not_found")
-
-    def parse(self, raw: bytes, kind: str) -> ParsedRequest:
-        """kind: "chat", "completion" (OpenAI) or "messages" (Anthropic; a chat request once parsed)."""
-        if kind == "chat":
-            return parse_chat(raw, self.cfg.defaults, self.cfg.template_defaults, self.prompts.template_allowed)
-        if kind in ("messages", "count_tokens"):
-            return parse_messages(raw, self.cfg.defaults, self.cfg.template_defaults, kind == "count_tokens")
-        return parse_completion(raw, self.cfg.defaults)
-
-    def check_capacity(self, n: int = 1) -> None:
-        """n: the engine requests about to be added (a request's choices)."""
-        if self.loop.live + n > self.cfg.slots + self.cfg.max_queue:  # bounded queue: refuse rather than grow
-            raise oa.APIError(f"the server is at capacity ({self.cfg.slots} running, {self.cfg.max_queue} waiting); "
-                              "retry later", 429, code="queue_full", type_="rate_limit_error",
-                              headers={"Retry-After": str(RETRY_AFTER_S)})
-
-
-def state(request: Request) -> ServerState:
-    return request.app.state.server
-
-
-def error_response(e: oa.APIError, kind: str = "chat") -> JSONResponse:
-    """An error in the shape of the route's API: Anthropic's for /v1/messages, OpenAI's elsewhere."""
-    body = messages_error(e) if kind in ("messages", "count_tokens") else e.body()
-    return JSONResponse(body, status_code=e.status, headers=e.headers)
-
-
-async def refusals(st: ServerState, coro, kind: str = "chat") -> Response:
-    """The route's response, or its refusal as an error response (counted by status)."""
-    try:
-        return await coro
-    except oa.APIError as e:
-        st.metrics.on_rejected(e.status)
-        return error_response(e, kind)
-    except ClientDisconnect:  # the client left while sending its body: nobody reads an answer
-        return Response(status_code=499)
 
 
 # ---- generation routes
@@ -216,22 +130,6 @@ async def completions(request: Request) -> Response:
 async def messages(request: Request) -> Response:
     return await refusals(state(request), generate(request, "messages"), "messages")
 
-
-async def count_tokens(request: Request) -> Response:
-    """Anthropic's count of a Messages request's input tokens: its prompt as the server would render it."""
-    st = state(request)
-
-    async def run() -> Response:
-        raw = await read_body(request, st.cfg.max_body_bytes, st.cfg.body_timeout_s)
-        req = await run_in_threadpool(st.parse, raw, "count_tokens")
-        st.check_model(req.model)
-        st.ready()
-        prompt = await run_in_threadpool(st.prompts.prompt_ids, req)
-        return JSONResponse({"input_tokens": len(prompt.ids)})
-
-    return await refusals(st, run(), "count_tokens")
-
-
 # ---- information and operator routes
 
 async def models(request: Request) -> Response:
@@ -281,6 +179,8 @@ ROUTES = [
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/messages", messages, methods=["POST"]),
     Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/detokenize", detokenize, methods=["POST"]),
     Route("/v1/models", models, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics_endpoint, methods=["GET"]),
