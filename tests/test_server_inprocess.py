@@ -287,3 +287,36 @@ def test_tokenize_and_detokenize(ckpt):
         assert error_of(c.post("/detokenize", json={"tokens": [5, 10**6]}), 400)["param"] == "tokens"
         assert error_of(c.post("/tokenize", json={"prompt": 5}), 400)["param"] == "prompt"
         assert error_of(c.post("/tokenize", json={"prompt": "x", "model": "nope"}), 404)["param"] == "model"
+
+
+def test_structured_replies_through_every_field(ckpt):
+    """response_format (json_object, json_schema), vLLM's guided_* and Anthropic's output_config: each reply is
+    what it asked for; with thinking on, the form starts after the thinking (a bias ends it at once here)."""
+    from mtlqwen.tokenizer import load_tokenizer
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    msgs = [{"role": "user", "content": "hi"}]
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    end = load_tokenizer(ckpt).token_to_id("</think>")
+    with TestClient(app_for(ckpt, num_blocks=64)) as c:
+        wait_ok(c)
+        chat = lambda **kw: c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 40, **kw})  # noqa: E731
+        r = chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}, **off).json()
+        assert json.loads(r["choices"][0]["message"]["content"]) in ({"ok": True}, {"ok": False})
+        obj = chat(response_format={"type": "json_object"}, max_completion_tokens=200, **off).json()
+        if obj["choices"][0]["finish_reason"] == "stop":  # a random model may write a long object
+            assert isinstance(json.loads(obj["choices"][0]["message"]["content"]), dict)
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 20, "guided_regex": "[0-9]{3}-[a-z]"}).json()
+        assert re.fullmatch("[0-9]{3}-[a-z]", r["choices"][0]["text"])
+        r = chat(guided_choice=["left", "right"], logit_bias={str(end): 100}).json()["choices"][0]
+        assert r["message"]["content"] in ("left", "right") and r["finish_reason"] == "stop"  # thought, then chose
+        m = c.post("/v1/messages", json={"messages": msgs, "max_tokens": 40, "thinking": {"type": "disabled"},
+                                         "output_config": {"format": {"type": "json_schema", "schema": schema}}}).json()
+        assert json.loads(m["content"][0]["text"]) in ({"ok": True}, {"ok": False})
+        bad = [({"guided_regex": "(", "prompt": "x"}, "guided_regex"),
+               ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}, "prompt": "x"},
+                "response_format"),
+               ({"guided_regex": "a", "guided_choice": ["b"], "prompt": "x"}, "guided_choice")]
+        for body, param in bad:
+            assert error_of(c.post("/v1/completions", json=body), 400)["param"] == param

@@ -3,7 +3,7 @@
 A body is validated straight from its bytes by pydantic's JSON parser, strictly: malformed JSON,
 nesting past the parser's depth limit, lone surrogates, NaN / Infinity and a wrong type anywhere are
 each a 400 naming the field. Sampling ranges are SamplingParams' own (its constants, not restated
-numbers). A field the engine cannot honour (best_of, echo, response_format...) is refused rather than
+numbers). A field the engine cannot honour (best_of, echo, audio...) is refused rather than
 silently ignored; harmless unknown fields (user, metadata, store...) are ignored and never reach the
 chat template. `tools` go to the chat template, and the reply's calls are read back (tool_calls.py)
 unless `tool_choice` is "none"; "required" or a named function opens the call in the prompt.
@@ -20,6 +20,7 @@ from pydantic_core import PydanticCustomError
 
 from ..runtime.logprobs import MAX_LOGPROBS
 from ..runtime.sampling import MAX_LOGIT_BIAS_ENTRIES, MAX_TOP_K, MIN_TEMPERATURE
+from ..runtime.structured import Structure
 from .api_responses import APIError, not_supported
 
 MAX_STOP = 16  # stop strings per request: each one is searched for in the text at every step
@@ -61,6 +62,7 @@ class ParsedRequest:
     parallel_tool_calls: bool = True
     forced_call: str | None = None  # tool_choice "required" -> "" (any tool), a named function -> its name
     n: int = 1  # choices
+    structure: tuple[str, str] | None = None  # the reply's form: (format, text), runtime/structured.py
 
 
 def _temperature(t: float) -> float:
@@ -89,10 +91,8 @@ class StreamOptions(_Body):
 _REFUSED: dict[str, Callable[[Any], bool]] = {
     "functions": bool, "function_call": lambda v: v not in ("none", "auto"),
     "best_of": lambda v: v != 1,
-    "response_format": lambda v: not (isinstance(v, dict) and v.get("type") == "text"),
     "echo": bool, "suffix": bool, "min_tokens": lambda v: v != 0,
-    "audio": lambda v: True, "guided_json": lambda v: True, "guided_regex": lambda v: True,
-    "guided_choice": lambda v: True, "guided_grammar": lambda v: True,
+    "audio": lambda v: True,
 }
 _WHY = {"best_of": "replies are not ranked (send n for several)",
         "functions": "send them as 'tools'", "function_call": "send 'tools' and 'tool_choice'"}
@@ -105,6 +105,26 @@ class NamedFunction(_Body):
 class NamedToolChoice(_Body):
     type: Literal["function"]
     function: NamedFunction
+
+
+class TextFormat(_Body):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Body):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class JsonSchemaFormat(_Body):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
 
 
 class _Request(_Body):
@@ -130,19 +150,20 @@ class _Request(_Body):
     repetition_penalty: float | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1  # choices of one prompt (choices.py)
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # vLLM's: prefix-cache isolation
+    # the reply's form (runtime/structured.py): OpenAI's response_format, or one of vLLM's guided_* fields
+    response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
     # declared so their types are checked; any value but the default is refused below
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     best_of: int | None = None
-    response_format: dict[str, Any] | None = None
     echo: bool | None = None
     suffix: str | None = None
     min_tokens: int | None = None
     audio: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
@@ -167,6 +188,34 @@ class _Request(_Body):
             repetition_penalty=pick(self.repetition_penalty, d.repetition_penalty),
             logprobs=self.logprob_count(), logit_bias=self.token_bias(), cache_salt=self.cache_salt,
         )
+
+    def structure(self) -> tuple[str, str] | None:
+        """(format, text) of the reply's form (structured.Structure without `after`); None: free text."""
+        given = [(name, v) for name, v in (("response_format", self.response_format), ("guided_json", self.guided_json),
+                                           ("guided_regex", self.guided_regex), ("guided_choice", self.guided_choice),
+                                           ("guided_grammar", self.guided_grammar))
+                 if v is not None and not isinstance(v, TextFormat)]
+        if not given:
+            return None
+        if len(given) > 1:
+            raise APIError(f"one of response_format and the guided_* fields, got {' and '.join(n for n, _ in given)}",
+                           400, given[1][0])
+        name, v = given[0]
+        if isinstance(v, JsonObjectFormat):
+            out = ("json_schema", '{"type": "object"}')
+        elif isinstance(v, JsonSchemaFormat):
+            out = ("json_schema", json.dumps(v.json_schema.schema_))
+        elif name == "guided_json":
+            out = ("json_schema", v if isinstance(v, str) else json.dumps(v))
+        elif name == "guided_choice":
+            out = ("choice", json.dumps(v))
+        else:
+            out = ("regex" if name == "guided_regex" else "lark", v)
+        try:  # the text's own errors (a bad schema or regex) before anything is queued
+            Structure(*out).grammar()
+        except ValueError as e:
+            raise APIError(str(e), 400, name) from None
+        return out
 
     def token_bias(self) -> dict[int, float]:
         """OpenAI's logit_bias (token ids as strings) as SamplingParams takes it."""
@@ -406,7 +455,8 @@ def parse_chat(raw: bytes, d: Defaults, template_defaults: dict, allowed_templat
                          messages=[m.for_template() for m in req.messages],
                          template_kwargs={**template_defaults, **kwargs}, tools=tools,
                          read_tool_calls=tools is not None and req.tool_choice != "none",
-                         parallel_tool_calls=req.parallel_tool_calls, forced_call=req.forced_call(), n=req.n)
+                         parallel_tool_calls=req.parallel_tool_calls, forced_call=req.forced_call(), n=req.n,
+                         structure=req.structure())
 
 
 def parse_completion(raw: bytes, d: Defaults) -> ParsedRequest:
@@ -419,4 +469,5 @@ def parse_completion(raw: bytes, d: Defaults) -> ParsedRequest:
     if not prompt:
         raise APIError("'prompt' must be a non-empty string or a list of token ids", 400, "prompt")
     stream, usage = req.stream_flags()
-    return ParsedRequest("completion", req.model, stream, usage, req.sampling(d), prompt=prompt, n=req.n)
+    return ParsedRequest("completion", req.model, stream, usage, req.sampling(d), prompt=prompt, n=req.n,
+                         structure=req.structure())

@@ -6,8 +6,8 @@ The conversation maps onto the chat template's messages: `system` first; a user 
 become `tool` messages and its text a user message, in their order; an assistant turn's `thinking` becomes
 its reasoning, its `text` the content and its `tool_use` blocks the calls. Tools map to OpenAI function
 tools (`input_schema` is the parameters' schema); `tool_choice` any -> required, tool -> a named function;
-`thinking` enabled / disabled sets the template's enable_thinking. What the server cannot honour (images,
-documents, server tools) is refused.
+`thinking` enabled / disabled sets the template's enable_thinking; `output_config.format` (a JSON schema) holds
+the reply to it. What the server cannot honour (images, documents, server tools) is refused.
 """
 
 from __future__ import annotations
@@ -144,15 +144,14 @@ class Thinking(_Body):
     budget_tokens: int | None = None  # not enforced: the template's thinking is on or off
 
 
+class JsonSchemaOutput(_Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
 class OutputConfig(_Body):
     effort: str | None = None  # a hint for Anthropic's models; nothing here to scale
-    format: Any = None
-
-    @model_validator(mode="after")
-    def _no_format(self):
-        if self.format is not None:
-            raise not_supported("output_config.format", "decoding is not constrained to a schema")
-        return self
+    format: JsonSchemaOutput | None = None  # the reply held to the schema (runtime/structured.py)
 
 
 class MessagesRequest(_Body):
@@ -194,6 +193,9 @@ class MessagesRequest(_Body):
             body["tool_choice"] = {"auto": "auto", "none": "none", "any": "required"}.get(choice.type) or \
                 {"type": "function", "function": {"name": choice.name or ""}}
             body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+        if self.output_config is not None and self.output_config.format is not None:
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"schema": self.output_config.format.schema_}}
         if self.thinking is not None and self.thinking.type in ("enabled", "disabled"):
             body["chat_template_kwargs"] = {"enable_thinking": self.thinking.type == "enabled"}
         return body

@@ -19,7 +19,7 @@ from ..chat_template import TemplateTimeout, render_time_limit
 from .api_requests import ParsedRequest
 from .api_responses import APIError
 from .prompting import has_chat_template, render_ids
-from .reasoning import prompt_opens_thinking
+from .reasoning import CLOSE, prompt_opens_thinking
 from .tool_calls import forced_opening
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop", "stop_token_ids",
@@ -100,10 +100,16 @@ class PromptBuilder:
         return Prompt(ids, prompt_opens_thinking(text), opened)
 
     # ---- sampling
-    def sampling_params(self, req: ParsedRequest, prompt_len: int):
+    def sampling_params(self, req: ParsedRequest, prompt_len: int, in_reasoning: bool = False):
+        """in_reasoning: the prompt leaves the model thinking, so a structured reply's form starts after the
+        thinking's end token (Structure.after)."""
         from ..runtime import SamplingParams  # noqa: PLC0415
+        from ..runtime.structured import Structure  # noqa: PLC0415
 
         s: dict[str, Any] = dict(req.sampling)
+        if req.structure is not None:
+            end = self.loop.tokenizer.token_to_id(CLOSE) if in_reasoning else None
+            s["structured"] = Structure(*req.structure, after=end)
         room = self.limit() - prompt_len
         s["max_tokens"] = min(self.cfg.defaults.max_tokens if s["max_tokens"] is None else s["max_tokens"], room)
         try:

@@ -50,7 +50,7 @@ async def generate(request: Request, kind: str) -> Response:
     st.ready()
     st.check_capacity(req.n)  # before the work of tokenising, and again once it is done
     ids, in_reasoning, opened = await run_in_threadpool(st.prompts.prompt_ids, req)
-    params = st.prompts.sampling_params(req, len(ids))
+    params = st.prompts.sampling_params(req, len(ids), in_reasoning)
     st.check_capacity(req.n)
     rid = new_message_id() if kind == "messages" else oa.new_id(kind)
     choices = Choices([st.loop.submit(r, ids, params if i == 0 or params.seed is None

@@ -33,6 +33,7 @@ from .kv_manager import KVManager, StepSnapshots
 from .prefix_cache import model_identity
 from .logprobs import StepLogprobs
 from .sampling import SamplingParams, sample_rows
+from .structured import Constraints
 from .scheduler import ScheduledSeq, Scheduler, StepPlan
 from .spec_pipeline import SpecPipeline
 from .speculative import Speculator, load_draft
@@ -201,6 +202,10 @@ class Engine(Generation):
         self.pad_buckets = cfg.pad_buckets
         self.buckets = token_buckets(cfg.prefill_budget) if self.pad_buckets else None
         self.eos = set(self.config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", None) or ())
+        # grammar-constrained requests' matchers (structured.py); the drafter's plain rows are masked too
+        self.structured = Constraints(tokenizer, self.config.vocab_size, self.eos) if tokenizer is not None else None
+        if self.spec is not None:
+            self.spec.constraints = self.structured
         seed, group = cfg.seed, getattr(model, "group", None)
         if seed is None and group is not None:  # tensor parallel: every rank draws the same request seeds
             from ..model.distributed import agreed_seed  # noqa: PLC0415
@@ -228,8 +233,14 @@ class Engine(Generation):
             request_id, self._next_id = self._next_id, self._next_id + 1
         elif request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already live")
+        if params.structured is not None:
+            if self.structured is None:
+                raise ValueError("structured outputs need a tokenizer: Engine(tokenizer=...)")
+            self.structured.check(params.structured)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(request_id, ids, params, seed)
+        if params.structured is not None:
+            self.structured.admit(seq)
         if self.tokenizer is not None:
             seq.text = TextState(self.tokenizer, params.stop)
         self._seqs[request_id] = seq
@@ -276,6 +287,10 @@ class Engine(Generation):
     def _step(self, deltas: list[Delta]) -> None:
         if self.pipeline is not None and self.pipeline.step(deltas):  # launched after a verification in flight
             return
+        if (self._inflight is not None and self.structured is not None
+                and self.structured.must_sync(self._inflight.sampling)):  # the next masks need its tokens
+            flight, self._inflight = self._inflight, None
+            self._read_back(flight, None, deltas)
         if self.spec is not None:
             if self._inflight is not None and self.spec.must_sync(self._inflight, self._seqs.values()):
                 flight, self._inflight = self._inflight, None  # drafting needs its tokens and kv_valid on the host
@@ -336,7 +351,7 @@ class Engine(Generation):
             else:
                 logits = self.model.forward(plan_batch.input_ids, plan_batch.layout, cache, plan_batch.logits_rows)
             samp = plan_batch.sampling
-            drawn = sample_rows(logits, samp, plan_batch.input_ids, plan_batch.logits_rows)
+            drawn = sample_rows(logits, samp, plan_batch.input_ids, plan_batch.logits_rows, self.structured)
             tokens, logprobs = drawn.tokens, drawn.logprobs
             failed = [(samp[r].seq, e) for r, e in drawn.failed.items()]
         flight = _InFlight([s.seq for s in scheduled], plan_batch.sampling, tokens,
@@ -407,10 +422,13 @@ class Engine(Generation):
             if seq.first_token_time is None:
                 seq.first_token_time = now
             p = seq.params
+            complete = p.structured is not None and self.structured.consume(seq, tok)
             if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
                 done[seq] = "stop"
             elif seq.text is not None and seq.text.add(tok):
                 done[seq] = "stop_string"
+            elif complete:  # the grammar is complete: nothing may follow
+                done[seq] = "stop"
             elif len(seq.tokens) - seq.prompt_len >= p.max_tokens:
                 done[seq] = "length"
 
@@ -425,6 +443,8 @@ class Engine(Generation):
         if self.spec is not None:  # its held-back drafter context first: a turn entry shares its blocks
             self.spec.finishing(seq)
         self.kv.finish(seq, reason, self.cache)  # a turn entry from its slot, before the slot is released
+        if self.structured is not None:
+            self.structured.release(seq)
         self.scheduler.release(seq)
         self._seqs.pop(seq.request_id, None)
         if seq.text is not None and reason != "stop_string":

@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from .logprobs import MAX_LOGPROBS, StepLogprobs, step_logprobs
 from .penalties import apply_penalties, penalty_rows
+from .structured import Structure, apply_masks
 
 _MASK64 = (1 << 64) - 1
 # Below this a temperature divides bf16/fp32 logits into inf/nan (1e-40 gave garbage, not greedy); vLLM
@@ -53,6 +54,7 @@ class SamplingParams:
     logprobs: int | None = None  # each token's log probability and this many alternatives (logprobs.py)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit); a dict is accepted
     cache_salt: str | None = None  # prefix-cache entries are shared only among requests with the same salt
+    structured: Structure | None = None  # the reply held to a grammar (structured.py)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -103,6 +105,10 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {b!r}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= 256):
             raise ValueError(f"cache_salt must be a non-empty string of at most 256 characters, got {self.cache_salt!r:.40}")
+        if self.structured is not None:
+            if not isinstance(self.structured, Structure):
+                raise ValueError(f"structured must be a Structure, got {type(self.structured).__name__}")
+            self.structured.validate()
         if not isinstance(self.speculative, bool):
             raise ValueError(f"speculative must be true or false, got {self.speculative!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -134,8 +140,9 @@ class SamplingParams:
     @property
     def drafts(self) -> bool:
         """Whether this request may draft: it asked to, no penalty makes its distribution depend on the drafts
-        before each position, and it wants no logprobs (a verification scores drafts, not samples)."""
-        return self.speculative and not self.penalized and self.logprobs is None
+        before each position, it wants no logprobs (a verification scores drafts, not samples), and no grammar
+        masks its tokens."""
+        return self.speculative and not self.penalized and self.logprobs is None and self.structured is None
 
     @property
     def filtered(self) -> bool:
@@ -235,11 +242,15 @@ class SampledRows:
     logprobs: StepLogprobs | None  # the rows that asked for them
 
 
-def sample_rows(logits: mx.array, sampling, input_ids: mx.array, logits_rows: mx.array | None) -> SampledRows:
+def sample_rows(logits: mx.array, sampling, input_ids: mx.array, logits_rows: mx.array | None,
+                constraints=None) -> SampledRows:
     """A step's plain sampling rows (scheduler.ScheduledSeq, one per logits row [R, V]): penalties
-    (penalties.py), the sampler, and the logprobs of what it drew (logprobs.py), all lazily."""
+    (penalties.py), grammar masks (structured.Constraints, when given), the sampler, and the logprobs of what it
+    drew (logprobs.py), all lazily."""
     params = [s.seq.params for s in sampling]
-    penalized = apply_penalties(logits, penalty_rows(sampling, input_ids, logits_rows))
-    tokens, failed = sample_isolating(penalized, params, [s.seq.seed for s in sampling],
+    adjusted = apply_penalties(logits, penalty_rows(sampling, input_ids, logits_rows))
+    if constraints is not None:
+        adjusted = apply_masks(adjusted, constraints.masks(sampling))
+    tokens, failed = sample_isolating(adjusted, params, [s.seq.seed for s in sampling],
                                       [s.sample_index for s in sampling])
     return SampledRows(tokens, failed, step_logprobs(logits, tokens, params))

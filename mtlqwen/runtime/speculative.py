@@ -139,6 +139,7 @@ class Speculator:
         self.backlog = ContextBacklog(kv.block_tokens)  # context rows of plain decode steps, not written yet
         cache.drafter_cache = self.dcache  # ModelCache's declared field: copied and reset with the bundles
         self.taps = tuple(drafter.tap_layers)
+        self.constraints = None  # the engine's structured.Constraints: its grammar masks on the plain rows
         # spec_steps / plain_steps: engine steps with / without a verification; spec_verifications: one per
         # verifying sequence and step; plain_decodes: sequences that decoded one token without drafts
         # spec_pipelined_steps: all-verify steps launched while the previous verification was in flight
@@ -295,7 +296,7 @@ class Speculator:
         tokens, failed, logprobs = None, [], None
         if R:
             samp = batch.sampling
-            drawn = sample_rows(logits[:R], samp, batch.input_ids, batch.logits_rows)
+            drawn = sample_rows(logits[:R], samp, batch.input_ids, batch.logits_rows, self.constraints)
             tokens, logprobs = drawn.tokens, drawn.logprobs
             failed = [(samp[r].seq, e) for r, e in drawn.failed.items()]
         state = None
