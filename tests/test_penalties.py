@@ -126,10 +126,25 @@ def test_a_logit_bias_of_100_forces_its_token_and_minus_100_bans_it(model):
     assert not set(banned.token_ids) & set(plain.token_ids)
 
 
+def test_min_tokens_holds_back_eos_and_stop_ids(model):
+    """A bias makes EOS (508) the best token everywhere: the reply is EOS at once, or after min_tokens tokens;
+    a stop token id is held back the same way."""
+    prompt = random_token_ids(11, 512, seed=4)
+    eng = Engine(model, slots=3, step_tokens=16, block_tokens=16, num_blocks=16)
+    eos_first = SamplingParams(max_tokens=20, logit_bias={508: 100})
+    outs = eng.generate([prompt] * 3, [eos_first, SamplingParams(max_tokens=20, logit_bias={508: 100}, min_tokens=5),
+                                       SamplingParams(max_tokens=20, logit_bias={77: 100}, stop_token_ids=[77],
+                                                      min_tokens=3)])
+    assert outs[0].token_ids == [508]
+    assert len(outs[1].token_ids) == 6 and outs[1].token_ids[-1] == 508 and 508 not in outs[1].token_ids[:5]
+    assert len(outs[2].token_ids) == 4 and outs[2].token_ids[-1] == 77 and outs[2].finish_reason == "stop"
+
+
 @pytest.mark.parametrize("field, value", [("presence_penalty", 2.5), ("frequency_penalty", -2.1),
                                           ("repetition_penalty", 0), ("repetition_penalty", 101),
                                           ("presence_penalty", "1"), ("logit_bias", {5: 100.5}),
-                                          ("logit_bias", {-3: 1}), ("logit_bias", {i: 1 for i in range(1025)})])
+                                          ("logit_bias", {-3: 1}), ("logit_bias", {i: 1 for i in range(1025)}),
+                                          ("min_tokens", 300), ("min_tokens", -1)])
 def test_out_of_range_penalties_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})

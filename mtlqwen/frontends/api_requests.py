@@ -91,7 +91,7 @@ class StreamOptions(_Body):
 _REFUSED: dict[str, Callable[[Any], bool]] = {
     "functions": bool, "function_call": lambda v: v not in ("none", "auto"),
     "best_of": lambda v: v != 1,
-    "echo": bool, "suffix": bool, "min_tokens": lambda v: v != 0,
+    "echo": bool, "suffix": bool,
     "audio": lambda v: True,
 }
 _WHY = {"best_of": "replies are not ranked (send n for several)",
@@ -149,6 +149,7 @@ class _Request(_Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1  # choices of one prompt (choices.py)
+    min_tokens: Annotated[int, Field(ge=0)] = 0  # vLLM's: no EOS or stop token id before this many tokens
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # vLLM's: prefix-cache isolation
     # the reply's form (runtime/structured.py): OpenAI's response_format, or one of vLLM's guided_* fields
     response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None = None
@@ -162,7 +163,6 @@ class _Request(_Body):
     best_of: int | None = None
     echo: bool | None = None
     suffix: str | None = None
-    min_tokens: int | None = None
     audio: Any = None
 
     @model_validator(mode="after")
@@ -187,6 +187,7 @@ class _Request(_Body):
             frequency_penalty=pick(self.frequency_penalty, d.frequency_penalty),
             repetition_penalty=pick(self.repetition_penalty, d.repetition_penalty),
             logprobs=self.logprob_count(), logit_bias=self.token_bias(), cache_salt=self.cache_salt,
+            min_tokens=self.min_tokens,
         )
 
     def structure(self) -> tuple[str, str] | None:
@@ -383,7 +384,7 @@ class TokenizeText(_Body):
 
     model: str | None = None
     prompt: str
-    add_special_tokens: bool = True
+    add_special_tokens: bool = False  # as the completions route encodes a prompt
 
 
 class Detokenize(_Body):

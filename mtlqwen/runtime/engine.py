@@ -205,7 +205,7 @@ class Engine(Generation):
         # grammar-constrained requests' matchers (structured.py); the drafter's plain rows are masked too
         self.structured = Constraints(tokenizer, self.config.vocab_size, self.eos) if tokenizer is not None else None
         if self.spec is not None:
-            self.spec.constraints = self.structured
+            self.spec.constraints, self.spec.eos = self.structured, self.eos
         seed, group = cfg.seed, getattr(model, "group", None)
         if seed is None and group is not None:  # tensor parallel: every rank draws the same request seeds
             from ..model.distributed import agreed_seed  # noqa: PLC0415
@@ -351,7 +351,7 @@ class Engine(Generation):
             else:
                 logits = self.model.forward(plan_batch.input_ids, plan_batch.layout, cache, plan_batch.logits_rows)
             samp = plan_batch.sampling
-            drawn = sample_rows(logits, samp, plan_batch.input_ids, plan_batch.logits_rows, self.structured)
+            drawn = sample_rows(logits, samp, plan_batch.input_ids, plan_batch.logits_rows, self.structured, self.eos)
             tokens, logprobs = drawn.tokens, drawn.logprobs
             failed = [(samp[r].seq, e) for r, e in drawn.failed.items()]
         flight = _InFlight([s.seq for s in scheduled], plan_batch.sampling, tokens,

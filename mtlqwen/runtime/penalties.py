@@ -5,7 +5,8 @@ taken greedily), the logits of tokens the request has already produced are lower
   when positive, multiplied by r when not (r > 1 discourages it);
 - frequency_penalty f and presence_penalty p (in [-2, 2]; 0 = off): logit -= f * count + p * (count > 0),
   count = the token's occurrences in the reply so far.
-- logit_bias: a fixed amount (in [-100, 100]) added to given tokens' logits, as OpenAI's `logit_bias`.
+- logit_bias: a fixed amount (in [-100, 100]) added to given tokens' logits, as OpenAI's `logit_bias`;
+- min_tokens: EOS and the stop token ids are masked before that many tokens are generated (vLLM's).
 Repetition is applied first, then the other two, then the bias, then temperature and the filters
 (sampling.py).
 
@@ -37,11 +38,13 @@ class PenaltyRows:
     history: list[list[int]]  # the generated tokens the host knows, per row
     pending: mx.array | None  # [P] int32: the token the step in flight samples before this one, -1 where none
     prompt: list[tuple[int, ...]]  # distinct prompt tokens, per row (empty without a repetition penalty)
+    blocked: list[tuple[int, ...]] = ()  # tokens masked at this position, per row (min_tokens)
 
 
-def penalty_rows(sampling, input_ids: mx.array, logits_rows: mx.array | None) -> PenaltyRows | None:
+def penalty_rows(sampling, input_ids: mx.array, logits_rows: mx.array | None, eos=()) -> PenaltyRows | None:
     """The step's sampling sequences (scheduler.ScheduledSeq, one per logits row) -> their penalty inputs; None
-    when no row is penalised. input_ids / logits_rows: the packed step's (batch.PackedBatch)."""
+    when no row is penalised. input_ids / logits_rows: the packed step's (batch.PackedBatch); eos: the ids that
+    end a reply, held back by min_tokens."""
     rows = [r for r, s in enumerate(sampling) if s.seq.params.penalized]
     if not rows:
         return None
@@ -58,7 +61,10 @@ def penalty_rows(sampling, input_ids: mx.array, logits_rows: mx.array | None) ->
     if any(missing):
         at = logits_rows[mx.array(rows, dtype=mx.int32)]
         pending = mx.where(mx.array(missing, dtype=mx.bool_), input_ids[at], -1)
-    return PenaltyRows(rows, [sampling[r].seq.params for r in rows], history, pending, prompt)
+    params = [sampling[r].seq.params for r in rows]
+    blocked = [tuple(sorted({*eos, *p.stop_token_ids})) if sampling[r].sample_index < p.min_tokens else ()
+               for r, p in zip(rows, params)]
+    return PenaltyRows(rows, params, history, pending, prompt, blocked)
 
 
 def _counts(history: list[list[int]], pending: mx.array | None, V: int) -> mx.array:
@@ -98,6 +104,10 @@ def penalized(x: mx.array, pen: PenaltyRows) -> mx.array:
         bias = mx.zeros((P * V,), dtype=mx.float32).at[mx.array([i for i, _ in biased], dtype=mx.int32)].add(
             mx.array([b for _, b in biased], dtype=mx.float32))
         x = x + bias.reshape(P, V)
+    held = [r * V + t for r, ids in enumerate(pen.blocked) for t in ids if t < V]
+    if held:
+        hold = mx.zeros((P * V,), dtype=mx.float32).at[mx.array(held, dtype=mx.int32)].add(1.0)
+        x = mx.where(hold.reshape(P, V) > 0, -mx.inf, x)
     return x
 
 

@@ -55,6 +55,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit); a dict is accepted
     cache_salt: str | None = None  # prefix-cache entries are shared only among requests with the same salt
     structured: Structure | None = None  # the reply held to a grammar (structured.py)
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated (vLLM's)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -105,6 +106,8 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {b!r}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= 256):
             raise ValueError(f"cache_salt must be a non-empty string of at most 256 characters, got {self.cache_salt!r:.40}")
+        if not 0 <= num("min_tokens", (int,)) <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}")
         if self.structured is not None:
             if not isinstance(self.structured, Structure):
                 raise ValueError(f"structured must be a Structure, got {type(self.structured).__name__}")
@@ -133,9 +136,10 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether the request changes its logits before sampling: a penalty or a logit bias (penalties.py)."""
+        """Whether the request changes its logits before sampling: a penalty, a logit bias or min_tokens
+        (penalties.py)."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-                or bool(self.logit_bias))
+                or bool(self.logit_bias) or self.min_tokens > 0)
 
     @property
     def drafts(self) -> bool:
@@ -243,12 +247,12 @@ class SampledRows:
 
 
 def sample_rows(logits: mx.array, sampling, input_ids: mx.array, logits_rows: mx.array | None,
-                constraints=None) -> SampledRows:
+                constraints=None, eos=()) -> SampledRows:
     """A step's plain sampling rows (scheduler.ScheduledSeq, one per logits row [R, V]): penalties
-    (penalties.py), grammar masks (structured.Constraints, when given), the sampler, and the logprobs of what it
-    drew (logprobs.py), all lazily."""
+    (penalties.py; eos: the engine's end ids, which min_tokens holds back), grammar masks (structured.Constraints,
+    when given), the sampler, and the logprobs of what it drew (logprobs.py), all lazily."""
     params = [s.seq.params for s in sampling]
-    adjusted = apply_penalties(logits, penalty_rows(sampling, input_ids, logits_rows))
+    adjusted = apply_penalties(logits, penalty_rows(sampling, input_ids, logits_rows, eos))
     if constraints is not None:
         adjusted = apply_masks(adjusted, constraints.masks(sampling))
     tokens, failed = sample_isolating(adjusted, params, [s.seq.seed for s in sampling],

@@ -140,6 +140,7 @@ class Speculator:
         cache.drafter_cache = self.dcache  # ModelCache's declared field: copied and reset with the bundles
         self.taps = tuple(drafter.tap_layers)
         self.constraints = None  # the engine's structured.Constraints: its grammar masks on the plain rows
+        self.eos: set[int] = set()  # the engine's end ids (min_tokens holds them back on the plain rows)
         # spec_steps / plain_steps: engine steps with / without a verification; spec_verifications: one per
         # verifying sequence and step; plain_decodes: sequences that decoded one token without drafts
         # spec_pipelined_steps: all-verify steps launched while the previous verification was in flight
@@ -296,7 +297,7 @@ class Speculator:
         tokens, failed, logprobs = None, [], None
         if R:
             samp = batch.sampling
-            drawn = sample_rows(logits[:R], samp, batch.input_ids, batch.logits_rows, self.constraints)
+            drawn = sample_rows(logits[:R], samp, batch.input_ids, batch.logits_rows, self.constraints, self.eos)
             tokens, logprobs = drawn.tokens, drawn.logprobs
             failed = [(samp[r].seq, e) for r, e in drawn.failed.items()]
         state = None
