@@ -12,7 +12,7 @@ from dflash_checkpoints import write_tiny_drafter
 from engine_checks import close, ref_logits, run_preempting
 from hf_checkpoints import random_token_ids
 from mtlqwen.model.dflash import load_drafter
-from mtlqwen.runtime import Engine, SamplingParams
+from mtlqwen.runtime import Engine, SamplingParams, logprobs
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -80,3 +80,23 @@ def test_a_request_asking_for_logprobs_never_drafts(ckpt, model, tmp_path):
 def test_logprobs_out_of_range_are_refused(value):
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=value)
+
+
+def test_prompt_logprobs_are_the_model_alone_and_the_engine_is_untouched(model, monkeypatch):
+    """A 300-token prompt (past a 256-row head chunk and 128-token blocks): each token's logprob given the ones
+    before it, the first None; the request's reply and the pool are as without it."""
+    prompt = random_token_ids(300, 512, seed=11)
+    eng = Engine(model, slots=2, step_tokens=64, block_tokens=16, num_blocks=40)
+    out, plain = eng.generate([prompt, prompt], [SamplingParams(max_tokens=4, prompt_logprobs=2),
+                                                 SamplingParams(max_tokens=4)])
+    assert out.token_ids == plain.token_ids and plain.prompt_logprobs is None
+    lps = out.prompt_logprobs
+    assert len(lps) == 300 and lps[0] is None and [lp.token for lp in lps[1:]] == prompt[1:]
+    rows = ref_logits(model, prompt)
+    for p in range(1, 300):
+        want = log_softmax(rows[p - 1])
+        assert close(lps[p].logprob, want[prompt[p]]) and close([v for _, v in lps[p].top], np.sort(want)[::-1][:2])
+    monkeypatch.setattr(logprobs, "MAX_PROMPT_LOGPROB_TOKENS", 299)  # one pass outside the pool: bounded
+    with pytest.raises(ValueError, match="prompt logprobs .* at most 299 tokens, got 300"):
+        eng.submit(prompt, SamplingParams(prompt_logprobs=0))
+    assert not eng.has_work()

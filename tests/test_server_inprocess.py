@@ -320,3 +320,31 @@ def test_structured_replies_through_every_field(ckpt):
                ({"guided_regex": "a", "guided_choice": ["b"], "prompt": "x"}, "guided_choice")]
         for body, param in bad:
             assert error_of(c.post("/v1/completions", json=body), 400)["param"] == param
+
+
+def test_echo_with_the_prompts_logprobs_as_lm_eval_asks(ckpt):
+    """lm-eval's loglikelihood request: token-id prompt, echo, logprobs 1, one token. The prompt's logprobs are
+    the engine's, the first null; the text is prompt + completion; streamed alike."""
+    from mtlqwen.runtime import Engine, SamplingParams
+    from mtlqwen.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(ckpt)
+    prompt = tok.encode("The capital of France is Paris")
+    want = Engine(str(ckpt), tokenizer=tok, slots=1, num_blocks=32, block_tokens=16).generate(
+        [prompt], SamplingParams(max_tokens=1, logprobs=1, prompt_logprobs=1))[0]
+    body = {"prompt": prompt, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0}
+    with TestClient(app_for(ckpt)) as c:
+        wait_ok(c)
+        ch = c.post("/v1/completions", json=body).json()["choices"][0]
+        assert ch["text"] == tok.decode(prompt) + want.text
+        lp = ch["logprobs"]
+        assert lp["token_logprobs"] == [None] + [x.logprob for x in want.prompt_logprobs[1:]] + [want.logprobs[0].logprob]
+        assert lp["top_logprobs"][0] is None and len(lp["tokens"]) == len(prompt) + 1
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+            events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+        assert "".join(e["choices"][0]["text"] for e in events) == ch["text"]
+        assert [v for e in events if e["choices"][0]["logprobs"] for v in e["choices"][0]["logprobs"]["token_logprobs"]] \
+            == lp["token_logprobs"]
+        plain = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, "echo": True}).json()["choices"][0]
+        assert plain["text"].startswith("abc") and plain["logprobs"] is None

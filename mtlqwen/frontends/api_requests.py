@@ -3,7 +3,7 @@
 A body is validated straight from its bytes by pydantic's JSON parser, strictly: malformed JSON,
 nesting past the parser's depth limit, lone surrogates, NaN / Infinity and a wrong type anywhere are
 each a 400 naming the field. Sampling ranges are SamplingParams' own (its constants, not restated
-numbers). A field the engine cannot honour (best_of, echo, audio...) is refused rather than
+numbers). A field the engine cannot honour (best_of, suffix, audio...) is refused rather than
 silently ignored; harmless unknown fields (user, metadata, store...) are ignored and never reach the
 chat template. `tools` go to the chat template, and the reply's calls are read back (tool_calls.py)
 unless `tool_choice` is "none"; "required" or a named function opens the call in the prompt.
@@ -63,6 +63,7 @@ class ParsedRequest:
     forced_call: str | None = None  # tool_choice "required" -> "" (any tool), a named function -> its name
     n: int = 1  # choices
     structure: tuple[str, str] | None = None  # the reply's form: (format, text), runtime/structured.py
+    echo: bool = False  # completions: the prompt comes back before the completion
 
 
 def _temperature(t: float) -> float:
@@ -91,7 +92,7 @@ class StreamOptions(_Body):
 _REFUSED: dict[str, Callable[[Any], bool]] = {
     "functions": bool, "function_call": lambda v: v not in ("none", "auto"),
     "best_of": lambda v: v != 1,
-    "echo": bool, "suffix": bool,
+    "suffix": bool,
     "audio": lambda v: True,
 }
 _WHY = {"best_of": "replies are not ranked (send n for several)",
@@ -161,7 +162,6 @@ class _Request(_Body):
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     best_of: int | None = None
-    echo: bool | None = None
     suffix: str | None = None
     audio: Any = None
 
@@ -365,6 +365,13 @@ class ChatRequest(_Request):
 class CompletionRequest(_Request):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     logprobs: LogprobCount | None = None  # the legacy API's: alternatives a token reports
+    echo: bool = False  # the prompt before the completion, in `text` and (with logprobs) in `logprobs`
+
+    def sampling(self, d: Defaults) -> dict[str, Any]:
+        s = super().sampling(d)
+        if self.echo and self.logprobs is not None:  # the prompt's own logprobs (lm-eval's loglikelihood asks)
+            s["prompt_logprobs"] = self.logprobs
+        return s
 
     def logprob_count(self) -> int | None:
         return self.logprobs
@@ -471,4 +478,4 @@ def parse_completion(raw: bytes, d: Defaults) -> ParsedRequest:
         raise APIError("'prompt' must be a non-empty string or a list of token ids", 400, "prompt")
     stream, usage = req.stream_flags()
     return ParsedRequest("completion", req.model, stream, usage, req.sampling(d), prompt=prompt, n=req.n,
-                         structure=req.structure())
+                         structure=req.structure(), echo=req.echo)

@@ -26,6 +26,24 @@ class LogprobFormat:
         return {"content": [{**self._entry(lp.token, lp.logprob), "top_logprobs": [self._entry(t, v) for t, v in lp.top]}
                             for lp in lps if lp is not None]}
 
+    def echoed(self, ids: list[int], lps: list | None) -> dict:
+        """The completions `logprobs` of an echoed prompt: every prompt token, the first (and every one when the
+        prompt's logprobs were not computed) with null logprob and alternatives."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for i, t in enumerate(ids):
+            lp = lps[i] if lps else None
+            text = self.text(t)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp.logprob if lp else None)
+            out["top_logprobs"].append({self.text(a): v for a, v in reversed(lp.top)} if lp else None)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+    @staticmethod
+    def joined(a: dict, b: dict) -> dict:
+        return {k: a[k] + b[k] for k in a}
+
     def completion(self, lps: list) -> dict:
         """TokenLogprobs -> the completions `logprobs` object; text offsets continue from the previous call's."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}

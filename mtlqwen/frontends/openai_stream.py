@@ -9,12 +9,21 @@ every choice comes in one last chunk once all have finished.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from . import api_responses as oa
 from .logprob_format import LogprobFormat
 from .reasoning import ReasoningSplitter
 from .sse import sse, usage_of
 from .tool_calls import ToolCallReader, finish_reason, new_call_id
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completion's prompt, sent back before its completion (`echo`)."""
+
+    text: str
+    ids: list[int]
 
 
 class _Choice:
@@ -26,6 +35,7 @@ class _Choice:
         self.sent_calls = 0
         self.logprobs = LogprobFormat(tokenizer) if tokenizer is not None else None
         self.output = None
+        self.echoed = False
 
 
 def combined_usage(outputs: list) -> dict:
@@ -44,9 +54,10 @@ class Formatter:
         return sse(err.body())
 
     def __init__(self, kind: str, rid: str, model: str, in_reasoning: bool, include_usage: bool,
-                 tools: ToolCallReader | None = None, logprob_tokenizer=None, n: int = 1):
-        """logprob_tokenizer: the tokenizer, when the request asked for logprobs."""
-        self.kind, self.rid, self.model, self.include_usage = kind, rid, model, include_usage
+                 tools: ToolCallReader | None = None, logprob_tokenizer=None, n: int = 1, echo: Echo | None = None):
+        """logprob_tokenizer: the tokenizer, when the request asked for logprobs; echo: a completion's prompt,
+        sent as each choice's first chunk (with its logprobs, which come on the choice's first delta)."""
+        self.kind, self.rid, self.model, self.include_usage, self.echo = kind, rid, model, include_usage, echo
         self.created = int(time.time())
         self.choices = [_Choice(kind, in_reasoning, tools, logprob_tokenizer) for _ in range(n)]
 
@@ -91,11 +102,18 @@ class Formatter:
                 c, calls = ch.calls.feed(c)
                 if d.finished:
                     c += ch.calls.finish()
+        head = []
+        if self.echo is not None and not ch.echoed:  # first: the prompt, and its logprobs' text offsets
+            ch.echoed = True
+            head = [self._chunk(i, self.echo.text)]
+            if ch.logprobs is not None:
+                head[0]["choices"][0]["logprobs"] = ch.logprobs.echoed(self.echo.ids, d.prompt_logprobs)
         out = self._text(i, ch, r, c, reason, calls)
         if ch.logprobs is not None and d.logprobs:
             lp = ch.logprobs.chat(d.logprobs) if self.kind == "chat" else ch.logprobs.completion(d.logprobs)
             out = out or [self._chunk(i, {} if self.kind == "chat" else "")]
             out[0]["choices"][0]["logprobs"] = lp
+        out = head + out
         if d.finished:
             ch.output = d.output
             outputs = [c.output for c in self.choices]

@@ -23,7 +23,8 @@ from .reasoning import CLOSE, prompt_opens_thinking
 from .tool_calls import forced_opening
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop", "stop_token_ids",
-                   "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "logit_bias", "cache_salt", "min_tokens")
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "logit_bias", "cache_salt", "min_tokens",
+                   "prompt_logprobs")
 
 
 class Prompt(NamedTuple):

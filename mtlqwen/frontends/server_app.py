@@ -28,7 +28,7 @@ from .choices import Choices, choice_ids
 from .engine_loop import EngineLoop
 from .logprob_format import LogprobFormat
 from .messages_reply import MessagesFormatter, new_message_id
-from .openai_stream import Formatter, combined_usage
+from .openai_stream import Echo, Formatter, combined_usage
 from .reasoning import split_reasoning
 from .request_body import read_body
 from .server_state import ServerConfig, ServerState, error_response, refusals, state
@@ -65,26 +65,32 @@ async def generate(request: Request, kind: str) -> Response:
     tools = ToolCallReader.for_request(req, opened)
     name = st.cfg.model_name
     lp_tok = st.loop.tokenizer if params.logprobs is not None else None
+    echo = Echo(req.prompt if isinstance(req.prompt, str) else st.loop.tokenizer.decode(ids), ids) if req.echo else None
     if req.stream:
         fmt = (MessagesFormatter(rid, name, len(ids), in_reasoning, tools) if kind == "messages"
-               else Formatter(kind, rid, name, in_reasoning, req.include_usage, tools, lp_tok, req.n))
+               else Formatter(kind, rid, name, in_reasoning, req.include_usage, tools, lp_tok, req.n, echo))
         return SSEResponse(choices, fmt)
     return await collect(request, choices, kind,
-                         lambda outs: reply_body(kind, rid, name, outs, in_reasoning, tools, lp_tok))
+                         lambda outs: reply_body(kind, rid, name, outs, in_reasoning, tools, lp_tok, echo))
 
 
 def reply_body(kind: str, rid: str, name: str, outs: list, in_reasoning: bool, tools: ToolCallReader | None,
-               lp_tok=None) -> dict:
+               lp_tok=None, echo: Echo | None = None) -> dict:
     """A finished request's whole answer in its API's shape; outs: each choice's Output. lp_tok: the
-    tokenizer, when the request asked for logprobs."""
+    tokenizer, when the request asked for logprobs; echo: a completion's prompt, to come back before it."""
     if kind == "messages":
         return messages_reply.message(rid, name, outs[0], in_reasoning, tools)
     bodies = []
     for out in outs:
         lpf = LogprobFormat(lp_tok) if lp_tok is not None else None
         if kind == "completion":
-            lp = lpf.completion(out.logprobs) if lpf is not None else None
-            bodies.append(oa.completion(rid, name, out.text, out.finish_reason, usage_of(out), lp))
+            lp = None
+            if lpf is not None:
+                head = lpf.echoed(echo.ids, out.prompt_logprobs) if echo else None
+                lp = lpf.completion(out.logprobs)
+                lp = LogprobFormat.joined(head, lp) if head else lp
+            text = (echo.text if echo else "") + out.text
+            bodies.append(oa.completion(rid, name, text, out.finish_reason, usage_of(out), lp))
             continue
         reasoning, content = split_reasoning(out.text, in_reasoning)
         calls = []

@@ -31,7 +31,7 @@ from .memory import plan_memory
 from .outputs import Delta, Output, TextState
 from .kv_manager import KVManager, StepSnapshots
 from .prefix_cache import model_identity
-from .logprobs import StepLogprobs
+from .logprobs import StepLogprobs, prompt_logprobs
 from .sampling import SamplingParams, sample_rows
 from .structured import Constraints
 from .scheduler import ScheduledSeq, Scheduler, StepPlan
@@ -237,8 +237,11 @@ class Engine(Generation):
             if self.structured is None:
                 raise ValueError("structured outputs need a tokenizer: Engine(tokenizer=...)")
             self.structured.check(params.structured)
+        prompt_lps = prompt_logprobs(self.model, ids, params.prompt_logprobs) \
+            if params.prompt_logprobs is not None else None  # before the request exists: a failure is its alone
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(request_id, ids, params, seed)
+        seq.prompt_logprobs = prompt_lps
         if params.structured is not None:
             self.structured.admit(seq)
         if self.tokenizer is not None:
@@ -403,7 +406,7 @@ class Engine(Generation):
                 deltas.append(self._finish(seq, done[seq], toks, now))
             else:
                 deltas.append(Delta(seq.request_id, toks, seq.text.delta(False) if seq.text else "",
-                                    logprobs=self._logprobs(seq, len(toks))))
+                                    logprobs=self._logprobs(seq, len(toks)), prompt_logprobs=self._first(seq)))
         for seq, msg in failed.items():
             if seq.status is not SeqStatus.FINISHED:
                 deltas.append(self._finish(seq, "error", new.get(seq, []), now, msg))
@@ -459,9 +462,16 @@ class Engine(Generation):
             seq.request_id, seq.prompt_len, list(seq.generated), seq.text.text if seq.text else "", reason, error,
             (seq.first_token_time - seq.arrival_time) if seq.first_token_time else None,
             now - seq.arrival_time, seq.num_preemptions, seq.cached_tokens, stop_reason,
-            list(seq.logprobs) if seq.params.logprobs is not None else None,
+            list(seq.logprobs) if seq.params.logprobs is not None else None, seq.prompt_logprobs,
         )
-        return Delta(seq.request_id, toks, text, True, reason, error, out, self._logprobs(seq, len(toks)))
+        return Delta(seq.request_id, toks, text, True, reason, error, out, self._logprobs(seq, len(toks)),
+                     self._first(seq))
+
+    @staticmethod
+    def _first(seq: Sequence) -> list | None:
+        """The prompt's logprobs, on the sequence's first delta only."""
+        first, seq.delivered = not seq.delivered, True
+        return seq.prompt_logprobs if first else None
 
     @staticmethod
     def _logprobs(seq: Sequence, n: int) -> list | None:

@@ -39,7 +39,7 @@ class StepLogprobs:
         return [a for a in (self.chosen, self.top_ids, self.top_lp) if a is not None]
 
     def read(self, tokens: list[int]) -> dict[int, TokenLogprob]:
-        """The host copies (the step's read-back): sampling row -> its token's logprob."""
+        """The host copies (the step's read-back): sampling row -> its token's logprob (tokens: by row)."""
         chosen = self.chosen.tolist()
         ids = self.top_ids.tolist() if self.top_ids is not None else None
         lps = self.top_lp.tolist() if self.top_lp is not None else None
@@ -70,3 +70,40 @@ def step_logprobs(logits: mx.array, tokens: mx.array, params) -> StepLogprobs | 
         top_ids = mx.take_along_axis(part, order, axis=-1).astype(mx.int32)
         top_lp = mx.take_along_axis(vals, order, axis=-1)
     return StepLogprobs(rows, ks, chosen, top_ids, top_lp)
+
+
+MAX_PROMPT_LOGPROB_TOKENS = 16384  # prompt logprobs run the prompt in one pass, outside the engine's pool
+_CHUNK = 256  # rows through the LM head at a time: [rows, vocab] fp32 stays small
+
+
+def prompt_logprobs(model, ids: list[int], k: int) -> list[TokenLogprob | None]:
+    """Each prompt token's log probability given the tokens before it (None for the first), with k alternatives:
+    the prompt run once through the model from an empty state, in a cache of its own (the engine's pool and
+    prefix cache are untouched), its LM head applied a chunk of rows at a time."""
+    from ..kernels import SeqLayout  # noqa: PLC0415
+
+    T = len(ids)
+    if T > MAX_PROMPT_LOGPROB_TOKENS:
+        raise ValueError(f"prompt logprobs are computed for prompts of at most {MAX_PROMPT_LOGPROB_TOKENS} tokens, "
+                         f"got {T}")
+    bt = 128
+    nb = -(-T // bt)
+    cache = model.make_cache(num_blocks=nb, num_slots=1, block_tokens=bt)
+    h = model.hidden(mx.array(ids, dtype=mx.int32), SeqLayout([0, T], [0], [list(range(nb))], [0], bt), cache)
+    mx.eval(h)
+    out: list[TokenLogprob | None] = [None]
+    for s in range(0, T - 1, _CHUNK):
+        e = min(T - 1, s + _CHUNK)
+        nxt = mx.array(ids[s + 1:e + 1], dtype=mx.int32)
+        step = step_logprobs(model.head(h[s:e]), nxt, [_Asks(k)] * (e - s))
+        mx.eval(*step.arrays())
+        read = step.read(ids[s + 1:e + 1])
+        out += [read[r] for r in range(e - s)]
+    return out
+
+
+@dataclass(frozen=True)
+class _Asks:
+    """What step_logprobs reads of a row's SamplingParams."""
+
+    logprobs: int

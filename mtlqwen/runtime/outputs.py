@@ -25,6 +25,7 @@ class Output:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
     stop_reason: str | int | None = None  # what stopped it, when not EOS: the stop string, or the stop token id
     logprobs: list | None = None  # logprobs.TokenLogprob per generated token, when SamplingParams.logprobs is set
+    prompt_logprobs: list | None = None  # per prompt token (None first), when SamplingParams.prompt_logprobs is set
 
     @property
     def completion_tokens(self) -> int:
@@ -43,6 +44,7 @@ class Delta:
     error: str | None = None
     output: Output | None = None
     logprobs: list | None = None  # the new tokens' logprobs.TokenLogprob, when the request asked for them
+    prompt_logprobs: list | None = None  # on a request's first delta: its prompt's (SamplingParams.prompt_logprobs)
 
 
 class TextState:

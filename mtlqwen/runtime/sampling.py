@@ -56,6 +56,7 @@ class SamplingParams:
     cache_salt: str | None = None  # prefix-cache entries are shared only among requests with the same salt
     structured: Structure | None = None  # the reply held to a grammar (structured.py)
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated (vLLM's)
+    prompt_logprobs: int | None = None  # each prompt token's logprob and this many alternatives (logprobs.py)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -106,6 +107,8 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {b!r}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= 256):
             raise ValueError(f"cache_salt must be a non-empty string of at most 256 characters, got {self.cache_salt!r:.40}")
+        if self.prompt_logprobs is not None and not 0 <= num("prompt_logprobs", (int,)) <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be None (off) or in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if not 0 <= num("min_tokens", (int,)) <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}")
         if self.structured is not None:

@@ -52,6 +52,8 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache at the latest admission
     _prompt_vocab: tuple[int, ...] | None = field(default=None, repr=False)  # prompt_vocab()'s memo
     logprobs: list = field(default_factory=list)  # logprobs.TokenLogprob per generated token (params.logprobs set)
+    prompt_logprobs: list | None = None  # per prompt token, computed at submit (params.prompt_logprobs set)
+    delivered: bool = False  # a delta was sent (the first one carries prompt_logprobs)
 
     def __post_init__(self):
         if not self.prompt_len:
