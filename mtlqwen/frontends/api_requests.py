@@ -1,4 +1,5 @@
-"""OpenAI request bodies for /v1/chat/completions and /v1/completions, declared as pydantic models.
+"""OpenAI request bodies for /v1/chat/completions and /v1/completions, declared as pydantic models (their
+parts: api_fields.py).
 
 A body is validated straight from its bytes by pydantic's JSON parser, strictly: malformed JSON,
 nesting past the parser's depth limit, lone surrogates, NaN / Infinity and a wrong type anywhere are
@@ -15,18 +16,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Callable, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import Field, field_validator, model_validator
 
-from ..runtime.logprobs import MAX_LOGPROBS
-from ..runtime.sampling import MAX_LOGIT_BIAS_ENTRIES, MAX_TOP_K, MIN_TEMPERATURE
+from ..runtime.sampling import MAX_LOGIT_BIAS_ENTRIES, MAX_TOP_K
 from ..runtime.structured import Structure
+from .api_fields import (MAX_CHOICES, MAX_STOP, MAX_TOOLS, Fraction, JsonObjectFormat, JsonSchemaFormat, LogprobCount,
+                         Message, NamedToolChoice, Positive, Probability, StopString, StreamOptions, StrictBody,
+                         Temperature, TextFormat, TokenId, ToolDef, validate_body)
 from .api_responses import APIError, not_supported
 
-MAX_STOP = 16  # stop strings per request: each one is searched for in the text at every step
-MAX_STOP_CHARS = 256
-MAX_TOOLS = 128
-MAX_CHOICES = 16  # `n`: each choice is an engine request
 # Template variables a request may not set: the renderer's own arguments.
 RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "tokenize", "tools", "documents",
                                     "continue_final_message", "return_dict"})
@@ -64,28 +62,11 @@ class ParsedRequest:
     n: int = 1  # choices
     structure: tuple[str, str] | None = None  # the reply's form: (format, text), runtime/structured.py
     echo: bool = False  # completions: the prompt comes back before the completion
+    source: Any = None  # the API's own request, for replies that echo its settings (Responses)
 
 
-def _temperature(t: float) -> float:
-    if t != 0 and t < MIN_TEMPERATURE:
-        raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}")
-    return t
 
 
-Temperature = Annotated[float, Field(ge=0), AfterValidator(_temperature)]
-Probability = Annotated[float, Field(gt=0, le=1)]
-Fraction = Annotated[float, Field(ge=0, le=1)]
-TokenId = Annotated[int, Field(ge=0, le=MAX_TOP_K)]
-Positive = Annotated[int, Field(ge=1)]
-StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
-
-class StreamOptions(_Body):
-    include_usage: bool = False
 
 
 # Fields whose non-default value the engine cannot honour -> 400 (value -> True when it must be refused).
@@ -99,36 +80,7 @@ _WHY = {"best_of": "replies are not ranked (send n for several)",
         "functions": "send them as 'tools'", "function_call": "send 'tools' and 'tool_choice'"}
 
 
-class NamedFunction(_Body):
-    name: str
-
-
-class NamedToolChoice(_Body):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class TextFormat(_Body):
-    type: Literal["text"]
-
-
-class JsonObjectFormat(_Body):
-    type: Literal["json_object"]
-
-
-class JsonSchemaSpec(_Body):
-    name: str | None = None
-    description: str | None = None
-    schema_: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None  # the schema is always enforced
-
-
-class JsonSchemaFormat(_Body):
-    type: Literal["json_schema"]
-    json_schema: JsonSchemaSpec
-
-
-class _Request(_Body):
+class _Request(StrictBody):
     """What both endpoints share: the model name, sampling, stopping, streaming, refused features."""
 
     model: str | None = None
@@ -236,86 +188,6 @@ class _Request(_Body):
         return stream, stream and self.stream_options is not None and self.stream_options.include_usage
 
 
-class TextPart(_Body):
-    type: str
-    text: str | None = None
-
-    @model_validator(mode="after")
-    def _text_only(self):
-        if self.type != "text" or self.text is None:
-            raise PydanticCustomError("not_supported", "only text content parts are accepted, got '{kind}'",
-                                      {"kind": self.type})
-        return self
-
-
-class FunctionCall(_Body):
-    """A past call in the history. OpenAI sends `arguments` as a JSON object's text; chat templates iterate
-    it as a mapping (Qwen3.5 writes one line per argument), so it is parsed here."""
-
-    name: str
-    arguments: str | dict[str, Any]
-
-    @model_validator(mode="after")
-    def _parsed(self):
-        if isinstance(self.arguments, str):
-            try:
-                value = json.loads(self.arguments) if self.arguments.strip() else {}
-            except ValueError:
-                value = None
-            if not isinstance(value, dict):
-                raise ValueError("'arguments' must be the text of a JSON object")
-            self.arguments = value
-        return self
-
-
-class ToolCall(_Body):
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class Message(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    reasoning_content: str | None = None
-    reasoning: str | None = None  # other clients' names for reasoning_content
-    thinking: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-
-    def for_template(self) -> dict:
-        """The plain dict a chat template reads: text parts joined, `developer` as `system`."""
-        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
-        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
-        reasoning = next((r for r in (self.reasoning_content, self.reasoning, self.thinking) if r is not None), None)
-        if reasoning is not None:
-            out["reasoning_content"] = reasoning
-        if self.tool_calls:
-            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        return out
-
-
-ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
-
-
-class FunctionDef(_Body):
-    name: ToolName
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema: shown to the model, and types XML arguments
-    strict: bool | None = None  # accepted for OpenAI clients that always send it; decoding is not constrained
-
-
-class ToolDef(_Body):
-    type: Literal["function"]
-    function: FunctionDef
-
-
-LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
-
-
 class ChatRequest(_Request):
     messages: Annotated[list[Message], Field(min_length=1)]
     logprobs: bool = False
@@ -384,65 +256,6 @@ class CompletionRequest(_Request):
         if self.tool_choice not in (None, "none", "auto"):
             raise not_supported("tool_choice", "tools are read on /v1/chat/completions")
         return self
-
-
-class TokenizeText(_Body):
-    """vLLM's /tokenize of a raw prompt (a chat's messages go through parse_chat instead)."""
-
-    model: str | None = None
-    prompt: str
-    add_special_tokens: bool = False  # as the completions route encodes a prompt
-
-
-class Detokenize(_Body):
-    model: str | None = None
-    tokens: list[TokenId]
-
-
-# ---- bytes -> ParsedRequest
-
-_UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
-
-
-def _param(loc: tuple) -> str:
-    """('messages', 0, 'content', 'list[TextPart]', 0) -> 'messages[0].content[0]' (union tags dropped)."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part in _UNION_TAGS or "[" in part or "-" in part or part[:1].isupper():  # a union member's tag
-            continue
-        else:
-            out += f".{part}" if out else part
-    return out
-
-
-def _api_error(e: ValidationError) -> APIError:
-    errs = e.errors(include_url=False)
-    first = errs[0]
-    if first["type"] == "json_invalid":
-        return APIError(f"the request body is not valid JSON: {first['msg'].removeprefix('Invalid JSON: ')}")
-    if first["type"] in ("model_type", "model_attributes_type") and not first["loc"]:
-        return APIError("the request body must be a JSON object")
-    deepest = max(errs, key=lambda x: len(x["loc"]))
-    param = _param(deepest["loc"])
-    msgs = list(dict.fromkeys(x["msg"].removeprefix("Value error, ") for x in errs if _param(x["loc"]) == param))
-    if deepest["type"] == "missing":
-        return APIError(f"'{param}' is required", 400, param)
-    got = deepest.get("input")
-    shown = "" if isinstance(got, (dict, type(None))) else f", got {got!r:.60}"
-    code = "not_supported" if deepest["type"] == "not_supported" else None
-    return APIError(f"'{param}': {' or '.join(msgs)}{shown}", 400, param, code)
-
-
-def validate_body(model: type[BaseModel], raw: bytes) -> Any:
-    """A body validated strictly from its bytes; every failure an APIError naming the field."""
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as e:
-        raise _api_error(e) from None
-    except RecursionError:  # the parser has its own depth limit; this is the backstop
-        raise APIError("the request body is nested too deeply") from None
 
 
 def parse_chat(raw: bytes, d: Defaults, template_defaults: dict, allowed_templates: Callable[[str], bool]) -> ParsedRequest:

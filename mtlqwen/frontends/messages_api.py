@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .api_requests import (MAX_STOP, MAX_TOOLS, Defaults, ParsedRequest, Positive, Probability, StopString, Temperature,
-                           ToolName, parse_chat, validate_body)
+from .api_fields import MAX_STOP, MAX_TOOLS, Positive, Probability, StopString, Temperature, ToolName, validate_body
+from .api_requests import Defaults, ParsedRequest, parse_chat
 from .api_responses import APIError, not_supported
 
 ANTHROPIC_ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

@@ -23,13 +23,14 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from . import api_responses as oa
-from . import messages_reply
+from . import messages_reply, responses_reply
 from .choices import Choices, choice_ids
 from .engine_loop import EngineLoop
 from .logprob_format import LogprobFormat
 from .messages_reply import MessagesFormatter, new_message_id
 from .openai_stream import Echo, Formatter, combined_usage
 from .reasoning import split_reasoning
+from .responses_reply import ResponsesFormatter, ResponseShell, new_response_id
 from .request_body import read_body
 from .server_state import ServerConfig, ServerState, error_response, refusals, state
 from .sse import SSEResponse, disconnected, failure, next_or_gone, usage_of
@@ -52,7 +53,7 @@ async def generate(request: Request, kind: str) -> Response:
     ids, in_reasoning, opened = await run_in_threadpool(st.prompts.prompt_ids, req)
     params = st.prompts.sampling_params(req, len(ids), in_reasoning)
     st.check_capacity(req.n)
-    rid = new_message_id() if kind == "messages" else oa.new_id(kind)
+    rid = {"messages": new_message_id, "responses": new_response_id}.get(kind, lambda: oa.new_id(kind))()
     choices = Choices([st.loop.submit(r, ids, params if i == 0 or params.seed is None
                                       else replace(params, seed=params.seed + i))
                        for i, r in enumerate(choice_ids(rid, req.n))])
@@ -66,10 +67,17 @@ async def generate(request: Request, kind: str) -> Response:
     name = st.cfg.model_name
     lp_tok = st.loop.tokenizer if params.logprobs is not None else None
     echo = Echo(req.prompt if isinstance(req.prompt, str) else st.loop.tokenizer.decode(ids), ids) if req.echo else None
+    shell = ResponseShell(rid, name, req.source) if kind == "responses" else None
     if req.stream:
-        fmt = (MessagesFormatter(rid, name, len(ids), in_reasoning, tools) if kind == "messages"
-               else Formatter(kind, rid, name, in_reasoning, req.include_usage, tools, lp_tok, req.n, echo))
+        if kind == "messages":
+            fmt = MessagesFormatter(rid, name, len(ids), in_reasoning, tools)
+        elif kind == "responses":
+            fmt = ResponsesFormatter(shell, in_reasoning, tools)
+        else:
+            fmt = Formatter(kind, rid, name, in_reasoning, req.include_usage, tools, lp_tok, req.n, echo)
         return SSEResponse(choices, fmt)
+    if kind == "responses":
+        return await collect(request, choices, kind, lambda outs: responses_reply.response(shell, outs[0], in_reasoning, tools))
     return await collect(request, choices, kind,
                          lambda outs: reply_body(kind, rid, name, outs, in_reasoning, tools, lp_tok, echo))
 
@@ -133,6 +141,10 @@ async def completions(request: Request) -> Response:
     return await refusals(state(request), generate(request, "completion"))
 
 
+async def responses(request: Request) -> Response:
+    return await refusals(state(request), generate(request, "responses"))
+
+
 async def messages(request: Request) -> Response:
     return await refusals(state(request), generate(request, "messages"), "messages")
 
@@ -184,6 +196,7 @@ ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/messages", messages, methods=["POST"]),
+    Route("/v1/responses", responses, methods=["POST"]),
     Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),

@@ -17,6 +17,7 @@ from .engine_loop import EngineLoop
 from .messages_api import error_body as messages_error
 from .messages_api import parse_messages
 from .prompt_limits import PromptBuilder
+from .responses_api import parse_responses
 from .request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait: a slot frees as soon as any request ends
@@ -73,6 +74,10 @@ class ServerState:
             return parse_chat(raw, self.cfg.defaults, self.cfg.template_defaults, self.prompts.template_allowed)
         if kind in ("messages", "count_tokens"):
             return parse_messages(raw, self.cfg.defaults, self.cfg.template_defaults, kind == "count_tokens")
+        if kind == "responses":
+            parsed, source = parse_responses(raw, self.cfg.defaults, self.cfg.template_defaults)
+            parsed.source = source
+            return parsed
         return parse_completion(raw, self.cfg.defaults)
 
     def check_capacity(self, n: int = 1) -> None:

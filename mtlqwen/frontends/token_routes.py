@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from . import api_responses as oa
-from .api_requests import Detokenize, TokenizeText, validate_body
+from .api_fields import Detokenize, TokenizeText, validate_body
 from .request_body import read_body
 from .server_state import refusals, state
 
