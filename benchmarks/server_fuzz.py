@@ -100,6 +100,27 @@ def messages_body(rng: random.Random) -> dict:
     return body
 
 
+# OpenAI /v1/responses: hostile values per field of a body that otherwise asks for 2 tokens
+RESPONSES_HOSTILE = {
+    "input": [[], 5, [{"type": "input_image", "image_url": "x"}], [{"role": "user", "content": [{"type": "input_file"}]}],
+              [{"type": "function_call", "name": "f"}], [{"type": "function_call_output", "call_id": "c", "output": 5}],
+              [{"type": "reasoning", "summary": "x"}], [{"role": "wizard", "content": "x"}], INJECTED,
+              [{"role": "user", "content": [{"type": "input_text", "text": INJECTED}]}]],
+    "tools": [[{"type": "web_search"}], [{"type": "function"}], [{"type": "function", "name": "f"}] * 2, "x"],
+    "tool_choice": ["required", {"type": "function", "name": "g"}, "sometimes"],
+    "text": [{"format": {"type": "json_schema", "schema": {"type": "nope"}}}, {"format": {"type": "json_object"}},
+             {"format": "x"}],
+    "previous_response_id": ["resp_1"], "max_output_tokens": [0, -1, "2", 2**40], "reasoning": [{"effort": "none"}, 5],
+}
+
+
+def responses_body(rng: random.Random) -> dict:
+    body: dict = {"input": "hi there", "max_output_tokens": 2, "temperature": 0.8}
+    name = rng.choice(sorted(RESPONSES_HOSTILE))
+    body[name] = rng.choice(RESPONSES_HOSTILE[name])
+    return body
+
+
 def check_loopback(base: str) -> None:
     host = urlparse(base).hostname
     if host not in LOOPBACK:
@@ -132,8 +153,12 @@ def hostile_bodies(rng: random.Random, n: int) -> list[tuple[str, bytes]]:
     """n (path, body) pairs; a body that happens to be valid asks for at most a few tokens."""
     out = []
     for _ in range(n):
-        if rng.random() < 0.15:
+        r0 = rng.random()
+        if r0 < 0.15:
             out.append(("/v1/messages", _dump(messages_body(rng))))
+            continue
+        if r0 < 0.25:
+            out.append(("/v1/responses", _dump(responses_body(rng))))
             continue
         chat = rng.random() < 0.65
         body: dict = ({"messages": [{"role": "user", "content": "hi there"}]} if chat else {"prompt": "hi there"})
