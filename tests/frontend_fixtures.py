@@ -8,6 +8,7 @@ A plain helper module (not a conftest): tests import it explicitly.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -141,6 +142,24 @@ class ScriptedEngine:
             done = Output(d.request_id, len(self.prompts[d.request_id]), [0] * steps, reply, "stop")
             out.append(Delta(d.request_id, [0], reply[pos:], finished=True, finish_reason="stop", output=done))
         return out
+
+
+@contextlib.contextmanager
+def scripted_app(dest: pathlib.Path, scripts: dict[int, str], piece: int = 7):
+    """The serve app in process (a started TestClient) over a ScriptedEngine on a fresh tiny checkpoint in `dest`
+    (128 blocks: byte tokens make long prompts): yields (client, engine)."""
+    from starlette.testclient import TestClient
+
+    ckpt = write_tiny_chat_checkpoint(dest, eos_reachable=False)
+    engines = []
+
+    def wrap(engine):
+        engines.append(ScriptedEngine(engine, scripts, piece))
+        return engines[0]
+
+    with TestClient(app_for(ckpt, wrap_engine=wrap, num_blocks=128)) as c:
+        wait_ok(c)
+        yield c, engines[0]
 
 
 def wait_ok(client, timeout: float = 60.0) -> None:

@@ -13,7 +13,7 @@ import anthropic
 import pytest
 from starlette.testclient import TestClient
 
-from frontend_fixtures import ScriptedEngine, app_for, wait_ok, write_tiny_chat_checkpoint
+from frontend_fixtures import app_for, scripted_app, wait_ok, write_tiny_chat_checkpoint
 from mtlqwen.frontends.messages_reply import stop_reason
 
 CALLING, PLAIN = 5151, 5252
@@ -29,17 +29,9 @@ ASK = dict(model="tiny", max_tokens=200, messages=[{"role": "user", "content": "
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    ckpt = write_tiny_chat_checkpoint(tmp_path_factory.mktemp("messages-ckpt"), eos_reachable=False)
-    engines = []
-
-    def wrap(engine):
-        engines.append(ScriptedEngine(engine, SCRIPTS))
-        return engines[0]
-
-    with TestClient(app_for(ckpt, wrap_engine=wrap, num_blocks=128)) as c:
-        wait_ok(c)
+    with scripted_app(tmp_path_factory.mktemp("messages-ckpt"), SCRIPTS) as (c, engine):
         client = anthropic.Anthropic(api_key="unused", base_url=str(c.base_url), http_client=c, max_retries=0)
-        yield client, c, engines[0]
+        yield client, c, engine
 
 
 def _prompt(engine, rid: str) -> str:

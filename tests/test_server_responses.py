@@ -12,7 +12,7 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from frontend_fixtures import ScriptedEngine, app_for, wait_ok, write_tiny_chat_checkpoint
+from frontend_fixtures import app_for, scripted_app, wait_ok, write_tiny_chat_checkpoint
 
 CALLING, PLAIN = 6161, 6262
 SCRIPTS = {
@@ -26,17 +26,8 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather for
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    ckpt = write_tiny_chat_checkpoint(tmp_path_factory.mktemp("responses-ckpt"), eos_reachable=False)
-    engines = []
-
-    def wrap(engine):
-        engines.append(ScriptedEngine(engine, SCRIPTS))
-        return engines[0]
-
-    with TestClient(app_for(ckpt, wrap_engine=wrap, num_blocks=128)) as c:
-        wait_ok(c)
-        yield openai.OpenAI(api_key="unused", base_url=str(c.base_url) + "/v1", http_client=c, max_retries=0), c, \
-            engines[0]
+    with scripted_app(tmp_path_factory.mktemp("responses-ckpt"), SCRIPTS) as (c, engine):
+        yield openai.OpenAI(api_key="unused", base_url=str(c.base_url) + "/v1", http_client=c, max_retries=0), c, engine
 
 
 def _items(resp) -> list[dict]:

@@ -8,9 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from starlette.testclient import TestClient
 
-from frontend_fixtures import IM_END, ScriptedEngine, app_for, wait_ok, write_tiny_chat_checkpoint
+from frontend_fixtures import IM_END, scripted_app
 
 SCRIPTED, FORCED, FORCED_ANY = 4242, 4343, 4444
 REPLY = ("The user wants the weather.\n</think>\n\nChecking both cities.\n<tool_call>\n<function=get_weather>\n"
@@ -32,16 +31,8 @@ CALLS = [{"name": "get_weather", "arguments": {"city": "Milan", "days": 3}},
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    ckpt = write_tiny_chat_checkpoint(tmp_path_factory.mktemp("tools-ckpt"), eos_reachable=False)
-    engines = []
-
-    def wrap(engine):
-        engines.append(ScriptedEngine(engine, SCRIPTS, PIECE))
-        return engines[0]
-
-    with TestClient(app_for(ckpt, wrap_engine=wrap, num_blocks=128)) as c:  # byte tokens: long prompts
-        wait_ok(c)
-        yield c, engines[0]
+    with scripted_app(tmp_path_factory.mktemp("tools-ckpt"), SCRIPTS, PIECE) as (c, engine):
+        yield c, engine
 
 
 def _calls(tool_calls: list[dict]) -> list[dict]:

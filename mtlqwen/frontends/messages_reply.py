@@ -13,7 +13,8 @@ import uuid
 
 from .api_responses import APIError
 from .messages_api import error_body
-from .reasoning import ReasoningSplitter, split_reasoning
+from .reasoning import split_reasoning
+from .reply_text import ReplyText
 from .tool_calls import ToolCall, ToolCallReader
 
 
@@ -69,8 +70,7 @@ class MessagesFormatter:
 
     def __init__(self, rid: str, model: str, prompt_tokens: int, in_reasoning: bool, tools: ToolCallReader | None):
         self.rid, self.model, self.prompt_tokens = rid, model, prompt_tokens
-        self.split = ReasoningSplitter(in_reasoning)
-        self.calls = tools.splitter() if tools is not None else None
+        self.reply = ReplyText(in_reasoning, tools)
         self.block: str | None = None  # the open block's type
         self.index = -1
         self.called = False
@@ -127,15 +127,7 @@ class MessagesFormatter:
 
     def delta(self, i: int, d) -> list[dict]:
         """The reply's next delta (i: its choice, always 0: a Messages request has one)."""
-        r, c = self.split.feed(d.text)
-        if d.finished:
-            r2, c2 = self.split.finish()
-            r, c = r + r2, c + c2
-        calls: list[ToolCall] = []
-        if self.calls is not None:
-            c, calls = self.calls.feed(c)
-            if d.finished:
-                c += self.calls.finish()
+        r, c, calls = self.reply.feed(d.text, d.finished)
         out = self._thinking(r) + self._text("text", c)
         for call in calls:
             out += self._call(call)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from . import api_responses as oa
 from .logprob_format import LogprobFormat
-from .reasoning import ReasoningSplitter
+from .reply_text import ReplyText
 from .sse import sse, usage_of
 from .tool_calls import ToolCallReader, finish_reason, new_call_id
 
@@ -30,8 +30,7 @@ class _Choice:
     """One choice's text state."""
 
     def __init__(self, kind: str, in_reasoning: bool, tools: ToolCallReader | None, tokenizer):
-        self.split = ReasoningSplitter(in_reasoning) if kind == "chat" else None
-        self.calls = tools.splitter() if tools is not None and kind == "chat" else None
+        self.reply = ReplyText(in_reasoning, tools) if kind == "chat" else None
         self.sent_calls = 0
         self.logprobs = LogprobFormat(tokenizer) if tokenizer is not None else None
         self.output = None
@@ -90,18 +89,7 @@ class Formatter:
         """Choice i's next delta -> its chunks (and the usage chunk after the last choice's end)."""
         ch = self.choices[i]
         reason = d.finish_reason if d.finished else None
-        calls = []
-        if ch.split is None:
-            r, c = "", d.text
-        else:
-            r, c = ch.split.feed(d.text)
-            if d.finished:
-                r2, c2 = ch.split.finish()
-                r, c = r + r2, c + c2
-            if ch.calls is not None:
-                c, calls = ch.calls.feed(c)
-                if d.finished:
-                    c += ch.calls.finish()
+        r, c, calls = ("", d.text, []) if ch.reply is None else ch.reply.feed(d.text, d.finished)
         head = []
         if self.echo is not None and not ch.echoed:  # first: the prompt, and its logprobs' text offsets
             ch.echoed = True

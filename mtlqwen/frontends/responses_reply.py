@@ -11,7 +11,8 @@ import time
 import uuid
 
 from .api_responses import APIError
-from .reasoning import ReasoningSplitter, split_reasoning
+from .reasoning import split_reasoning
+from .reply_text import ReplyText
 from .tool_calls import ToolCall, ToolCallReader, new_call_id
 
 
@@ -89,8 +90,7 @@ class ResponsesFormatter:
 
     def __init__(self, shell: ResponseShell, in_reasoning: bool, tools: ToolCallReader | None):
         self.shell = shell
-        self.split = ReasoningSplitter(in_reasoning)
-        self.calls = tools.splitter() if tools is not None else None
+        self.reply = ReplyText(in_reasoning, tools)
         self.seq = 0
         self.items: list[dict] = []  # finished output items
         self.open: tuple[str, str, str] | None = None  # (kind, item id, text so far) of the item being streamed
@@ -174,15 +174,7 @@ class ResponsesFormatter:
 
     def delta(self, i: int, d) -> list[dict]:
         """The reply's next delta (i: its choice, always 0 here)."""
-        r, c = self.split.feed(d.text)
-        if d.finished:
-            r2, c2 = self.split.finish()
-            r, c = r + r2, c + c2
-        calls: list[ToolCall] = []
-        if self.calls is not None:
-            c, calls = self.calls.feed(c)
-            if d.finished:
-                c += self.calls.finish()
+        r, c, calls = self.reply.feed(d.text, d.finished)
         out = self._reasoning(r) + self._text("message", c)
         for call in calls:
             out += self._call(call)
