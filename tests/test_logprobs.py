@@ -99,4 +99,8 @@ def test_prompt_logprobs_are_the_model_alone_and_the_engine_is_untouched(model, 
     monkeypatch.setattr(logprobs, "MAX_PROMPT_LOGPROB_TOKENS", 299)  # one pass outside the pool: bounded
     with pytest.raises(ValueError, match="prompt logprobs .* at most 299 tokens, got 300"):
         eng.submit(prompt, SamplingParams(prompt_logprobs=0))
+    # under tensor parallelism rank 0 would run the pass alone, its collectives waiting for the other ranks
+    monkeypatch.setattr(eng.model, "group", object(), raising=False)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        eng.submit(prompt[:10], SamplingParams(prompt_logprobs=0))
     assert not eng.has_work()

@@ -237,8 +237,11 @@ class Engine(Generation):
             if self.structured is None:
                 raise ValueError("structured outputs need a tokenizer: Engine(tokenizer=...)")
             self.structured.check(params.structured)
-        prompt_lps = prompt_logprobs(self.model, ids, params.prompt_logprobs) \
-            if params.prompt_logprobs is not None else None  # before the request exists: a failure is its alone
+        prompt_lps = None
+        if params.prompt_logprobs is not None:  # before the request exists: a failure is its alone
+            if getattr(self.model, "group", None) is not None:  # rank 0 alone would wait in its collectives
+                raise ValueError("prompt logprobs are not computed under tensor parallelism")
+            prompt_lps = prompt_logprobs(self.model, ids, params.prompt_logprobs)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(request_id, ids, params, seed)
         seq.prompt_logprobs = prompt_lps
