@@ -169,3 +169,26 @@ def test_a_forced_opening_in_either_form_is_continued_by_the_reply():
         ("", [ToolCall("get_weather", '{"days": 2}')])
     # cut short before the block closed: what stands of it is content, the opening included
     assert xml_reader.split("<parameter=days>\n2") == ("<tool_call>\n<function=get_weather>\n<parameter=days>\n2", [])
+
+
+# ---- the whole reply pipeline: reasoning, then content and calls
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["\n", "think", " ", "</think>", "\n\n", "answer", OPEN, CLOSE, "<function=f>",
+                                 "{\"name\": \"g\"}", "<", "</thi"]), max_size=12),
+       st.lists(st.integers(0, 200), max_size=6), st.booleans())
+def test_a_streamed_reply_reads_as_the_whole_one(words, cuts, in_reasoning):
+    """ReplyText over any split of a reply gives what the whole reply gives: split_reasoning, then the calls."""
+    from mtlqwen.frontends.reasoning import split_reasoning
+    from mtlqwen.frontends.reply_text import ReplyText
+
+    text = "".join(words)
+    reasoning, content = split_reasoning(text, in_reasoning)
+    want = (reasoning, *split_tool_calls(content))
+    rt, got, prev = ReplyText(in_reasoning, ToolCallReader({})), ["", "", []], 0
+    points = sorted(c for c in cuts if c <= len(text)) + [len(text)]
+    for k, cut in enumerate(points):
+        r, c, calls = rt.feed(text[prev:cut], finished=k == len(points) - 1)
+        got = [got[0] + r, got[1] + c, got[2] + calls]
+        prev = cut
+    assert tuple(got) == want

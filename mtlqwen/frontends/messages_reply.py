@@ -74,8 +74,6 @@ class MessagesFormatter:
         self.block: str | None = None  # the open block's type
         self.index = -1
         self.called = False
-        self.thought = False  # thinking text was sent
-        self.newlines = ""  # thinking's trailing newlines, held: the whole message's thinking is stripped of them
 
     @staticmethod
     def encode(event: dict) -> bytes:
@@ -102,14 +100,6 @@ class MessagesFormatter:
         self.block = kind
         return out + [{"type": "content_block_start", "index": self.index, "content_block": block}]
 
-    def _thinking(self, text: str) -> list[dict]:
-        """Thinking text as `message` gives it: no newlines at its start or end."""
-        text = self.newlines + (text if self.thought else text.lstrip("\n"))
-        kept = text.rstrip("\n")
-        self.newlines = text[len(kept):]
-        self.thought = self.thought or bool(kept)
-        return self._text("thinking", kept)
-
     def _text(self, kind: str, text: str) -> list[dict]:
         if not text:
             return []
@@ -128,7 +118,7 @@ class MessagesFormatter:
     def delta(self, i: int, d) -> list[dict]:
         """The reply's next delta (i: its choice, always 0: a Messages request has one)."""
         r, c, calls = self.reply.feed(d.text, d.finished)
-        out = self._thinking(r) + self._text("text", c)
+        out = self._text("thinking", r) + self._text("text", c)
         for call in calls:
             out += self._call(call)
         if not d.finished:

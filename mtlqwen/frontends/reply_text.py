@@ -13,6 +13,15 @@ class ReplyText:
     def __init__(self, in_reasoning: bool, tools: ToolCallReader | None):
         self.split = ReasoningSplitter(in_reasoning)
         self.calls = tools.splitter() if tools is not None else None
+        self.thought = False  # reasoning text was given out
+        self.newlines = ""  # the reasoning's trailing newlines, held: the whole reply's reasoning has none
+
+    def _reasoning(self, text: str) -> str:
+        """Reasoning as split_reasoning gives the whole reply's: no newlines at its start or end."""
+        text = self.newlines + (text if self.thought else text.lstrip("\n"))
+        kept = text.rstrip("\n")
+        self.newlines, self.thought = text[len(kept):], self.thought or bool(kept)
+        return kept
 
     def feed(self, text: str, finished: bool) -> tuple[str, str, list[ToolCall]]:
         """New text (the last of the reply when finished) -> (reasoning, content, calls) now certain."""
@@ -20,6 +29,7 @@ class ReplyText:
         if finished:
             r2, c2 = self.split.finish()
             r, c = r + r2, c + c2
+        r = self._reasoning(r)
         calls: list[ToolCall] = []
         if self.calls is not None:
             c, calls = self.calls.feed(c)

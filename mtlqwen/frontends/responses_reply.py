@@ -94,7 +94,6 @@ class ResponsesFormatter:
         self.seq = 0
         self.items: list[dict] = []  # finished output items
         self.open: tuple[str, str, str] | None = None  # (kind, item id, text so far) of the item being streamed
-        self.newlines = ""  # reasoning's trailing newlines, held (the whole response's reasoning is stripped)
 
     def _event(self, kind: str, **fields) -> dict:
         self.seq += 1
@@ -152,12 +151,6 @@ class ResponsesFormatter:
         return out + [self._event(name, item_id=iid, output_index=len(self.items), content_index=0, delta=text,
                                   **extra)]
 
-    def _reasoning(self, text: str) -> list[dict]:
-        text = self.newlines + (text if self.open or self.items else text.lstrip("\n"))
-        kept = text.rstrip("\n")
-        self.newlines = text[len(kept):]
-        return self._text("reasoning", kept)
-
     def _call(self, call: ToolCall) -> list[dict]:
         out = self._close()
         iid, idx = _item_id("fc"), len(self.items)
@@ -175,7 +168,7 @@ class ResponsesFormatter:
     def delta(self, i: int, d) -> list[dict]:
         """The reply's next delta (i: its choice, always 0 here)."""
         r, c, calls = self.reply.feed(d.text, d.finished)
-        out = self._reasoning(r) + self._text("message", c)
+        out = self._text("reasoning", r) + self._text("message", c)
         for call in calls:
             out += self._call(call)
         if not d.finished:
