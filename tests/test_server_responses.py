@@ -87,6 +87,10 @@ def test_a_schema_and_thinking_off(tmp_path):
         assert [it.type for it in r.output] == ["message"] and json.loads(r.output_text) in ({"ok": True}, {"ok": False})
         cut = client.responses.create(model="tiny", input="hi", max_output_tokens=3, reasoning={"effort": "none"})
         assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+        with client.responses.stream(model="tiny", input="hi", max_output_tokens=3, reasoning={"effort": "none"}) as s:
+            events = list(s)  # the API ends a cut stream with response.incomplete, not response.completed
+        assert events[-1].type == "response.incomplete" and events[-1].response.status == "incomplete"
+        assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
 @pytest.mark.parametrize("patch, param", [
