@@ -348,3 +348,17 @@ def test_echo_with_the_prompts_logprobs_as_lm_eval_asks(ckpt):
             == lp["token_logprobs"]
         plain = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, "echo": True}).json()["choices"][0]
         assert plain["text"].startswith("abc") and plain["logprobs"] is None
+
+
+def test_a_server_wide_chat_template_replaces_the_checkpoints(ckpt, tmp_path):
+    from mtlqwen.frontends.args import read_template_file
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}")
+    with TestClient(app_for(ckpt, template_defaults={"chat_template": read_template_file(str(path))})) as c:
+        wait_ok(c)
+        r = c.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+        assert r["count"] == len("[user:hi]")
+    (tmp_path / "empty.jinja").write_text(" \n")
+    with pytest.raises(ValueError, match="--chat-template: .* is empty"):
+        read_template_file(str(tmp_path / "empty.jinja"))

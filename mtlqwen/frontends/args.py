@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 MODEL_HELP = (
     "a local checkpoint directory or a Hugging Face repo id (official Qwen3.5/3.6 layout or an "
@@ -114,6 +115,17 @@ def parse_template_args(text: str | None) -> dict:
     if not isinstance(kwargs, dict):
         raise ValueError("--chat-template-args must be a JSON object")
     return kwargs
+
+
+def read_template_file(path: str) -> str:
+    """--chat-template: a Jinja template file's source (ValueError naming the flag when it cannot be read)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--chat-template: cannot read {path}: {e}") from None
+    if not text.strip():
+        raise ValueError(f"--chat-template: {path} is empty")
+    return text
 
 
 SAMPLING_FLAGS = {"temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",

@@ -79,7 +79,7 @@ class PromptBuilder:
         texts = [str(m.get("content") or "") for m in req.messages] + ([json.dumps(req.tools)] if req.tools else [])
         self._check_bytes(texts, "messages", "messages")
         tools = {"tools": req.tools} if req.tools else {}
-        if tools and not has_chat_template(tok):
+        if tools and not has_chat_template(tok, req.template_kwargs):
             raise APIError("this model's tokenizer has no chat template to show tools to the model", 400, "tools",
                            "not_supported")
         try:

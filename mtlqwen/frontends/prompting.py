@@ -15,8 +15,10 @@ SENTINEL = "\ue000mtlqwen-reply\ue001"
 SENTINEL_USER = "\ue000mtlqwen-user\ue001"
 
 
-def has_chat_template(tokenizer) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None)) and hasattr(tokenizer, "apply_chat_template")
+def has_chat_template(tokenizer, template_kwargs: dict | None = None) -> bool:
+    """Whether a template renders the messages: the tokenizer's, or one given (`chat_template` in the kwargs)."""
+    given = bool((template_kwargs or {}).get("chat_template"))
+    return (given or bool(getattr(tokenizer, "chat_template", None))) and hasattr(tokenizer, "apply_chat_template")
 
 
 def _text(content) -> str:
@@ -37,7 +39,7 @@ def chatml(messages: list[dict], add_generation_prompt: bool = True, **_) -> str
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
     """The prompt text for `messages` (template variables such as enable_thinking in kwargs)."""
-    if has_chat_template(tokenizer):
+    if has_chat_template(tokenizer, template_kwargs):
         return tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
         )

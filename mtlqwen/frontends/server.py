@@ -17,7 +17,8 @@ from pathlib import Path
 
 from .args import (
     add_draft_bits_arg, add_model_args, add_sampling_args, add_warmup_arg, check_draft_bits,
-    load_model_and_tokenizer, parse_template_args, penalty_args, sampling_defaults, sampling_from_args,
+    load_model_and_tokenizer, parse_template_args, penalty_args, read_template_file, sampling_defaults,
+    sampling_from_args,
 )
 from .request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 
@@ -43,15 +44,16 @@ def register(subparsers) -> None:
                         "also enables the operator endpoint POST /reset_prefix_cache")
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests allowed to wait for a slot; beyond it the server answers 429 (default 64)")
-    s.add_argument("--slots", type=int, default=8, help="sequences decoded together (default 8)")
+    s.add_argument("--slots", "--max-num-seqs", type=int, default=8,
+                   help="sequences decoded together (default 8; vLLM's name is accepted too)")
     s.add_argument("--dense-weights", choices=["auto", "on", "off"], default="auto",
                    help="keep a dequantized (16-bit) copy of each quantized projection for prefill-sized steps, which "
                         "otherwise dequantize the weights every step: faster prefill for 4x the projections' 4-bit "
                         "memory (auto, the default: on with the CUDA kernels where the copies fit in a third of the "
                         "memory the weights leave)")
-    s.add_argument("--step-tokens", type=int, default=None,
+    s.add_argument("--step-tokens", "--max-num-batched-tokens", type=int, default=None,
                    help="tokens per engine step, shared by all slots (default 128; with a drafter at least "
-                        "slots x (n_draft + 1), so every slot can verify its drafts)")
+                        "slots x (n_draft + 1), so every slot can verify its drafts; vLLM's name is accepted too)")
     s.add_argument("--prefill-step-tokens", type=int, default=None,
                    help="tokens a step may take when no request is decoding (default 1024, never below "
                         "--step-tokens): long prompts prefill in bigger steps when nobody waits on a token")
@@ -65,6 +67,9 @@ def register(subparsers) -> None:
     s.add_argument("--chat-template-args", default=None, metavar="JSON",
                    help='default chat template arguments, e.g. \'{"enable_thinking": false}\' '
                         "(a request's chat_template_kwargs override them)")
+    s.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file to use instead of the checkpoint's (e.g. one that teaches tool "
+                        "calls); a request may still choose one of the checkpoint's named templates")
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests send their own chat template source in chat_template_kwargs.chat_template "
                         "(a template is code: for trusted clients only; by default only the checkpoint's named "
@@ -191,6 +196,8 @@ def cmd_serve(args) -> int:
     check_draft_bits(args)
     _check_args(args)
     template_defaults = parse_template_args(args.chat_template_args)
+    if args.chat_template is not None:
+        template_defaults["chat_template"] = read_template_file(args.chat_template)
     temp, top_p = sampling_defaults(args)
     defaults = Defaults(temperature=temp, top_p=top_p, top_k=args.top_k, min_p=args.min_p,
                         max_tokens=args.max_tokens, seed=args.seed, **penalty_args(args))
