@@ -70,6 +70,7 @@ class Constraints:
         self._lltok = None
         self.matchers: dict = {}  # Sequence -> llguidance.LLMatcher
         self.waiting: set = set()  # sequences whose Structure.after token has not come yet
+        self._executor = None  # llguidance.LLExecutor, for the masks of several rows at once
 
     def _llt(self):
         if self._lltok is None:
@@ -110,10 +111,17 @@ class Constraints:
         if not rows:
             return None
         W = (self.vocab_size + 31) // 32
-        bits = np.empty((len(rows), W), dtype=np.uint32)
-        for i, r in enumerate(rows):
-            bits[i] = np.frombuffer(self.matchers[sampling[r].seq].compute_bitmask(), dtype=np.uint32)[:W]
-        b = mx.array(bits)
+        bits = np.zeros((len(rows), W), dtype=np.int32)
+        matchers = [(self.matchers[sampling[r].seq], i) for i, r in enumerate(rows)]
+        if len(matchers) == 1:
+            bits[0] = np.frombuffer(matchers[0][0].compute_bitmask(), dtype=np.int32)[:W]
+        else:  # llguidance's threads, the GIL released: the masks of a batch side by side
+            import llguidance.numpy  # noqa: PLC0415
+
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, matchers, bits)
+        b = mx.array(bits.view(np.uint32))
         allowed = ((b[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1).reshape(len(rows), W * 32)
         return rows, allowed[:, : self.vocab_size] > 0
 
