@@ -252,7 +252,7 @@ def test_client_disconnect_frees_slot_and_blocks(server):
     ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"n": 17}, "n"),
-    ({"best_of": 2}, "best_of"),
+    ({"best_of": 2, "stream": True}, "best_of"),  # ranked once all are done: no stream
     ({"min_tokens": 10}, "min_tokens"),  # more than max_tokens (4)
     ({"logit_bias": {"5": 150}}, "logit_bias"),
     ({"presence_penalty": 2.5}, "presence_penalty"),

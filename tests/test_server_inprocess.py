@@ -362,3 +362,23 @@ def test_a_server_wide_chat_template_replaces_the_checkpoints(ckpt, tmp_path):
     (tmp_path / "empty.jinja").write_text(" \n")
     with pytest.raises(ValueError, match="--chat-template: .* is empty"):
         read_template_file(str(tmp_path / "empty.jinja"))
+
+
+def test_best_of_answers_the_likeliest_candidates(ckpt):
+    """best_of 3, n 1: the three candidates are the single requests seeded 9, 10, 11; the answer is the one whose
+    tokens have the highest summed logprob; usage counts every candidate's tokens."""
+    body = {"prompt": "abc", "max_tokens": 6, "temperature": 1.0, "seed": 9}
+    with TestClient(app_for(ckpt, max_queue=4)) as c:
+        wait_ok(c)
+        alone = [c.post("/v1/completions", json={**body, "seed": 9 + i, "logprobs": 0}).json()["choices"][0]
+                 for i in range(3)]
+        best = max(alone, key=lambda ch: sum(ch["logprobs"]["token_logprobs"]))
+        r = c.post("/v1/completions", json={**body, "best_of": 3}).json()
+        assert [ch["text"] for ch in r["choices"]] == [best["text"]] and r["choices"][0]["logprobs"] is None
+        assert r["usage"]["completion_tokens"] == 18
+        two = c.post("/v1/completions", json={**body, "best_of": 3, "n": 2}).json()["choices"]
+        ranked = sorted(alone, key=lambda ch: -sum(ch["logprobs"]["token_logprobs"]))
+        assert [(ch["index"], ch["text"]) for ch in two] == [(0, ranked[0]["text"]), (1, ranked[1]["text"])]
+        assert error_of(c.post("/v1/completions", json={**body, "best_of": 1, "n": 2}), 400)["param"] == "best_of"
+        assert error_of(c.post("/v1/completions", json={**body, "best_of": 2, "stream": True}), 400)["param"] == \
+            "best_of"

@@ -4,7 +4,7 @@ parts: api_fields.py).
 A body is validated straight from its bytes by pydantic's JSON parser, strictly: malformed JSON,
 nesting past the parser's depth limit, lone surrogates, NaN / Infinity and a wrong type anywhere are
 each a 400 naming the field. Sampling ranges are SamplingParams' own (its constants, not restated
-numbers). A field the engine cannot honour (best_of, suffix, audio...) is refused rather than
+numbers). A field the engine cannot honour (suffix, audio...) is refused rather than
 silently ignored; harmless unknown fields (user, metadata, store...) are ignored and never reach the
 chat template. `tools` go to the chat template, and the reply's calls are read back (tool_calls.py)
 unless `tool_choice` is "none"; "required" or a named function opens the call in the prompt.
@@ -60,6 +60,7 @@ class ParsedRequest:
     parallel_tool_calls: bool = True
     forced_call: str | None = None  # tool_choice "required" -> "" (any tool), a named function -> its name
     n: int = 1  # choices
+    best_of: int = 1  # candidates generated, of which the n likeliest are answered (>= n)
     structure: tuple[str, str] | None = None  # the reply's form: (format, text), runtime/structured.py
     echo: bool = False  # completions: the prompt comes back before the completion
     source: Any = None  # the API's own request, for replies that echo its settings (Responses)
@@ -72,12 +73,10 @@ class ParsedRequest:
 # Fields whose non-default value the engine cannot honour -> 400 (value -> True when it must be refused).
 _REFUSED: dict[str, Callable[[Any], bool]] = {
     "functions": bool, "function_call": lambda v: v not in ("none", "auto"),
-    "best_of": lambda v: v != 1,
     "suffix": bool,
     "audio": lambda v: True,
 }
-_WHY = {"best_of": "replies are not ranked (send n for several)",
-        "functions": "send them as 'tools'", "function_call": "send 'tools' and 'tool_choice'"}
+_WHY = {"functions": "send them as 'tools'", "function_call": "send 'tools' and 'tool_choice'"}
 
 
 class _Request(StrictBody):
@@ -113,7 +112,7 @@ class _Request(StrictBody):
     # declared so their types are checked; any value but the default is refused below
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
-    best_of: int | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None  # candidates; the n likeliest are answered
     suffix: str | None = None
     audio: Any = None
 
@@ -123,6 +122,16 @@ class _Request(StrictBody):
             v = getattr(self, key)
             if v is not None and refused(v):
                 raise not_supported(key, _WHY.get(key, ""))  # not a ValueError: it leaves pydantic as is
+        return self
+
+    @model_validator(mode="after")
+    def _best_of(self):
+        if self.best_of is not None:
+            if self.best_of < self.n:
+                raise APIError(f"'best_of' ({self.best_of}) must be at least 'n' ({self.n})", 400, "best_of")
+            if self.best_of > self.n and self.stream:
+                raise APIError("'best_of' above 'n' cannot stream: the replies are ranked once all are done", 400,
+                               "best_of")
         return self
 
     def sampling(self, d: Defaults) -> dict[str, Any]:
@@ -277,7 +286,7 @@ def parse_chat(raw: bytes, d: Defaults, template_defaults: dict, allowed_templat
                          template_kwargs={**template_defaults, **kwargs}, tools=tools,
                          read_tool_calls=tools is not None and req.tool_choice != "none",
                          parallel_tool_calls=req.parallel_tool_calls, forced_call=req.forced_call(), n=req.n,
-                         structure=req.structure())
+                         structure=req.structure(), best_of=req.best_of or req.n)
 
 
 def parse_completion(raw: bytes, d: Defaults) -> ParsedRequest:
@@ -291,4 +300,4 @@ def parse_completion(raw: bytes, d: Defaults) -> ParsedRequest:
         raise APIError("'prompt' must be a non-empty string or a list of token ids", 400, "prompt")
     stream, usage = req.stream_flags()
     return ParsedRequest("completion", req.model, stream, usage, req.sampling(d), prompt=prompt, n=req.n,
-                         structure=req.structure(), echo=req.echo)
+                         structure=req.structure(), echo=req.echo, best_of=req.best_of or req.n)

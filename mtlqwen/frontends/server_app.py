@@ -49,14 +49,18 @@ async def generate(request: Request, kind: str) -> Response:
     req = await run_in_threadpool(st.parse, raw, kind)
     st.check_model(req.model)
     st.ready()
-    st.check_capacity(req.n)  # before the work of tokenising, and again once it is done
+    st.check_capacity(req.best_of)  # before the work of tokenising, and again once it is done
     ids, in_reasoning, opened = await run_in_threadpool(st.prompts.prompt_ids, req)
     params = st.prompts.sampling_params(req, len(ids), in_reasoning)
-    st.check_capacity(req.n)
+    st.check_capacity(req.best_of)
     rid = {"messages": new_message_id, "responses": new_response_id}.get(kind, lambda: oa.new_id(kind))()
+    lp_tok = st.loop.tokenizer if params.logprobs is not None else None  # what the client asked to see
+    ranked = req.best_of > req.n
+    if ranked and params.logprobs is None:  # candidates are ranked by their tokens' logprobs
+        params = replace(params, logprobs=0)
     choices = Choices([st.loop.submit(r, ids, params if i == 0 or params.seed is None
                                       else replace(params, seed=params.seed + i))
-                       for i, r in enumerate(choice_ids(rid, req.n))])
+                       for i, r in enumerate(choice_ids(rid, req.best_of))])
     first = await choices.accepted()
     if first is not None:
         err = failure(first)
@@ -65,7 +69,6 @@ async def generate(request: Request, kind: str) -> Response:
         raise err
     tools = ToolCallReader.for_request(req, opened)
     name = st.cfg.model_name
-    lp_tok = st.loop.tokenizer if params.logprobs is not None else None
     echo = Echo(req.prompt if isinstance(req.prompt, str) else st.loop.tokenizer.decode(ids), ids) if req.echo else None
     shell = ResponseShell(rid, name, req.source) if kind == "responses" else None
     if req.stream:
@@ -78,14 +81,22 @@ async def generate(request: Request, kind: str) -> Response:
         return SSEResponse(choices, fmt)
     if kind == "responses":
         return await collect(request, choices, kind, lambda outs: responses_reply.response(shell, outs[0], in_reasoning, tools))
+    pick = (lambda outs: likeliest(outs, req.n)) if ranked else (lambda outs: outs)
     return await collect(request, choices, kind,
-                         lambda outs: reply_body(kind, rid, name, outs, in_reasoning, tools, lp_tok, echo))
+                         lambda outs: reply_body(kind, rid, name, pick(outs), in_reasoning, tools, lp_tok, echo,
+                                                 combined_usage(outs)))
+
+
+def likeliest(outs: list, n: int) -> list:
+    """best_of: the n candidates whose tokens have the highest summed logprob (the model's own), in that order."""
+    return sorted(outs, key=lambda o: -sum(lp.logprob for lp in o.logprobs if lp is not None))[:n]
 
 
 def reply_body(kind: str, rid: str, name: str, outs: list, in_reasoning: bool, tools: ToolCallReader | None,
-               lp_tok=None, echo: Echo | None = None) -> dict:
+               lp_tok=None, echo: Echo | None = None, use: dict | None = None) -> dict:
     """A finished request's whole answer in its API's shape; outs: each choice's Output. lp_tok: the
-    tokenizer, when the request asked for logprobs; echo: a completion's prompt, to come back before it."""
+    tokenizer, when the request asked for logprobs; echo: a completion's prompt, to come back before it; use:
+    the usage of every candidate generated (best_of), when more than the choices."""
     if kind == "messages":
         return messages_reply.message(rid, name, outs[0], in_reasoning, tools)
     bodies = []
@@ -108,7 +119,9 @@ def reply_body(kind: str, rid: str, name: str, outs: list, in_reasoning: bool, t
                                          tool_finish(out.finish_reason, bool(calls)), usage_of(out),
                                          [c.to_openai(new_call_id()) for c in calls],
                                          lpf.chat(out.logprobs) if lpf is not None else None))
-    return bodies[0] if len(bodies) == 1 else oa.merged(bodies, combined_usage(outs))
+    if len(bodies) == 1 and use is None:
+        return bodies[0]
+    return oa.merged(bodies, use or combined_usage(outs))
 
 
 async def collect(request: Request, choices: Choices, kind: str, body_of) -> Response:
