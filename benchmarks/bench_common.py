@@ -57,6 +57,27 @@ def timed_generate(engine: Engine, prompts: list[list[int]], gen_len: int) -> tu
     return outs, wall, [o.ttft for o in outs]
 
 
+def decode_rate(eng: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int]:
+    """Submit one request a prompt, step until every one decodes, then time the steps to the last finish:
+    (generated tok/s over that time, every host cost of a step included; tokens counted)."""
+    import mlx.core as mx  # noqa: PLC0415
+
+    for p, sp in zip(prompts, params):
+        eng.submit(p, sp)
+    running = eng.scheduler.running
+    while len(running) < len(prompts) or any(len(s.tokens) <= s.prompt_len for s in running):
+        eng.step()
+        if not eng.has_work():
+            raise RuntimeError("requests finished before every one of them was decoding")
+    mx.synchronize()
+    g0, t0 = eng.counters["generated_tokens"], time.perf_counter()
+    while eng.has_work():
+        eng.step()
+    mx.synchronize()
+    n = eng.counters["generated_tokens"] - g0
+    return n / (time.perf_counter() - t0), n
+
+
 def ttft_ms(first: list[float]) -> dict:
     return {"ttft_mean_ms": 1e3 * statistics.mean(first), "ttft_max_ms": 1e3 * max(first)}
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import mlx.core as mx
 
+import bench_common
 from bench_common import add_model_args, build_model, write_json
 from mtlqwen.runtime import Engine, SamplingParams
 from mtlqwen.runtime.block_pool import BlockPool
@@ -41,20 +41,9 @@ OPTIONS = {
 
 
 def decode_rate(eng: Engine, prompts: list[list[int]], gen: int, option: dict) -> tuple[float, int]:
-    """(generated tok/s from the step where every request decodes to the last finish, tokens counted); the first
-    request carries `option`."""
-    for i, p in enumerate(prompts):
-        eng.submit(p, SamplingParams(max_tokens=gen, ignore_eos=True, **(option if i == 0 else {})))
-    running = eng.scheduler.running
-    while len(running) < len(prompts) or any(len(s.tokens) <= s.prompt_len for s in running):
-        eng.step()
-    mx.synchronize()
-    g0, t0 = eng.counters["generated_tokens"], time.perf_counter()
-    while eng.has_work():
-        eng.step()
-    mx.synchronize()
-    n = eng.counters["generated_tokens"] - g0
-    return n / (time.perf_counter() - t0), n
+    """bench_common.decode_rate with the first request carrying `option`."""
+    params = [SamplingParams(max_tokens=gen, ignore_eos=True, **(option if i == 0 else {})) for i in range(len(prompts))]
+    return bench_common.decode_rate(eng, prompts, params)
 
 
 def main(argv=None) -> int:

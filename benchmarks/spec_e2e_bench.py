@@ -22,32 +22,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import mlx.core as mx
 
 from mtlqwen.runtime import Engine, SamplingParams
 from mtlqwen.runtime.block_pool import BlockPool
 
+import bench_common
 from spec_bench import build_target, forced_acceptance, random_drafter, write_json
 
 
 def decode_rate(eng: Engine, prompts: list[list[int]], gen: int, speculative: bool) -> tuple[float, int]:
     """(generated tok/s from the step where every request decodes to the last finish, tokens counted)."""
-    for p in prompts:
-        eng.submit(p, SamplingParams(max_tokens=gen, ignore_eos=True, speculative=speculative))
-    running = eng.scheduler.running
-    while len(running) < len(prompts) or any(len(s.tokens) <= s.prompt_len for s in running):
-        eng.step()
-        if not eng.has_work():
-            raise RuntimeError("requests finished before every one of them was decoding")
-    mx.synchronize()
-    g0, t0 = eng.counters["generated_tokens"], time.perf_counter()
-    while eng.has_work():
-        eng.step()
-    mx.synchronize()
-    n = eng.counters["generated_tokens"] - g0
-    return n / (time.perf_counter() - t0), n
+    sp = SamplingParams(max_tokens=gen, ignore_eos=True, speculative=speculative)
+    return bench_common.decode_rate(eng, prompts, [sp] * len(prompts))
 
 
 def engine_for(model, drafter, S: int, args, pipeline: bool | None = None) -> Engine:
