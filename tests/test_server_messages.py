@@ -154,3 +154,19 @@ def test_a_keyed_server_takes_anthropics_key_header(tmp_path):
         client = anthropic.Anthropic(api_key="sekret", base_url=str(c.base_url), http_client=c, max_retries=0)
         m = client.messages.create(**{**ASK, "max_tokens": 3}, extra_body={"temperature": 0})
         assert m.usage.output_tokens == 3 and m.stop_reason == "max_tokens"
+
+
+def test_a_stop_sequence_is_named_as_what_stopped_the_reply(tmp_path):
+    """Through the real engine: the greedy reply's own text, cut at a stop sequence taken from it, ends with
+    stop_reason stop_sequence and that string (the engine's Output.stop_reason)."""
+    ckpt = write_tiny_chat_checkpoint(tmp_path / "ckpt", eos_reachable=False)
+    ask = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "thinking": {"type": "disabled"}}
+    with TestClient(app_for(ckpt, num_blocks=64)) as c:
+        wait_ok(c)
+        full = c.post("/v1/messages", json=ask).json()
+        text = full["content"][0]["text"]
+        assert full["stop_reason"] == "max_tokens" and len(text) >= 6, full
+        stop = text[3:5]
+        cut = c.post("/v1/messages", json={**ask, "stop_sequences": ["never-there", stop]}).json()
+        assert cut["stop_reason"] == "stop_sequence" and cut["stop_sequence"] == stop
+        assert cut["content"][0]["text"] == text[:text.index(stop)]
