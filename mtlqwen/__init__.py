@@ -2,7 +2,7 @@
 
 from .kernels import SeqLayout
 from .model import CheckpointError, ConfigError, ModelCache, Qwen35Model, load, load_drafter
-from .runtime import Delta, Engine, Output, SamplingParams
+from .runtime import Delta, Engine, Output, SamplingParams, Structure
 
 __version__ = "0.1.0"
 
@@ -16,5 +16,5 @@ def load_tokenizer(path_or_repo):
 
 __all__ = [
     "CheckpointError", "ConfigError", "Delta", "Engine", "ModelCache", "Output", "Qwen35Model", "SamplingParams",
-    "SeqLayout", "load", "load_drafter", "load_tokenizer",
+    "SeqLayout", "Structure", "load", "load_drafter", "load_tokenizer",
 ]

@@ -162,13 +162,18 @@ def test_a_forced_opening_in_either_form_is_continued_by_the_reply():
     assert forced_opening("", xml=True, opens_thinking=False) == "<tool_call>\n"
     hermes = forced_opening("f", xml=False, opens_thinking=False)
     assert hermes == '<tool_call>\n{"name": "f", "arguments": '
+    from mtlqwen.frontends.reply_text import ReplyText
+
+    def reply(reader, text):  # the forced call's reply, thinking closed by the opening: (content, calls)
+        return ReplyText.whole(text, False, reader)[1:]
+
     reader = ToolCallReader({}, opened=hermes)
-    assert reader.split('{"a": 1}}\n</tool_call>') == ("", [ToolCall("f", '{"a": 1}')])
+    assert reply(reader, '{"a": 1}}\n</tool_call>') == ("", [ToolCall("f", '{"a": 1}')])
     xml_reader = ToolCallReader(WEATHER, opened=forced_opening("get_weather", xml=True, opens_thinking=True))
-    assert xml_reader.split("<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>") == \
+    assert reply(xml_reader, "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>") == \
         ("", [ToolCall("get_weather", '{"days": 2}')])
     # cut short before the block closed: what stands of it is content, the opening included
-    assert xml_reader.split("<parameter=days>\n2") == ("<tool_call>\n<function=get_weather>\n<parameter=days>\n2", [])
+    assert reply(xml_reader, "<parameter=days>\n2") == ("<tool_call>\n<function=get_weather>\n<parameter=days>\n2", [])
 
 
 # ---- the whole reply pipeline: reasoning, then content and calls

@@ -30,8 +30,13 @@ def not_supported(param: str, why: str = "") -> APIError:
 
 # ---- responses
 
+def random_id(prefix: str) -> str:
+    """An id no other request or item gets: the API's prefix and 24 random hex digits."""
+    return prefix + uuid.uuid4().hex[:24]
+
+
 def new_id(kind: str) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+    return random_id("chatcmpl-" if kind == "chat" else "cmpl-")
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:

@@ -26,12 +26,12 @@ class LogprobFormat:
         return {"content": [{**self._entry(lp.token, lp.logprob), "top_logprobs": [self._entry(t, v) for t, v in lp.top]}
                             for lp in lps if lp is not None]}
 
-    def echoed(self, ids: list[int], lps: list | None) -> dict:
-        """The completions `logprobs` of an echoed prompt: every prompt token, the first (and every one when the
-        prompt's logprobs were not computed) with null logprob and alternatives."""
+    def _legacy(self, pairs) -> dict:
+        """(token, TokenLogprob or None) pairs -> the completions' parallel lists; text offsets continue from the
+        previous call's. A token without a logprob (an echoed prompt's first) has null logprob and alternatives;
+        of two alternatives sharing a text (bytes of a split character) the likelier is listed."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for i, t in enumerate(ids):
-            lp = lps[i] if lps else None
+        for t, lp in pairs:
             text = self.text(t)
             out["tokens"].append(text)
             out["token_logprobs"].append(lp.logprob if lp else None)
@@ -40,20 +40,14 @@ class LogprobFormat:
             self.offset += len(text)
         return out
 
+    def echoed(self, ids: list[int], lps: list | None) -> dict:
+        """The completions `logprobs` of an echoed prompt, every token (null logprobs where none were computed)."""
+        return self._legacy((t, lps[i] if lps else None) for i, t in enumerate(ids))
+
+    def completion(self, lps: list) -> dict:
+        """TokenLogprobs of generated tokens -> the completions `logprobs` object."""
+        return self._legacy((lp.token, lp) for lp in lps if lp is not None)
+
     @staticmethod
     def joined(a: dict, b: dict) -> dict:
         return {k: a[k] + b[k] for k in a}
-
-    def completion(self, lps: list) -> dict:
-        """TokenLogprobs -> the completions `logprobs` object; text offsets continue from the previous call's."""
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for lp in lps:
-            if lp is None:
-                continue
-            text = self.text(lp.token)
-            out["tokens"].append(text)
-            out["token_logprobs"].append(lp.logprob)
-            out["top_logprobs"].append({self.text(t): v for t, v in reversed(lp.top)})  # the likelier of a shared text
-            out["text_offset"].append(self.offset)
-            self.offset += len(text)
-        return out

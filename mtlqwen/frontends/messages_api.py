@@ -170,7 +170,7 @@ class MessagesRequest(_Body):
     seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)] | None = None  # not Anthropic's: as the OpenAI routes
     output_config: OutputConfig | None = None
 
-    def openai_body(self) -> dict:
+    def chat_body(self) -> dict:
         """The same request as an OpenAI chat body (what parse_chat validates further)."""
         messages = []
         if self.system:
@@ -207,4 +207,4 @@ def parse_messages(raw: bytes, d: Defaults, template_defaults: dict, count_only:
     if req.max_tokens is None and not count_only:
         raise APIError("'max_tokens' is required", 400, "max_tokens")
     no_template = lambda template: False  # noqa: E731 - a Messages request cannot name a chat template
-    return parse_chat(json.dumps(req.openai_body()).encode(), d, template_defaults, no_template)
+    return parse_chat(json.dumps(req.chat_body()).encode(), d, template_defaults, no_template)

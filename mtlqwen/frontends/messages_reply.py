@@ -9,21 +9,19 @@ APIs read one reply alike.
 from __future__ import annotations
 
 import json
-import uuid
 
-from .api_responses import APIError
+from .api_responses import APIError, random_id
 from .messages_api import error_body
-from .reasoning import split_reasoning
-from .reply_text import ReplyText
+from .reply_text import BlockEvents, ReplyText
 from .tool_calls import ToolCall, ToolCallReader
 
 
 def new_message_id() -> str:
-    return "msg_" + uuid.uuid4().hex[:24]
+    return random_id("msg_")
 
 
 def _tool_use_id() -> str:
-    return "toolu_" + uuid.uuid4().hex[:24]
+    return random_id("toolu_")
 
 
 def stop_reason(output, called: bool) -> tuple[str, str | None]:
@@ -48,10 +46,7 @@ def _tool_use(call: ToolCall) -> dict:
 
 def message(rid: str, model: str, output, in_reasoning: bool, tools: ToolCallReader | None) -> dict:
     """The whole reply as one Message."""
-    reasoning, content = split_reasoning(output.text, in_reasoning)
-    calls = []
-    if tools is not None:
-        content, calls = tools.split(content)
+    reasoning, content, calls = ReplyText.whole(output.text, in_reasoning, tools)
     blocks: list[dict] = []
     if reasoning:
         blocks.append({"type": "thinking", "thinking": reasoning, "signature": ""})
@@ -63,21 +58,17 @@ def message(rid: str, model: str, output, in_reasoning: bool, tools: ToolCallRea
             "stop_reason": reason, "stop_sequence": sequence, "usage": usage(output)}
 
 
-class MessagesFormatter:
+class MessagesFormatter(BlockEvents):
     """One request's deltas -> Messages stream events (the SSE response's formatter for /v1/messages)."""
 
-    end = b""  # no [DONE]: message_stop ends the stream
+    REASONING, TEXT = "thinking", "text"
 
     def __init__(self, rid: str, model: str, prompt_tokens: int, in_reasoning: bool, tools: ToolCallReader | None):
+        super().__init__(in_reasoning, tools)
         self.rid, self.model, self.prompt_tokens = rid, model, prompt_tokens
-        self.reply = ReplyText(in_reasoning, tools)
         self.block: str | None = None  # the open block's type
         self.index = -1
         self.called = False
-
-    @staticmethod
-    def encode(event: dict) -> bytes:
-        return f"event: {event['type']}\ndata: ".encode() + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
 
     def error(self, err: APIError) -> bytes:
         return self.encode(error_body(err))
@@ -115,18 +106,10 @@ class MessagesFormatter:
                     "delta": {"type": "input_json_delta", "partial_json": call.arguments}})
         return out + self._close()
 
-    def delta(self, i: int, d) -> list[dict]:
-        """The reply's next delta (i: its choice, always 0: a Messages request has one)."""
-        r, c, calls = self.reply.feed(d.text, d.finished)
-        out = self._text("thinking", r) + self._text("text", c)
-        for call in calls:
-            out += self._call(call)
-        if not d.finished:
-            return out
-        if self.index < 0:  # a reply with no text still has one (empty) block
-            out += self._open("text", {"type": "text", "text": ""})
-        reason, sequence = stop_reason(d.output, self.called)
+    def _end(self, output) -> list[dict]:
+        out = self._open("text", {"type": "text", "text": ""}) if self.index < 0 else []  # no text: one empty block
+        reason, sequence = stop_reason(output, self.called)
         out += self._close()
         out.append({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                    "usage": usage(d.output)})
+                    "usage": usage(output)})
         return out + [{"type": "message_stop"}]

@@ -13,6 +13,7 @@ ends with finish_reason "length" at the context's edge.
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from typing import Any, NamedTuple
 
 from ..chat_template import TemplateTimeout, render_time_limit
@@ -22,9 +23,6 @@ from .prompting import has_chat_template, render_ids
 from .reasoning import CLOSE, prompt_opens_thinking
 from .tool_calls import forced_opening
 
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop", "stop_token_ids",
-                   "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "logit_bias", "cache_salt", "min_tokens",
-                   "prompt_logprobs")
 
 
 class Prompt(NamedTuple):
@@ -118,5 +116,5 @@ class PromptBuilder:
             params.check_vocab(self.loop.engine.config.vocab_size)
         except ValueError as e:  # a range the declared fields do not cover (the defaults, the vocabulary)
             word = str(e).split(" ", 1)[0].rstrip(":")
-            raise APIError(str(e), 400, word if word in _SAMPLING_FIELDS else None) from None
+            raise APIError(str(e), 400, word if word in {f.name for f in fields(SamplingParams)} else None) from None
         return params

@@ -99,6 +99,10 @@ class _Escaper:
             return {k: self.value(x, pattern) for k, x in v.items()}
         return v
 
+    def plain(self, v):
+        """Any value's strings with every special-token string escaped (what a user message gets)."""
+        return self.value(v, self._pattern(()))
+
     def messages(self, messages: list[dict]) -> list[dict]:
         plain, assistant = self._pattern(()), self._pattern(REASONING_MARKERS)
         return [self.value(m, assistant if m.get("role") == "assistant" else plain) for m in messages]
@@ -120,7 +124,7 @@ def render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = Tr
         return list(tokenizer.encode(text)), text
     esc = _Escaper(specials)
     if template_kwargs.get("tools"):  # tool schemas are the client's text too
-        template_kwargs["tools"] = esc.value(template_kwargs["tools"], esc._pattern(()))
+        template_kwargs["tools"] = esc.plain(template_kwargs["tools"])
     marked = render(tokenizer, esc.messages(messages), add_generation_prompt, **template_kwargs)
 
     def restore(chunk: str) -> str:

@@ -6,22 +6,19 @@ with a sequence number. The text goes through the chat route's splitters (reason
 
 from __future__ import annotations
 
-import json
 import time
-import uuid
 
-from .api_responses import APIError
-from .reasoning import split_reasoning
-from .reply_text import ReplyText
+from .api_responses import APIError, random_id
+from .reply_text import BlockEvents, ReplyText
 from .tool_calls import ToolCall, ToolCallReader, new_call_id
 
 
 def new_response_id() -> str:
-    return "resp_" + uuid.uuid4().hex[:24]
+    return random_id("resp_")
 
 
 def _item_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+    return random_id(prefix + "_")
 
 
 def usage(output) -> dict:
@@ -72,10 +69,7 @@ def _status(output) -> str:
 
 def response(shell: ResponseShell, output, in_reasoning: bool, tools: ToolCallReader | None) -> dict:
     """The whole reply as one response object."""
-    reasoning, content = split_reasoning(output.text, in_reasoning)
-    calls = []
-    if tools is not None:
-        content, calls = tools.split(content)
+    reasoning, content, calls = ReplyText.whole(output.text, in_reasoning, tools)
     items = [_reasoning_item(_item_id("rs"), reasoning)] if reasoning else []
     if content or not calls:
         items.append(_message_item(_item_id("msg"), content))
@@ -83,14 +77,15 @@ def response(shell: ResponseShell, output, in_reasoning: bool, tools: ToolCallRe
     return shell.body(items, _status(output), output)
 
 
-class ResponsesFormatter:
-    """One request's deltas -> Responses stream events (the SSE response's formatter for /v1/responses)."""
+class ResponsesFormatter(BlockEvents):
+    """One request's deltas -> Responses stream events (the SSE response's formatter for /v1/responses);
+    response.completed or response.incomplete ends the stream."""
 
-    end = b""  # response.completed / response.incomplete ends the stream
+    REASONING, TEXT = "reasoning", "message"
 
     def __init__(self, shell: ResponseShell, in_reasoning: bool, tools: ToolCallReader | None):
+        super().__init__(in_reasoning, tools)
         self.shell = shell
-        self.reply = ReplyText(in_reasoning, tools)
         self.seq = 0
         self.items: list[dict] = []  # finished output items
         self.open: tuple[str, str, str] | None = None  # (kind, item id, text so far) of the item being streamed
@@ -98,9 +93,6 @@ class ResponsesFormatter:
     def _event(self, kind: str, **fields) -> dict:
         self.seq += 1
         return {"type": kind, "sequence_number": self.seq - 1, **fields}
-
-    def encode(self, event: dict) -> bytes:
-        return f"event: {event['type']}\ndata: ".encode() + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
 
     def error(self, err: APIError) -> bytes:
         return self.encode(self._event("error", message=err.message, code=err.code, param=err.param))
@@ -165,20 +157,13 @@ class ResponsesFormatter:
         self.items.append(item)
         return out
 
-    def delta(self, i: int, d) -> list[dict]:
-        """The reply's next delta (i: its choice, always 0 here)."""
-        r, c, calls = self.reply.feed(d.text, d.finished)
-        out = self._text("reasoning", r) + self._text("message", c)
-        for call in calls:
-            out += self._call(call)
-        if not d.finished:
-            return out
-        out += self._close()
+    def _end(self, output) -> list[dict]:
+        out = self._close()
         if not any(it["type"] in ("message", "function_call") for it in self.items):  # an (empty) answer, as
             out += self._empty_message() + self._close()                           # `response` gives one
-        status = _status(d.output)
+        status = _status(output)
         kind = "response.completed" if status == "completed" else "response.incomplete"
-        return out + [self._event(kind, response=self.shell.body(self.items, status, d.output))]
+        return out + [self._event(kind, response=self.shell.body(self.items, status, output))]
 
     def _empty_message(self) -> list[dict]:
         iid, idx = _item_id("msg"), len(self.items)

@@ -29,7 +29,7 @@ from .engine_loop import EngineLoop
 from .logprob_format import LogprobFormat
 from .messages_reply import MessagesFormatter, new_message_id
 from .openai_stream import Echo, Formatter, combined_usage
-from .reasoning import split_reasoning
+from .reply_text import ReplyText
 from .responses_reply import ResponsesFormatter, ResponseShell, new_response_id
 from .request_body import read_body
 from .server_state import ServerConfig, ServerState, error_response, refusals, state
@@ -79,12 +79,11 @@ async def generate(request: Request, kind: str) -> Response:
         else:
             fmt = Formatter(kind, rid, name, in_reasoning, req.include_usage, tools, lp_tok, req.n, echo)
         return SSEResponse(choices, fmt)
-    if kind == "responses":
-        return await collect(request, choices, kind, lambda outs: responses_reply.response(shell, outs[0], in_reasoning, tools))
-    pick = (lambda outs: likeliest(outs, req.n)) if ranked else (lambda outs: outs)
-    return await collect(request, choices, kind,
-                         lambda outs: reply_body(kind, rid, name, pick(outs), in_reasoning, tools, lp_tok, echo,
-                                                 combined_usage(outs)))
+    if ranked:  # the n likeliest answered, every candidate's tokens counted
+        return await collect(request, choices, kind, lambda outs: reply_body(
+            kind, rid, name, likeliest(outs, req.n), in_reasoning, tools, lp_tok, echo, combined_usage(outs)))
+    return await collect(request, choices, kind, lambda outs: reply_body(
+        kind, rid, name, outs, in_reasoning, tools, lp_tok, echo, shell=shell))
 
 
 def likeliest(outs: list, n: int) -> list:
@@ -93,12 +92,16 @@ def likeliest(outs: list, n: int) -> list:
 
 
 def reply_body(kind: str, rid: str, name: str, outs: list, in_reasoning: bool, tools: ToolCallReader | None,
-               lp_tok=None, echo: Echo | None = None, use: dict | None = None) -> dict:
+               lp_tok=None, echo: Echo | None = None, use: dict | None = None,
+               shell: ResponseShell | None = None) -> dict:
     """A finished request's whole answer in its API's shape; outs: each choice's Output. lp_tok: the
     tokenizer, when the request asked for logprobs; echo: a completion's prompt, to come back before it; use:
-    the usage of every candidate generated (best_of), when more than the choices."""
+    the usage of every candidate generated, when best_of ranked more than the answered choices; shell: a
+    Responses request's echoed settings."""
     if kind == "messages":
         return messages_reply.message(rid, name, outs[0], in_reasoning, tools)
+    if kind == "responses":
+        return responses_reply.response(shell, outs[0], in_reasoning, tools)
     bodies = []
     for out in outs:
         lpf = LogprobFormat(lp_tok) if lp_tok is not None else None
@@ -111,10 +114,7 @@ def reply_body(kind: str, rid: str, name: str, outs: list, in_reasoning: bool, t
             text = (echo.text if echo else "") + out.text
             bodies.append(oa.completion(rid, name, text, out.finish_reason, usage_of(out), lp))
             continue
-        reasoning, content = split_reasoning(out.text, in_reasoning)
-        calls = []
-        if tools is not None:
-            content, calls = tools.split(content)
+        reasoning, content, calls = ReplyText.whole(out.text, in_reasoning, tools)
         bodies.append(oa.chat_completion(rid, name, content, reasoning or None,
                                          tool_finish(out.finish_reason, bool(calls)), usage_of(out),
                                          [c.to_openai(new_call_id()) for c in calls],

@@ -29,8 +29,9 @@ async def disconnected(receive) -> None:
 
 
 async def next_or_gone(handle, watcher: asyncio.Task, keepalive: float | None = None):
-    """The next item of `handle` (choices.Choices: a (choice index, item) pair); KEEPALIVE when `keepalive` seconds pass without one; None when the client
-    disconnected first (the request is then cancelled). A cancelled queue read loses no item."""
+    """The next item of `handle` (choices.Choices: a (choice index, item) pair); KEEPALIVE when `keepalive`
+    seconds pass without one; None when the client disconnected first (the request is then cancelled). A
+    cancelled queue read loses no item."""
     get = asyncio.ensure_future(handle.next())
     done, _ = await asyncio.wait({get, watcher}, timeout=keepalive, return_when=asyncio.FIRST_COMPLETED)
     if get in done:

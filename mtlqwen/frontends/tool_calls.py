@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .api_responses import random_id
 from .reasoning import _partial_suffix
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -48,7 +48,7 @@ class ToolCall:
 
 
 def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
+    return random_id("call_")
 
 
 def schemas_of(tools: list[dict] | None) -> dict[str, dict]:
@@ -267,12 +267,6 @@ class ToolCallReader:
         s = ToolCallSplitter(self.schemas, self.parallel)
         s.feed(self.opened[self.opened.find(OPEN):] if OPEN in self.opened else "")  # inside the opened block
         return s
-
-    def split(self, content: str) -> tuple[str, list[ToolCall]]:
-        """A whole reply's content -> (content, calls)."""
-        s = self.splitter()
-        text, calls = s.feed(content)
-        return text + s.finish(), calls
 
 
 def finish_reason(reason: str | None, called: bool) -> str | None:

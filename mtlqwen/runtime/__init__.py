@@ -9,8 +9,9 @@ from .outputs import Delta, Output
 from .sampling import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler, StepPlan, split_budget
 from .sequence import Sequence, SeqStatus
+from .structured import Structure
 
 __all__ = [
     "BlockPool", "Delta", "Engine", "EngineConfig", "KVManager", "NoFreeBlocks", "Output", "SamplingParams", "ScheduledSeq", "Scheduler",
-    "SeqStatus", "Sequence", "StepPlan", "split_budget",
+    "SeqStatus", "Sequence", "StepPlan", "Structure", "split_budget",
 ]

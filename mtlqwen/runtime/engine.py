@@ -202,10 +202,8 @@ class Engine(Generation):
         self.pad_buckets = cfg.pad_buckets
         self.buckets = token_buckets(cfg.prefill_budget) if self.pad_buckets else None
         self.eos = set(self.config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", None) or ())
-        # grammar-constrained requests' matchers (structured.py); the drafter's plain rows are masked too
+        # grammar-constrained requests' matchers (structured.py)
         self.structured = Constraints(tokenizer, self.config.vocab_size, self.eos) if tokenizer is not None else None
-        if self.spec is not None:
-            self.spec.constraints, self.spec.eos = self.structured, self.eos
         seed, group = cfg.seed, getattr(model, "group", None)
         if seed is None and group is not None:  # tensor parallel: every rank draws the same request seeds
             from ..model.distributed import agreed_seed  # noqa: PLC0415
@@ -233,10 +231,11 @@ class Engine(Generation):
             request_id, self._next_id = self._next_id, self._next_id + 1
         elif request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already live")
+        matcher = None
         if params.structured is not None:
             if self.structured is None:
                 raise ValueError("structured outputs need a tokenizer: Engine(tokenizer=...)")
-            self.structured.check(params.structured)
+            matcher = self.structured.matcher(params.structured)
         prompt_lps = None
         if params.prompt_logprobs is not None:  # before the request exists: a failure is its alone
             if getattr(self.model, "group", None) is not None:  # rank 0 alone would wait in its collectives
@@ -245,8 +244,8 @@ class Engine(Generation):
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(request_id, ids, params, seed)
         seq.prompt_logprobs = prompt_lps
-        if params.structured is not None:
-            self.structured.admit(seq)
+        if matcher is not None:
+            self.structured.admit(seq, matcher)
         if self.tokenizer is not None:
             seq.text = TextState(self.tokenizer, params.stop)
         self._seqs[request_id] = seq
@@ -322,6 +321,13 @@ class Engine(Generation):
             deltas += self.failures.requests(launched.failed)
         self._inflight = launched
 
+    def _sample(self, logits: mx.array, batch: PackedBatch) -> tuple[mx.array, list, StepLogprobs | None]:
+        """The batch's plain sampling rows (logits [R, V]): tokens, (sequence, error) of rows whose own sampling
+        raised, their logprobs. The one place a step samples, with or without a drafter (Speculator.launch)."""
+        samp = batch.sampling
+        drawn = sample_rows(logits, samp, batch.input_ids, batch.logits_rows, self.structured, self.eos)
+        return drawn.tokens, [(samp[r].seq, e) for r, e in drawn.failed.items()], drawn.logprobs
+
     def _read_back(self, flight: _InFlight, launched: _InFlight | None, deltas: list[Delta]) -> bool:
         """Commit a step; False when its read-back failed and the engine was reset (both steps dropped)."""
         try:
@@ -347,7 +353,7 @@ class Engine(Generation):
         snapshots = self.kv.step_snapshots(scheduled, plan_batch.reset_slots, cache)
         spec, failed, logprobs = None, [], None
         if self.spec is not None:  # drafting, taps, verification (speculative.py)
-            tokens, spec, failed, logprobs = self.spec.launch(plan, plan_batch, cache)
+            tokens, spec, failed, logprobs = self.spec.launch(plan, plan_batch, cache, self._sample)
         elif plan_batch.logits_rows is None:  # mid-prompt chunks only: no head, no sampling
             self.model.hidden(plan_batch.input_ids, plan_batch.layout, cache)
             tokens = None
@@ -356,10 +362,7 @@ class Engine(Generation):
                 logits = self.compiled(plan_batch.input_ids, plan_batch.layout, cache, plan_batch.logits_rows)
             else:
                 logits = self.model.forward(plan_batch.input_ids, plan_batch.layout, cache, plan_batch.logits_rows)
-            samp = plan_batch.sampling
-            drawn = sample_rows(logits, samp, plan_batch.input_ids, plan_batch.logits_rows, self.structured, self.eos)
-            tokens, logprobs = drawn.tokens, drawn.logprobs
-            failed = [(samp[r].seq, e) for r, e in drawn.failed.items()]
+            tokens, failed, logprobs = self._sample(logits, plan_batch)
         flight = _InFlight([s.seq for s in scheduled], plan_batch.sampling, tokens,
                            {s.seq: r for r, s in enumerate(plan_batch.sampling)}, snapshots, spec, failed, logprobs)
         try:  # the CPU evaluates part of the graph here already: a failing kernel can raise now

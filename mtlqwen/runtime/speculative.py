@@ -44,7 +44,6 @@ from .draft_policy import FixedDrafting, bucket_drafts, draft_lengths
 from .context_backlog import ContextBacklog
 from .kv_manager import KVManager
 from .rejection import position_noise, sample_drafts, verify
-from .sampling import sample_rows
 from .scheduler import ScheduledSeq, StepPlan
 
 
@@ -139,8 +138,6 @@ class Speculator:
         self.backlog = ContextBacklog(kv.block_tokens)  # context rows of plain decode steps, not written yet
         cache.drafter_cache = self.dcache  # ModelCache's declared field: copied and reset with the bundles
         self.taps = tuple(drafter.tap_layers)
-        self.constraints = None  # the engine's structured.Constraints: its grammar masks on the plain rows
-        self.eos: set[int] = set()  # the engine's end ids (min_tokens holds them back on the plain rows)
         # spec_steps / plain_steps: engine steps with / without a verification; spec_verifications: one per
         # verifying sequence and step; plain_decodes: sequences that decoded one token without drafts
         # spec_pipelined_steps: all-verify steps launched while the previous verification was in flight
@@ -250,10 +247,10 @@ class Speculator:
         return self.compiled_draft.propose(anchors, layout, self.dcache, n)
 
     # ---- the step
-    def launch(self, plan: StepPlan, batch, cache) -> tuple[mx.array | None, _Verification | None, list, Any]:
-        """Run draft + target for the packed batch; returns (tokens of the plain sampling rows, verification,
-        (sequence, error) of the rows whose own sampling raised: sampling.sample_isolating, the plain rows'
-        logprobs.StepLogprobs or None)."""
+    def launch(self, plan: StepPlan, batch, cache, sample) -> tuple[mx.array | None, _Verification | None, list, Any]:
+        """Run draft + target for the packed batch; sample(logits of the plain rows, batch) -> (tokens, (sequence,
+        error) of rows whose own sampling raised, logprobs) is the engine's. Returns (tokens of the plain
+        sampling rows, verification, those failures, the plain rows' logprobs.StepLogprobs or None)."""
         lay, ids = batch.layout, batch.input_ids
         ver = [i for i, v in enumerate(lay.verify or []) if v]
         hold = not ver and self._holds_back(plan)
@@ -296,10 +293,7 @@ class Speculator:
             logits, taps = fwd(ids, lay, cache, self.taps, fwd_rows)
         tokens, failed, logprobs = None, [], None
         if R:
-            samp = batch.sampling
-            drawn = sample_rows(logits[:R], samp, batch.input_ids, batch.logits_rows, self.constraints, self.eos)
-            tokens, logprobs = drawn.tokens, drawn.logprobs
-            failed = [(samp[r].seq, e) for r, e in drawn.failed.items()]
+            tokens, failed, logprobs = sample(logits[:R], batch)
         state = None
         if ver:
             tl = logits[R:].reshape(len(ver), N + 1, -1)

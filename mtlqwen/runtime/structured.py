@@ -63,13 +63,14 @@ class Structure:
 
 
 class Constraints:
-    """The engine's matchers: one per constrained live sequence, created when its constraint starts."""
+    """The engine's matchers: one per constrained live sequence, compiled when it is submitted (a bad grammar is
+    the submitter's error) and used from the moment its constraint starts."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids):
         self.tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, sorted(eos_ids)
         self._lltok = None
         self.matchers: dict = {}  # Sequence -> llguidance.LLMatcher
-        self.waiting: set = set()  # sequences whose Structure.after token has not come yet
+        self.waiting: dict = {}  # Sequence -> its matcher, until its Structure.after token comes
         self._executor = None  # llguidance.LLExecutor, for the masks of several rows at once
 
     def _llt(self):
@@ -90,16 +91,15 @@ class Constraints:
             raise ValueError(f"structured {structure.format}: {m.get_error()}")
         return m
 
-    def check(self, structure: Structure) -> None:
-        """At submit: ValueError when the request's grammar cannot be used."""
+    def matcher(self, structure: Structure):
+        """At submit, before the request exists: its compiled matcher, or ValueError when the grammar cannot be
+        used."""
         structure.validate()
-        self._new_matcher(structure)
+        return self._new_matcher(structure)
 
-    def admit(self, seq) -> None:
-        if seq.params.structured.after is None:
-            self.matchers[seq] = self._new_matcher(seq.params.structured)
-        else:
-            self.waiting.add(seq)
+    def admit(self, seq, matcher) -> None:
+        """The submitted sequence and the matcher `matcher()` compiled for it."""
+        (self.matchers if seq.params.structured.after is None else self.waiting)[seq] = matcher
 
     def must_sync(self, flight_sampling) -> bool:
         """Whether the step in flight samples a constrained sequence, whose next mask needs that token."""
@@ -129,8 +129,7 @@ class Constraints:
         """A token the sequence produced; True when its grammar is now complete (the reply ends there)."""
         if seq in self.waiting:
             if tok == seq.params.structured.after:
-                self.waiting.discard(seq)
-                self.matchers[seq] = self._new_matcher(seq.params.structured)
+                self.matchers[seq] = self.waiting.pop(seq)
             return False
         m = self.matchers.get(seq)
         if m is None:
@@ -140,7 +139,7 @@ class Constraints:
 
     def release(self, seq) -> None:
         self.matchers.pop(seq, None)
-        self.waiting.discard(seq)
+        self.waiting.pop(seq, None)
 
 
 def apply_masks(logits: mx.array, masks: tuple[list[int], mx.array] | None) -> mx.array:
