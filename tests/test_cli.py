@@ -166,7 +166,7 @@ def test_every_flag_has_help():
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     missing = [f"{name} {a.dest}" for name, p in sub.choices.items() for a in p._actions
                if not a.help and not isinstance(a, argparse._HelpAction)]
-    assert sorted(sub.choices) == ["chat", "convert", "generate", "serve"]
+    assert sorted(sub.choices) == ["cache-prompt", "chat", "convert", "generate", "serve"]
     assert missing == []
     assert all(a.help for a in parser._actions)
 
@@ -174,7 +174,7 @@ def test_every_flag_has_help():
 def test_help_lists_commands():
     r = run_cli("--help")
     assert r.returncode == 0
-    for cmd in ("generate", "convert", "chat", "serve"):
+    for cmd in ("generate", "cache-prompt", "convert", "chat", "serve"):
         assert cmd in r.stdout
 
 

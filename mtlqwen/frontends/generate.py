@@ -35,6 +35,10 @@ def register(subparsers) -> None:
     g.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as is, without the chat template")
     g.add_argument("--chat-template-args", default=None, metavar="JSON",
                    help='extra chat template arguments, e.g. \'{"enable_thinking": false}\'')
+    g.add_argument("--prompt-cache-file", default=None, metavar="FILE",
+                   help="a prompt cache written by `mtlqwen cache-prompt`: its prompt goes before --prompt, in the same "
+                        "user message, with its system prompt and chat-template settings, and its computed state is "
+                        "loaded so that only --prompt's tokens are prefilled; --model defaults to the file's")
     add_sampling_args(g, max_tokens=100)
     g.add_argument("--show-special-tokens", action="store_true",
                    help="print special tokens (<|im_end|>, ...) in the completion; hidden by default")
@@ -42,23 +46,46 @@ def register(subparsers) -> None:
     g.set_defaults(func=cmd_generate)
 
 
-def _read_prompt(p: str) -> str:
+def read_prompt(p: str) -> str:
     return sys.stdin.read() if p == "-" else p.replace("\\n", "\n").replace("\\t", "\t")
 
 
-def _template_flags(args) -> list[str]:
+def template_flags(args) -> list[str]:
     return [f for f, v in (("--system-prompt", args.system_prompt), ("--chat-template-args", args.chat_template_args))
             if v is not None]
 
 
-def _prompt_ids(args, tok, prompt: str, template_kwargs: dict) -> list[int]:
+def prompt_token_ids(args, tok, prompt: str, template_kwargs: dict) -> list[int]:
     if args.ignore_chat_template or not has_chat_template(tok):
-        if _template_flags(args):
-            raise ValueError(f"{_template_flags(args)[0]} does not apply: this tokenizer has no chat template")
+        if template_flags(args):
+            raise ValueError(f"{template_flags(args)[0]} does not apply: this tokenizer has no chat template")
         return list(tok.encode(prompt))
     messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
     messages.append({"role": "user", "content": prompt})
     return list(tok.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs))
+
+
+def from_prompt_cache(args):
+    """--prompt-cache-file: the file's header, its request's settings taken as the flags' (a flag given with another
+    value is an error: the cached tokens were rendered with the file's), and --model the file's when not given."""
+    from ..runtime import prompt_file  # noqa: PLC0415
+
+    if getattr(args, "tensor_parallel", False):
+        raise ValueError("--prompt-cache-file cannot be used with --tensor-parallel")
+    saved = prompt_file.read(args.prompt_cache_file)
+    req = saved.request
+    if args.model is None:
+        args.model = req.get("model")  # None: the built-in demo model, as when it was written
+    for flag, dest, default in (("--system-prompt", "system_prompt", None), ("--chat-template-args", "chat_template_args", None),
+                                ("--ignore-chat-template", "ignore_chat_template", False), ("--draft-bits", "draft_bits", None),
+                                ("--quantize", "quantize", None)):
+        mine, theirs = getattr(args, dest), req.get(dest, default)
+        same = parse_template_args(mine) == parse_template_args(theirs) if dest == "chat_template_args" else mine == theirs
+        if mine != default and not same:
+            raise ValueError(f"{flag} differs from the prompt cache's ({theirs!r}), which its tokens and state were "
+                             "made with; leave the flag out to use the file's")
+        setattr(args, dest, theirs)
+    return saved
 
 
 def cmd_generate(args) -> int:
@@ -67,22 +94,33 @@ def cmd_generate(args) -> int:
     from ..runtime import Engine  # noqa: PLC0415
     from ..runtime.replicated import replicate  # noqa: PLC0415
 
+    saved = from_prompt_cache(args) if args.prompt_cache_file else None
     check_model_args(args)
-    if args.ignore_chat_template and _template_flags(args):
-        raise ValueError(f"{_template_flags(args)[0]} does not apply with --ignore-chat-template")
+    if args.ignore_chat_template and template_flags(args):
+        raise ValueError(f"{template_flags(args)[0]} does not apply with --ignore-chat-template")
     template_kwargs = parse_template_args(args.chat_template_args)
     sampling = sampling_from_args(args)
     group = getattr(args, "group", None)
     if group is not None and args.prompt == "-":
         raise ValueError("--prompt - cannot be used with --tensor-parallel: mlx.launch never passes the end of "
                          "standard input on to the ranks; give the prompt as --prompt TEXT")
-    prompt = _read_prompt(args.prompt)
+    prompt = read_prompt(args.prompt)
+    if saved is not None:
+        prompt = saved.request.get("prompt", "") + prompt
     bars = progress_enabled(args.quiet)
     model, tok, note, drafter = load_with_bar(args, bars)
-    ids = _prompt_ids(args, tok, prompt, template_kwargs)
+    ids = prompt_token_ids(args, tok, prompt, template_kwargs)
     # --tensor-parallel: ranks other than 0 follow rank 0's engine and exit here
     engine = replicate(Engine(model, tokenizer=tok, slots=1, draft=drafter, draft_bits=args.draft_bits), group)
     check_max_tokens(sampling.max_tokens, engine.max_model_len)
+    cached = 0
+    if saved is not None:
+        engine.load_prompt_cache(saved.path)
+        if ids[: len(saved.tokens)] == saved.tokens:
+            cached = len(saved.tokens)
+        else:  # a token merged across the end of the cached prompt
+            print(f"mtlqwen generate: note: {saved.path} is not a token prefix of this prompt; it is prefilled in full",
+                  file=sys.stderr)
     max_tokens, trimmed = fit_reply(len(ids), sampling.max_tokens, engine.max_model_len,
                                     "shorten the prompt")
     if trimmed:
@@ -92,7 +130,7 @@ def cmd_generate(args) -> int:
         print(note, file=sys.stderr)
 
     stream = text_stream(tok, args.show_special_tokens)
-    prompt_bar = PromptProgress(engine, len(ids), bars)
+    prompt_bar = PromptProgress(engine, len(ids) - cached, bars)
     prefill0 = engine.counters["prefill_tokens"]
     t0 = time.perf_counter()
     out, cancelled = None, False
@@ -120,8 +158,10 @@ def cmd_generate(args) -> int:
         return 1
     total = time.perf_counter() - t0
     n = len(out.token_ids)
-    if out.ttft is not None:
-        print(f"Prompt: {out.prompt_tokens} tokens, {out.prompt_tokens / max(out.ttft, 1e-9):.3f} tokens-per-sec")
+    if out.ttft is not None:  # the tokens prefilled; those restored from the prompt cache apart
+        run = out.prompt_tokens - out.cached_tokens
+        reused = f" ({out.cached_tokens} more from the prompt cache)" if out.cached_tokens else ""
+        print(f"Prompt: {run} tokens, {run / max(out.ttft, 1e-9):.3f} tokens-per-sec{reused}")
     else:  # interrupted before the first token: the chunks launched so far
         done = min(engine.counters["prefill_tokens"] - prefill0, out.prompt_tokens)
         print(f"Prompt: {done} of {out.prompt_tokens} tokens, {done / max(total, 1e-9):.3f} tokens-per-sec")

@@ -34,6 +34,10 @@ def register(subparsers) -> None:
     add_model_args(s)
     s.add_argument("--draft", default=None, metavar="PATH", help="a DFlash drafter checkpoint for speculative decoding")
     add_draft_bits_arg(s)
+    s.add_argument("--prompt-cache-file", nargs="+", default=None, metavar="FILE",
+                   help="prompt caches written by `mtlqwen cache-prompt` (same model, dtype and drafter), loaded into the "
+                        "prefix cache at start: requests whose prompts begin with one prefill only the rest (entries "
+                        "are then evicted like any other when the cache is full)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
@@ -155,6 +159,15 @@ def _check_args(args) -> None:
     for name in ("body_timeout", "chat_template_timeout"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {getattr(args, name)}")
+    if args.prompt_cache_file:
+        if args.tensor_parallel:
+            raise ValueError("--prompt-cache-file cannot be used with --tensor-parallel")
+        if args.prefix_interval == 0:
+            raise ValueError("--prompt-cache-file needs the prefix cache (--prefix-interval > 0)")
+        from ..runtime import prompt_file  # noqa: PLC0415
+
+        for f in args.prompt_cache_file:  # before the port is bound: a missing or foreign file fails alone
+            prompt_file.read(f)
     if args.max_model_len is not None and args.max_model_len < 2:
         raise ValueError(f"--max-model-len must be at least 2 (a prompt token and a reply token), got {args.max_model_len}")
 
@@ -225,7 +238,12 @@ def cmd_serve(args) -> int:
         _check_context(model, args.max_model_len)
         if should_warm_up(args.warmup, group):  # before the serving engine: its pool and the warm-up's never coexist
             warm_up(model, engine_kw, tok, log=log.info)
-        return replicate(Engine(model, tokenizer=tok, **engine_kw), group), tok
+        engine = Engine(model, tokenizer=tok, **engine_kw)
+        for f in args.prompt_cache_file or ():
+            saved, new = engine.load_prompt_cache(f)
+            log.info("prompt cache %s: %d tokens%s", saved.path, len(saved.tokens),
+                     "" if new else " (cached already, or larger than the prefix cache's budget: not kept)")
+        return replicate(engine, group), tok
 
     metrics = Metrics(names[0])
     loop = EngineLoop(build, metrics, load_delay=args.debug_load_delay)

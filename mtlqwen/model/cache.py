@@ -104,10 +104,5 @@ class ModelCache:
         self.gdn_taps.clear()
         mx.eval(self.arrays())
 
-    def bundle_pools(self) -> list[mx.array]:
-        """Every pool a bundle id indexes: the target's K and V, then the drafter's when there is one."""
-        d = self.drafter_cache
-        return [*self.k_pools, *self.v_pools, *(d.arrays() if d is not None else ())]
-
     def arrays(self) -> list[mx.array]:
         return [*self.k_pools, *self.v_pools, *self.conv_states, *self.rec_states]

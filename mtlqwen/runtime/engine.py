@@ -31,6 +31,7 @@ from .memory import plan_memory
 from .outputs import Delta, Output, TextState
 from .kv_manager import KVManager, StepSnapshots
 from .prefix_cache import model_identity
+from . import prompt_file
 from .logprobs import StepLogprobs, prompt_logprobs
 from .sampling import SamplingParams, sample_rows
 from .structured import Constraints
@@ -517,6 +518,34 @@ class Engine(Generation):
             **(self.spec.stats() if self.spec is not None else {}),
         }
         return s
+
+    # ---- prompt cache files (prompt_file.py)
+    def save_prompt_cache(self, path, prompt, request: dict | None = None) -> prompt_file.SavedPrompt:
+        """Prefill `prompt` (token ids, or text for the tokenizer) unless the prefix cache holds it, and write its
+        computed state to `path` (.safetensors appended if missing) for load_prompt_cache, in this process or
+        another with the same model. request: what a frontend needs to extend the prompt, stored as JSON."""
+        ids = prompt_ids(prompt, self.tokenizer)
+        self._prompt_files()
+        if self.prefix is None or self.prefix.exact(ids) is None:
+            out = self.generate(ids, SamplingParams(max_tokens=1, temperature=0.0))[0]
+            if out.finish_reason == "error":
+                raise RuntimeError(f"the prompt's prefill failed: {out.error}")
+        drafter = self.spec.drafter if self.spec is not None else None
+        return prompt_file.save(self.kv, self.cache, path, ids, prompt_file.identity(self.model, drafter),
+                                getattr(self.model, "source", None), getattr(drafter, "source", None), request)
+
+    def load_prompt_cache(self, path) -> tuple[prompt_file.SavedPrompt, bool]:
+        """Put a saved prompt into the prefix cache: (its header, whether a new entry was made; False when the
+        prompt is cached already or larger than the cache's budget). ValueError for a file of another model."""
+        self._prompt_files()
+        drafter = self.spec.drafter if self.spec is not None else None
+        return prompt_file.load(self.kv, self.cache, path, prompt_file.identity(self.model, drafter))
+
+    def _prompt_files(self) -> None:
+        if getattr(self.model, "group", None) is not None:  # each rank holds a shard of every pool
+            raise ValueError("prompt cache files are not written or read under tensor parallelism")
+        if self.prefix is None:
+            raise ValueError("prompt cache files need the prefix cache (prefix_interval > 0)")
 
     def clear_prefix_cache(self) -> int:
         """Drop every prefix-cache entry (their bundles return to the pool); returns how many."""

@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import struct
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import mlx.core as mx
 import xxhash
@@ -110,6 +111,15 @@ class Capture:
         return self.state + (self.tail or [])
 
 
+@dataclass(eq=False)
+class _Unsalted:
+    """What keys and inserts read of a sequence, for a bare token list (no cache_salt)."""
+
+    tokens: list[int]
+    params: object = field(default_factory=lambda: SimpleNamespace(cache_salt=None))
+    prefix_keys: list = field(default_factory=list)
+
+
 def _group(seqs: list, row) -> list[tuple[PrefixEntry, mx.array]]:
     """The restored entries in first-seen order, each with the pool rows (int32) of the seqs restoring it."""
     groups: dict[int, tuple[PrefixEntry, list[int]]] = {}
@@ -125,11 +135,12 @@ def _spread(part: mx.array, rows: mx.array) -> mx.array:
     return part if n == 1 else mx.broadcast_to(part, (n, *part.shape[1:]))
 
 
-def _state_pools(cache) -> list[mx.array]:
+def state_pools(cache) -> list[mx.array]:
+    """Every pool a slot row indexes: per GDN layer the conv states, then the recurrent states."""
     return [*cache.conv_states, *cache.rec_states]
 
 
-def _kv_pools(cache) -> list[mx.array]:
+def bundle_pools(cache) -> list[mx.array]:
     # every pool a bundle id indexes: the target's K/V, and the drafter's (speculative.py sets cache.drafter_cache)
     d = getattr(cache, "drafter_cache", None)
     return [*cache.k_pools, *cache.v_pools, *(d.arrays() if d is not None else ())]
@@ -229,7 +240,7 @@ class PrefixCache:
         zero = [r for r in zero_slots if r not in mine]  # a restored slot is overwritten: no zeroing first
         by_entry = _group(seqs, lambda seq: seq.slot)
         zero_rows = mx.array(zero, dtype=mx.int32) if zero else None
-        for i, pool in enumerate(_state_pools(cache)):  # pool [slots, ...]; entry state [1, ...]
+        for i, pool in enumerate(state_pools(cache)):  # pool [slots, ...]; entry state [1, ...]
             if zero_rows is not None:
                 pool[zero_rows] = mx.zeros((), pool.dtype)
             for e, rows in by_entry:
@@ -237,7 +248,7 @@ class PrefixCache:
         tailed = [seq for seq in seqs if seq.restore.tail is not None]
         if tailed:
             bt = self.block_tokens
-            for i, pool in enumerate(_kv_pools(cache)):  # pool [blocks, ...]; entry tail [1, ...]
+            for i, pool in enumerate(bundle_pools(cache)):  # pool [blocks, ...]; entry tail [1, ...]
                 for e, rows in _group(tailed, lambda seq: seq.block_table[seq.restore.length // bt]):
                     pool[rows] = _spread(e.tail[i], rows)
 
@@ -262,11 +273,11 @@ class PrefixCache:
         self.pool.share(blocks)
         if state is None:
             rows = mx.array([seq.slot], dtype=mx.int32)
-            state = [mx.take(p, rows, axis=0) for p in _state_pools(cache)]
+            state = [mx.take(p, rows, axis=0) for p in state_pools(cache)]
         tail = None
         if end % bt:
             b = mx.array([seq.block_table[end // bt]], dtype=mx.int32)
-            tail = [mx.take(p, b, axis=0) for p in _kv_pools(cache)]
+            tail = [mx.take(p, b, axis=0) for p in bundle_pools(cache)]
         return Capture(seq, end, blocks, state, tail)
 
     def publish(self, caps: list[Capture]) -> list[PrefixEntry]:
@@ -294,9 +305,7 @@ class PrefixCache:
         """A turn entry for seq's first `length` tokens (all computed, on the host; its slot's state is
         exactly after them): call before the slot is released. False when that prefix is cached already
         (touched instead) or the entry did not fit."""
-        k, rest = divmod(length, self.interval)
-        bucket = self._bucket(seq, k)
-        key = chunk_key(bucket, seq.tokens[k * self.interval : length]) if rest else bucket
+        key, bucket = self._turn_key(seq, length)
         e = self.entries.get(key)
         if e is not None:
             if e.tokens == token_bytes(seq.tokens[:length]):
@@ -304,11 +313,37 @@ class PrefixCache:
             return False  # cached already, or a collision: a miss for the next turn, never a wrong answer
         c = self._snapshot(seq, length, cache)
         mx.async_eval(*c.arrays())  # before the next step's in-place writes into the slot and block
-        return self._insert(key, c, bucket if rest else None)
+        return self._insert(key, c, bucket)
 
-    def _insert(self, key: int, c: Capture, bucket: int | None) -> bool:
+    def _turn_key(self, seq, length: int) -> tuple[int, int | None]:
+        """(key, bucket) of an entry for seq's first `length` tokens: an interval entry (bucket None) on a
+        boundary, else a turn entry of its longest whole-interval prefix's bucket."""
+        k, rest = divmod(length, self.interval)
+        bucket = self._bucket(seq, k)
+        return (chunk_key(bucket, seq.tokens[k * self.interval : length]), bucket) if rest else (bucket, None)
+
+    # ---- entries made elsewhere (a saved prompt: runtime/prompt_file.py)
+    def exact(self, tokens: list[int]) -> PrefixEntry | None:
+        """The entry for exactly these tokens (unsalted), or None."""
+        if not tokens:
+            return None
+        e = self.entries.get(self._turn_key(_Unsalted(tokens), len(tokens))[0])
+        return e if e is not None and e.tokens == token_bytes(tokens) else None
+
+    def adopt(self, tokens: list[int], blocks: list[int], state: list[mx.array],
+              tail: list[mx.array] | None) -> PrefixEntry | None:
+        """An entry for exactly these tokens (unsalted) from state computed elsewhere, taking over one reference
+        to each of `blocks` (written already); None when that prefix is cached already (the references are
+        dropped) or the entry did not fit the budget."""
+        prefix = _Unsalted(tokens)
+        key, bucket = self._turn_key(prefix, len(tokens))
+        if not self._insert(key, Capture(prefix, len(tokens), blocks, state, tail), bucket, counted=False):
+            return None
+        return self.entries[key]
+
+    def _insert(self, key: int, c: Capture, bucket: int | None, counted: bool = True) -> bool:
         """Store capture c under key (taking over its block references), then evict down to the budget;
-        a duplicate or a key collision drops c's references instead."""
+        a duplicate or a key collision drops c's references instead. counted: a turn entry counts as kept."""
         tokens = token_bytes(c.seq.tokens[: c.length])
         e = self.entries.get(key)
         if e is not None:
@@ -320,7 +355,7 @@ class PrefixCache:
         self.entries[key] = PrefixEntry(key, c.length, tokens, c.blocks, c.state, c.tail, nbytes, bucket=bucket)
         if bucket is not None:
             self.turns.setdefault(bucket, []).append(key)
-            self.counters["prefix_turns_kept"] += 1
+            self.counters["prefix_turns_kept"] += counted
         self.nbytes += nbytes
         while self.nbytes > self.budget and self._evict_one():
             pass
