@@ -151,12 +151,16 @@ class _Request(StrictBody):
             min_tokens=self.min_tokens,
         )
 
+    def structure_fields(self) -> list[tuple[str, Any]]:
+        """(name, value) of each field given that constrains the reply's form."""
+        return [(name, v) for name, v in (("response_format", self.response_format), ("guided_json", self.guided_json),
+                                          ("guided_regex", self.guided_regex), ("guided_choice", self.guided_choice),
+                                          ("guided_grammar", self.guided_grammar))
+                if v is not None and not isinstance(v, TextFormat)]
+
     def structure(self) -> tuple[str, str] | None:
         """(format, text) of the reply's form (structured.Structure without `after`); None: free text."""
-        given = [(name, v) for name, v in (("response_format", self.response_format), ("guided_json", self.guided_json),
-                                           ("guided_regex", self.guided_regex), ("guided_choice", self.guided_choice),
-                                           ("guided_grammar", self.guided_grammar))
-                 if v is not None and not isinstance(v, TextFormat)]
+        given = self.structure_fields()
         if not given:
             return None
         if len(given) > 1:
@@ -223,6 +227,10 @@ class ChatRequest(_Request):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
             raise APIError(f"'tool_choice' names '{choice.function.name:.100}', which is not one of the 'tools'", 400,
                            "tool_choice.function.name")
+        fields = self.structure_fields()
+        if fields:  # the forced call's arguments open the reply, where the grammar would hold it to the format
+            raise APIError(f"'tool_choice' forces a tool call and '{fields[0][0]}' a form for the whole reply: "
+                           "send one of them", 400, fields[0][0])
         return self
 
     @model_validator(mode="after")
