@@ -166,7 +166,7 @@ def test_every_flag_has_help():
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     missing = [f"{name} {a.dest}" for name, p in sub.choices.items() for a in p._actions
                if not a.help and not isinstance(a, argparse._HelpAction)]
-    assert sorted(sub.choices) == ["cache-prompt", "chat", "convert", "generate", "serve"]
+    assert sorted(sub.choices) == ["benchmark", "cache-prompt", "chat", "convert", "generate", "serve"]
     assert missing == []
     assert all(a.help for a in parser._actions)
 
@@ -174,7 +174,7 @@ def test_every_flag_has_help():
 def test_help_lists_commands():
     r = run_cli("--help")
     assert r.returncode == 0
-    for cmd in ("generate", "cache-prompt", "convert", "chat", "serve"):
+    for cmd in ("generate", "cache-prompt", "benchmark", "convert", "chat", "serve"):
         assert cmd in r.stdout
 
 
@@ -268,3 +268,35 @@ def test_sampling_defaults_demo_samples_unless_told():
     assert sampling_defaults(ns(model="random")) == (0.0, 1.0)
     assert sampling_defaults(ns(temp=0.0)) == (0.0, 0.95)
     assert sampling_defaults(ns(model="./ckpt", temp=0.3, top_p=0.5)) == (0.3, 0.5)
+
+
+def test_benchmark_reports_each_trial_and_their_average():
+    r = run_cli("benchmark", "--model", "random", "-p", "24", "-g", "6", "-b", "3", "-n", "2")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "Running warmup: 3 x 24 prompt tokens, 6 generated each"
+    rows = [dict(kv.split("=") for kv in line.split(": ", 1)[1].split(", ")) for line in lines[1:]]
+    assert [line.split(":")[0] for line in lines[1:]] == ["Trial 1", "Trial 2", "Averages"]
+    for key in ("prompt_tps", "generation_tps", "peak_memory"):
+        got = [float(row[key]) for row in rows]
+        assert all(v > 0 for v in got) and abs(got[2] - (got[0] + got[1]) / 2) <= 1e-3 + 1e-6 * got[2], (key, got)
+
+
+def test_benchmark_counts_the_tokens_after_each_first(ckpt):
+    from mtlqwen.frontends.benchmark import trial  # noqa: PLC0415
+
+    eng = Engine(mtlqwen.load(ckpt), slots=3, block_tokens=16, num_blocks=24)
+    prompts = [[5 + i] * (10 + i) for i in range(3)]
+    r = trial(eng, prompts, 7)
+    assert r["generation_tokens"] == 3 * (7 - 1)  # each request's first token is timed with the prompts
+    assert eng.stats()["running"] == 0 and not eng.has_work()
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["-p", "0"], "--prompt-tokens must be at least 1, got 0"),
+    (["-n", "0"], "--num-trials must be at least 1, got 0"),
+    (["-p", "8190", "-g", "16"], "do not fit the model's context of 8192 tokens"),
+])
+def test_benchmark_refuses_what_cannot_run(args, msg):
+    r = run_cli("benchmark", "--model", "random", *args)
+    assert r.returncode == 1 and msg in r.stderr, r.stderr
