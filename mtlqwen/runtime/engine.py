@@ -79,55 +79,12 @@ def _load(model_or_path, tokenizer):
 class Engine(Generation):
     """Batched generation over a fixed number of slots with paged KV memory.
 
-    Options come as keywords (below) or as `config=EngineConfig(...)` (config.py; keywords override its
-    fields); `engine.engine_config` holds the validated result. model_or_path: a Qwen35Model or what `mtlqwen.load` accepts. tokenizer: an object with
+    Options come as keywords or as `config=EngineConfig(...)` (keywords override its fields); config.py's
+    EngineConfig says what each one does, and `engine.engine_config` holds the validated result.
+    model_or_path: a Qwen35Model or what `mtlqwen.load` accepts. tokenizer: an object with
     encode/decode/detokenizer (or a path for `mtlqwen.load_tokenizer`); when None and the model is a
     checkpoint directory holding tokenizer.json, that tokenizer is loaded. Without a tokenizer prompts
-    must be token ids and outputs carry no text. The KV pool holds num_blocks bundles of block_tokens
-    tokens, or kv_bytes worth, or a device-sized default (memory.py). pad_buckets=True pads each
-    step's token count to a power-of-two bucket with a dummy sequence (exact: it owns a scratch slot
-    and block). Off by default: MLX caches CUDA graphs by topology, not shape, and the kernels are
-    specialised by dtype and head geometry, not by T, so padding would only add work; it is there
-    for back-ends or compiled paths that key on shapes (runtime_bench.py --pad-buckets on measures it).
-    prefill_step_tokens: the token budget of a step in which no sequence decodes (default
-    config.DEFAULT_PREFILL_STEP = 1024, never below step_tokens): a long prompt nobody waits behind is not
-    cut into step_tokens chunks; with decoders in the batch every step keeps step_tokens.
-    prefix_interval: tokens between prefix-cache snapshots (default 512; 0 turns the prefix cache off);
-    prefix_cache_bytes: the snapshots' memory budget (default 1 GiB), LRU-evicted (prefix_cache.py).
-    prefix_in_step: prefill chunks run across snapshot boundaries, the GDN states there taken inside the
-    step (model/gdn_taps.py), instead of every chunk stopping at the next boundary (default off).
-
-    draft: a DFlash drafter (Drafter, directory or repo id) for speculative decoding; n_draft: drafts per
-    step (default the drafter's block_size - 1; with step_tokens given, capped so every slot can verify within
-    it; without, the step budget grows from 128 to slots x (n_draft + 1) where that is more);
-    a request opts out with SamplingParams(speculative=False) (speculative.py). verify_commit: how verified GDN
-    states are committed, "candidates" or "replay" (see Qwen35Model); default: chosen per step by
-    the step's verify rows, from the H200 measurement (speculative.REPLAY_MIN_ROWS).
-    draft_policy: "fixed" (every eligible sequence sends n_draft drafts), "adaptive" (draft length and
-    speculating sequences per step from a step-cost table and each sequence's running acceptance, so that
-    by the table a drafter never slows the engine; n_draft is then the longest run) or a policy object
-    (draft_policy.py); default adaptive when the GPU kernels run (the default table is the H200's) or
-    draft_costs is given, else fixed. draft_costs: the adaptive policy's table, a draft_policy.StepCosts or a JSON
-    file (spec_bench.py --json output); default draft_policy.H200_9B_COMPILED_COSTS when steps compile, else
-    H200_9B_COSTS. Each sequence's drafts are rounded down to a draft length (draft_policy.draft_lengths:
-    1, 3, 7, 15 and n_draft), so that few compiled traces and kernel instantiations serve a workload. draft_bits: 8 or 4 quantizes
-    the drafter's projections (group 64): at load for a directory or repo id, into a new Drafter for a
-    loaded float one (model/dflash.quantize_drafter).
-
-    compile_decode: run steps in which every sequence decodes one token through `mx.compile`
-    (model/compiled.py); default on when the GPU kernels run, off on the CPU references (the uncompiled
-    graphs are the references). With a drafter it also compiles decode steps with taps, steps in which
-    every sequence verifies, and the drafter's proposals and context writes (model/compiled_draft.py);
-    mixed steps (prefill chunks next to verifications) stay uncompiled. spec_pipeline (compiled engines,
-    greedy requests) launches an all-verify step while the previous one is in flight (runtime/spec_pipeline.py
-    says when it falls back to the synchronous rule); default on where the steps are compiled (benchmarks/spec.md:
-    1.89x -> 2.33x plain at 1 request and 1.54x -> 2.25x at 8 on the H200, tau 6).
-
-    dense_weights: keep a dequantized copy of each quantized decoder projection (the scales' dtype: 4x a 4-bit
-    model's projections) for the GEMMs past qgemm's rows (prefill chunks, wide verifications), which otherwise
-    dequantize their weights every step (runtime/dense_weights.py); default on with the CUDA kernels where the
-    copies fit in a third of the device memory the weights leave, else off; never on the CPU references, which read
-    the quantized weights. `engine.dense_bytes` (stats' `dense_weight_bytes`): what they hold.
+    must be token ids and outputs carry no text.
 
     Not thread-safe: one thread calls submit/step/cancel (a server feeds it through a queue)."""
 
