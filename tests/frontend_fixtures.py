@@ -84,7 +84,7 @@ def write_tiny_chat_checkpoint(dest: pathlib.Path, seed: int = 0, eos_reachable:
 # ---- the server app in process (starlette's TestClient)
 
 def app_for(ckpt: pathlib.Path, api_key: str | None = None, wrap_engine=None, num_blocks: int = 32,
-            prefix_interval: int = 512, **cfg):
+            prefix_interval: int = 512, served_names: tuple[str, ...] = ("tiny",), **cfg):
     """The serve app over a 2-slot engine of `num_blocks` 16-token blocks on `ckpt`; wrap_engine(engine) may
     stand in for the engine."""
     from mtlqwen.frontends.engine_loop import EngineLoop
@@ -100,7 +100,7 @@ def app_for(ckpt: pathlib.Path, api_key: str | None = None, wrap_engine=None, nu
         return (wrap_engine(engine) if wrap_engine else engine), tok
 
     loop = EngineLoop(build, Metrics("tiny"))
-    return build_app(loop, ServerConfig(served_names=("tiny",), slots=2, api_key=api_key, **cfg))
+    return build_app(loop, ServerConfig(served_names=served_names, slots=2, api_key=api_key, **cfg))
 
 
 class ScriptedEngine:

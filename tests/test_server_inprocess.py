@@ -386,3 +386,28 @@ def test_best_of_answers_the_likeliest_candidates(ckpt):
         assert error_of(c.post("/v1/completions", json={**body, "best_of": 1, "n": 2}), 400)["param"] == "best_of"
         assert error_of(c.post("/v1/completions", json={**body, "best_of": 2, "stream": True}), 400)["param"] == \
             "best_of"
+
+
+def test_a_pattern_among_the_served_names_matches_request_names(ckpt):
+    from mtlqwen.frontends.server_state import ServerConfig  # noqa: PLC0415
+
+    with TestClient(app_for(ckpt, served_names=("tiny", "claude-*", "gpt-?"))) as c:
+        wait_ok(c)
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny"]  # patterns are not listed
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        for name in ("tiny", "claude-haiku-4-5", "gpt-4"):
+            r = c.post("/v1/chat/completions", json={**chat, "model": name})
+            assert r.status_code == 200 and r.json()["model"] == "tiny", (name, r.text)
+        for name in ("claude", "gpt-40", "Claude-x"):  # whole-name, case-sensitive matches only
+            assert error_of(c.post("/v1/chat/completions", json={**chat, "model": name}), 404)["param"] == "model"
+        msg = {"model": "claude-sonnet-4-5", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        r = c.post("/v1/messages", json=msg)
+        assert r.status_code == 200 and r.json()["model"] == "tiny", r.text
+    with pytest.raises(ValueError, match="cannot be a pattern: 'claude-\\*'"):
+        ServerConfig(served_names=("claude-*", "tiny"), slots=1)
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from mtlqwen.frontends.server import served_names  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match="--served-model-name: the first name .* cannot be a pattern"):
+        served_names(SimpleNamespace(served_model_name=["claude-*"], model=None))

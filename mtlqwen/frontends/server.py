@@ -42,7 +42,8 @@ def register(subparsers) -> None:
     s.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model names requests may use and /v1/models lists; the first is the one responses "
-                        "carry (default: the checkpoint's name, and 'default'). Any other name gets a 404")
+                        "carry (default: the checkpoint's name, and 'default'). Any other name gets a 404. A name with "
+                        "shell wildcards is a pattern, not listed: e.g. 'claude-*' for Anthropic clients' own names")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (or set MTLQWEN_API_KEY); "
                         "also enables the operator endpoint POST /reset_prefix_cache")
@@ -125,6 +126,11 @@ def served_names(args) -> tuple[str, ...]:
         names = tuple(dict.fromkeys(args.served_model_name))
         if any(not n.strip() for n in names):
             raise ValueError("--served-model-name: names must not be empty")
+        from .server_state import is_pattern  # noqa: PLC0415
+
+        if is_pattern(names[0]):
+            raise ValueError(f"--served-model-name: the first name is the one responses carry, so it cannot be a "
+                             f"pattern: {names[0]!r}")
         return names
     if args.model is None:
         return (BUILTIN_NAME, "default")

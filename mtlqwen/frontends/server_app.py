@@ -166,7 +166,7 @@ async def messages(request: Request) -> Response:
 async def models(request: Request) -> Response:
     st = state(request)
     cards = []
-    for name in st.cfg.served_names:
+    for name in st.cfg.listed_names:
         card = {"id": name, "object": "model", "created": st.cfg.started, "owned_by": "mtlqwen",
                 "root": st.cfg.model_name}
         if st.loop.engine is not None:

@@ -5,6 +5,7 @@ shape of the route's API).
 
 from __future__ import annotations
 
+import fnmatch
 import time
 from dataclasses import dataclass, field
 
@@ -21,6 +22,11 @@ from .responses_api import parse_responses
 from .request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait: a slot frees as soon as any request ends
+
+
+def is_pattern(name: str) -> bool:
+    """A served model name with shell wildcards (*, ?, [...]) matches request names instead of being one."""
+    return any(c in name for c in "*?[")
 
 
 @dataclass
@@ -41,6 +47,18 @@ class ServerConfig:
     def __post_init__(self):
         if not self.served_names:
             raise ValueError("at least one served model name is needed")
+        if is_pattern(self.served_names[0]):
+            raise ValueError(f"the first served model name is the one responses carry, so it cannot be a pattern: "
+                             f"{self.served_names[0]!r}")
+
+    @property
+    def listed_names(self) -> tuple[str, ...]:
+        """The names /v1/models lists: the plain ones (a pattern names no model a client could pick)."""
+        return tuple(n for n in self.served_names if not is_pattern(n))
+
+    def serves(self, name: str) -> bool:
+        """A plain served name, or one a pattern matches (shell-style, case-sensitive: 'claude-*')."""
+        return name in self.served_names or any(is_pattern(p) and fnmatch.fnmatchcase(name, p) for p in self.served_names)
 
     @property
     def model_name(self) -> str:
@@ -64,7 +82,7 @@ class ServerState:
             raise oa.APIError(f"the engine is not running: {self.loop.error}", 503, type_="server_error")
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.cfg.served_names:
+        if name is not None and not self.cfg.serves(name):
             raise oa.APIError(f"the model '{name:.100}' does not exist; this server serves: "
                               f"{', '.join(self.cfg.served_names)}", 404, "model", "model_not_found")
 
