@@ -167,3 +167,35 @@ def test_a_raw_prompt_takes_no_tools(served):
     c, _ = served
     r = c.post("/v1/completions", json={"prompt": "x", "tools": TOOLS, "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+CHOICES = [{"type": "function", "function": {
+    "name": "set_light", "description": "Set a lamp",
+    "parameters": {"type": "object", "properties": {"room": {"type": "string", "enum": ["hall", "kitchen"]},
+                                                    "on": {"type": "boolean"}, "level": {"type": "integer"}},
+                   "required": ["room", "on"]}}},
+    {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "set_light"}}])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_forced_call_from_the_real_model_is_held_to_the_schema(served, choice, seed):
+    """The tiny random model writes noise; under a forced tool_choice the grammar makes its reply calls that parse,
+    every argument of its schema's type, each required one present."""
+    c, _ = served
+    body = {"messages": [{"role": "user", "content": "Lights?"}], "tools": CHOICES, "tool_choice": choice,
+            "seed": seed, "temperature": 1.0, "max_tokens": 400, "parallel_tool_calls": seed != 3}
+    msg = c.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert msg["finish_reason"] == "tool_calls" and not (msg["message"]["content"] or "").strip(), msg
+    calls = _calls(msg["message"]["tool_calls"])
+    assert calls and (len(calls) == 1 or seed != 3)
+    if isinstance(choice, dict):
+        assert calls[0]["name"] == "set_light"
+    for call in calls:
+        args = call["arguments"]
+        if call["name"] == "ping":
+            assert args == {}
+            continue
+        assert {"room", "on"} <= set(args) <= {"room", "on", "level"}, args
+        assert args["room"] in ("hall", "kitchen") and isinstance(args["on"], bool)
+        assert isinstance(args.get("level", 0), int)

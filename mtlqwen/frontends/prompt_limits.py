@@ -13,6 +13,7 @@ ends with finish_reason "length" at the context's edge.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import fields
 from typing import Any, NamedTuple
 
@@ -21,7 +22,10 @@ from .api_requests import ParsedRequest
 from .api_responses import APIError
 from .prompting import has_chat_template, render_ids
 from .reasoning import CLOSE, prompt_opens_thinking
-from .tool_calls import forced_opening
+from .tool_calls import forced_opening, schemas_of
+from .tool_grammar import call_grammar
+
+log = logging.getLogger("mtlqwen.serve")
 
 
 
@@ -29,6 +33,21 @@ class Prompt(NamedTuple):
     ids: list[int]
     in_reasoning: bool  # the prompt leaves the model inside a thinking block
     opened_call: str = ""  # the opening of a call the prompt forces (tool_calls.forced_opening); the reply continues it
+    call_grammar: str | None = None  # the forced call's rest (tool_grammar.call_grammar), None where not held to it
+
+
+def forced_call_grammar(req: ParsedRequest, xml: bool) -> str | None:
+    """The grammar of a forced call's rest for the request's tools; None where llguidance cannot compile one from
+    their schemas (a schema feature it does not support): the call is then forced without it, as the model writes it."""
+    from ..runtime.structured import Structure  # noqa: PLC0415
+
+    g = call_grammar(schemas_of(req.tools), req.forced_call, xml, req.parallel_tool_calls)
+    try:
+        Structure("lark", g).grammar()
+    except ValueError as e:
+        log.warning("a forced tool call runs without its grammar: %s", e)
+        return None
+    return g
 
 
 class PromptBuilder:
@@ -89,19 +108,22 @@ class PromptBuilder:
             raise APIError(f"{e} for these messages", 400, "messages", "template_timeout") from None
         except Exception as e:  # the template rejected the conversation (raise_exception, bad types, sandbox)
             raise APIError(f"the chat template rejected the messages: {type(e).__name__}: {e}", 400, "messages") from None
-        opened = ""
-        if req.forced_call is not None:  # tool_choice asks for a call: the prompt opens it
+        opened, grammar = "", None
+        if req.forced_call is not None:  # tool_choice asks for a call: the prompt opens it, a grammar holds the rest
             xml = "<function=" in tok.template_source(req.template_kwargs.get("chat_template"), req.tools)
             opened = forced_opening(req.forced_call, xml, prompt_opens_thinking(text))
             ids, text = ids + tok.encode(opened), text + opened
+            grammar = forced_call_grammar(req, xml)
         if len(ids) >= self.limit():
             raise self._too_long("messages", str(len(ids)), "messages")
-        return Prompt(ids, prompt_opens_thinking(text), opened)
+        return Prompt(ids, prompt_opens_thinking(text), opened, grammar)
 
     # ---- sampling
-    def sampling_params(self, req: ParsedRequest, prompt_len: int, in_reasoning: bool = False):
+    def sampling_params(self, req: ParsedRequest, prompt_len: int, in_reasoning: bool = False,
+                        call_grammar: str | None = None):
         """in_reasoning: the prompt leaves the model thinking, so a structured reply's form starts after the
-        thinking's end token (Structure.after)."""
+        thinking's end token (Structure.after). call_grammar: a forced call's (Prompt.call_grammar), which holds the
+        reply from its first token (the prompt closed any thinking before the call's opening)."""
         from ..runtime import SamplingParams  # noqa: PLC0415
         from ..runtime.structured import Structure  # noqa: PLC0415
 
@@ -109,6 +131,8 @@ class PromptBuilder:
         if req.structure is not None:
             end = self.loop.tokenizer.token_to_id(CLOSE) if in_reasoning else None
             s["structured"] = Structure(*req.structure, after=end)
+        elif call_grammar is not None:
+            s["structured"] = Structure("lark", call_grammar)
         room = self.limit() - prompt_len
         s["max_tokens"] = min(self.cfg.defaults.max_tokens if s["max_tokens"] is None else s["max_tokens"], room)
         try:

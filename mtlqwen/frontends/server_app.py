@@ -50,8 +50,8 @@ async def generate(request: Request, kind: str) -> Response:
     st.check_model(req.model)
     st.ready()
     st.check_capacity(req.best_of)  # before the work of tokenising, and again once it is done
-    ids, in_reasoning, opened = await run_in_threadpool(st.prompts.prompt_ids, req)
-    params = st.prompts.sampling_params(req, len(ids), in_reasoning)
+    ids, in_reasoning, opened, call_grammar = await run_in_threadpool(st.prompts.prompt_ids, req)
+    params = st.prompts.sampling_params(req, len(ids), in_reasoning, call_grammar)
     st.check_capacity(req.best_of)
     rid = {"messages": new_message_id, "responses": new_response_id}.get(kind, lambda: oa.new_id(kind))()
     lp_tok = st.loop.tokenizer if params.logprobs is not None else None  # what the client asked to see

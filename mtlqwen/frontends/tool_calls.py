@@ -64,14 +64,14 @@ _JSON_TYPE = {bool: "boolean", int: "integer", float: "number", str: "string", t
               list: "array"}
 
 
-def _types(schema: Mapping) -> list[str]:
+def json_types(schema: Mapping) -> list[str]:
     """The JSON types a parameter's schema allows: `type`, the branches of `anyOf` / `oneOf`, an `enum`'s values."""
     t = schema.get("type")
     found = [t] if isinstance(t, str) else list(t) if isinstance(t, list) else []
     for key in ("anyOf", "oneOf"):
         for branch in schema.get(key) or []:
             if isinstance(branch, Mapping):
-                found += _types(branch)
+                found += json_types(branch)
     if not found and isinstance(schema.get("enum"), list):
         found = [_JSON_TYPE.get(type(v), "string") for v in schema["enum"]]
     return found
@@ -85,7 +85,7 @@ _CHECK = {"integer": lambda x: isinstance(x, int) and not isinstance(x, bool),
 def convert_value(text: str, schema: Mapping | None) -> Any:
     """An XML parameter's text as the value its schema asks for. The text itself when the schema allows a
     string (the model wrote text), names no type, or the text is a value of none of the types it names."""
-    types = _types(schema or {})
+    types = json_types(schema or {})
     if not types or "string" in types:
         return text
     s = text.strip()
