@@ -100,16 +100,6 @@ def test_adopt_evicts_for_room_and_refuses_what_cannot_fit():
         KVManager(8, 4, identity="e").adopt([1, 2], rows, state, cache)
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def model(ckpt):
-    return mtlqwen.load(ckpt)
-
-
 @pytest.mark.parametrize("length", [1, 16, 37, 64, 100])
 def test_a_loaded_prompt_continues_as_a_fresh_engine_does(model, tmp_path, length):
     prompt = random_token_ids(length, 500, seed=length)
