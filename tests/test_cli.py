@@ -103,6 +103,7 @@ LONG = "a" * 2030  # 2030 byte tokens without the template: 18 left of the 2048-
      "the prompt (2048 tokens) fills the model's context of 2048 tokens: shorten the prompt"),
     (["chat", "--debug-token-log", "/no/such/dir/log.jsonl"], "No such file or directory"),
     (["chat", "--prefix-interval", "-1"], "--prefix-interval must be >= 0"),
+    (["chat", "--model", "{ckpt}", "--prefix-cache-bytes", "1KB"], "prefix_cache_bytes=1000 is less than one snapshot"),
     (["chat", "--model", "{ckpt}", "--top-k", "300"], "top_k must be <= the vocabulary size 272"),
     (["generate", "--model", "{ckpt}", "--top-k", "300"], "top_k must be <= the vocabulary size 272"),
 ])
@@ -300,3 +301,19 @@ def test_benchmark_counts_the_tokens_after_each_first(ckpt):
 def test_benchmark_refuses_what_cannot_run(args, msg):
     r = run_cli("benchmark", "--model", "random", *args)
     assert r.returncode == 1 and msg in r.stderr, r.stderr
+
+
+def test_sizes_for_the_prefix_cache_budget():
+    from mtlqwen.frontends.args import parse_bytes  # noqa: PLC0415
+    from mtlqwen.frontends.server import _engine_kwargs  # noqa: PLC0415
+
+    assert [parse_bytes(t) for t in ("1073741824", "512MB", "4GiB", "1.5G", "64kib")] == [
+        2**30, 512 * 10**6, 4 * 2**30, 1_500_000_000, 2**16]
+    for bad in ("4XB", "-1", "", "1e9"):
+        with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+            parse_bytes(bad)
+    args = build_parser().parse_args(["serve", "--prefix-cache-bytes", "4GiB"])
+    assert _engine_kwargs(args)["prefix_cache_bytes"] == 4 * 2**30
+    assert "prefix_cache_bytes" not in _engine_kwargs(build_parser().parse_args(["serve"]))
+    r = run_cli("serve", "--prefix-cache-bytes", "lots")
+    assert r.returncode == 2 and "argument --prefix-cache-bytes: not a size: 'lots'" in r.stderr

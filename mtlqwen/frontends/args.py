@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 MODEL_HELP = (
@@ -80,6 +81,25 @@ def add_warmup_arg(p: argparse.ArgumentParser) -> None:
                    help="before serving, run a small throwaway workload so that the GPU kernels the first "
                         "requests need are compiled (MLX compiles each at first use, seconds on CUDA); "
                         "auto (default): when the GPU kernels run; skipped under --tensor-parallel")
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count as a flag takes it: 1073741824, 512MB, 4GiB, 1.5G (decimal units, or binary with 'i')."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1073741824, 512MB, 4GiB)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def add_prefix_cache_bytes_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefix-cache-bytes", type=parse_bytes, default=None, metavar="SIZE",
+                   help="memory the prefix cache's snapshots may hold, e.g. 4GiB (default 1GiB; at least one snapshot, "
+                        "~49 MiB of GDN state for the 9B); least recently used entries are evicted beyond it")
 
 
 def add_quiet_arg(p: argparse.ArgumentParser) -> None:

@@ -20,7 +20,7 @@ import sys
 import time
 
 from .args import (
-    add_draft_bits_arg, add_model_args, add_quiet_arg, add_sampling_args, add_warmup_arg, check_max_tokens,
+    add_draft_bits_arg, add_model_args, add_prefix_cache_bytes_arg, add_quiet_arg, add_sampling_args, add_warmup_arg, check_max_tokens,
     check_model_args, fit_reply, load_with_bar, parse_template_args, sampling_from_args,
 )
 from .prompting import continuation, has_chat_template, render
@@ -50,6 +50,7 @@ def register(subparsers) -> None:
     add_sampling_args(c, max_tokens=512)
     c.add_argument("--prefix-interval", type=int, default=None,
                    help="prefix-cache snapshot interval in tokens (default: the engine's, 512; 0 turns the cache off)")
+    add_prefix_cache_bytes_arg(c)
     add_warmup_arg(c)
     c.add_argument("--verbose", "-v", action="store_true", help="print token counts and speed after each reply")
     c.add_argument("--debug-token-log", default=None, metavar="PATH",
@@ -153,8 +154,9 @@ def _engine_kwargs(args) -> dict:
     if args.prefix_interval is not None and args.prefix_interval < 0:
         raise ValueError(f"--prefix-interval must be >= 0 (0 turns the prefix cache off), got {args.prefix_interval}")
     kw = {"slots": 1} if args.prefix_interval is None else {"slots": 1, "prefix_interval": args.prefix_interval}
-    if getattr(args, "draft_bits", None) is not None:
-        kw["draft_bits"] = args.draft_bits
+    for name in ("draft_bits", "prefix_cache_bytes"):
+        if getattr(args, name, None) is not None:
+            kw[name] = getattr(args, name)
     return kw
 
 

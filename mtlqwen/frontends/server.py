@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from .args import (
-    add_draft_bits_arg, add_model_args, add_sampling_args, add_warmup_arg, check_draft_bits,
+    add_draft_bits_arg, add_model_args, add_prefix_cache_bytes_arg, add_sampling_args, add_warmup_arg, check_draft_bits,
     load_model_and_tokenizer, parse_template_args, penalty_args, read_template_file, sampling_defaults,
     sampling_from_args,
 )
@@ -68,6 +68,7 @@ def register(subparsers) -> None:
                    help="context limit per request, prompt and reply together (default and maximum: the model's)")
     s.add_argument("--prefix-interval", type=int, default=None,
                    help="prefix-cache snapshot interval in tokens (default: the engine's, 512; 0 turns the cache off)")
+    add_prefix_cache_bytes_arg(s)
     add_warmup_arg(s)
     s.add_argument("--chat-template-args", default=None, metavar="JSON",
                    help='default chat template arguments, e.g. \'{"enable_thinking": false}\' '
@@ -101,7 +102,7 @@ def _engine_kwargs(args) -> dict:
     """Engine arguments from the flags (those left unset keep the engine's defaults)."""
     kw = dict(slots=args.slots, step_tokens=args.step_tokens, block_tokens=args.block_tokens,
               prefill_step_tokens=args.prefill_step_tokens)
-    for name in ("num_blocks", "max_model_len", "prefix_interval", "draft", "draft_bits"):
+    for name in ("num_blocks", "max_model_len", "prefix_interval", "prefix_cache_bytes", "draft", "draft_bits"):
         v = getattr(args, name, None)
         if v is not None:
             kw[name] = v
