@@ -411,3 +411,50 @@ def test_a_pattern_among_the_served_names_matches_request_names(ckpt):
 
     with pytest.raises(ValueError, match="--served-model-name: the first name .* cannot be a pattern"):
         served_names(SimpleNamespace(served_model_name=["claude-*"], model=None))
+
+
+def test_a_batch_of_prompts_answers_each_as_alone(ckpt):
+    """A completion's list of prompts: prompt k's choice i is at index k * n + i and is that prompt's request alone
+    (seed + i); echo and logprobs follow each prompt (lm-eval's batched loglikelihood); usage counts each prompt
+    once; a stream's chunks carry those indices, its usage last; best_of ranks within each prompt."""
+    prompts = ["abc", "hello there", "xyz"]  # a batch is of strings or of token lists (OpenAI's), not both
+    hot = {"max_tokens": 4, "temperature": 0.9, "seed": 7}
+    with TestClient(app_for(ckpt, max_queue=8)) as c:
+        wait_ok(c)
+        r = c.post("/v1/completions", json={**hot, "prompt": prompts, "n": 2}).json()
+        alone = [[c.post("/v1/completions", json={**hot, "prompt": p, "seed": 7 + i}).json() for i in range(2)]
+                 for p in prompts]
+        assert [ch["index"] for ch in r["choices"]] == list(range(6))
+        assert [ch["text"] for ch in r["choices"]] == [a[i]["choices"][0]["text"] for a in alone for i in range(2)]
+        assert r["usage"]["prompt_tokens"] == sum(a[0]["usage"]["prompt_tokens"] for a in alone)
+        assert r["usage"]["completion_tokens"] == sum(a[i]["usage"]["completion_tokens"] for a in alone for i in range(2))
+
+        lm = {"prompt": [[5, 6, 7, 8], [9, 10, 11]], "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0}
+        both = c.post("/v1/completions", json=lm).json()["choices"]
+        each = [c.post("/v1/completions", json={**lm, "prompt": p}).json()["choices"][0] for p in lm["prompt"]]
+        assert [ch["index"] for ch in both] == [0, 1]
+        assert [(ch["text"], ch["logprobs"]) for ch in both] == [(ch["text"], ch["logprobs"]) for ch in each]
+
+        body = {**hot, "prompt": prompts[:2], "n": 2, "echo": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        whole = c.post("/v1/completions", json={**body, "stream": False}).json()
+        with c.stream("POST", "/v1/completions", json=body) as s:
+            events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+        for i, want in enumerate(whole["choices"]):
+            mine = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == i]
+            assert "".join(m["text"] for m in mine) == want["text"] and want["text"].startswith(prompts[i // 2])
+            assert mine[-1]["finish_reason"] == want["finish_reason"]
+        assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
+
+        ranked = c.post("/v1/completions", json={**hot, "prompt": prompts[:2], "n": 1, "best_of": 3}).json()
+        for k, p in enumerate(prompts[:2]):
+            cands = [c.post("/v1/completions", json={**hot, "prompt": p, "seed": 7 + i, "logprobs": 0}).json()["choices"][0]
+                     for i in range(3)]
+            best = max(cands, key=lambda ch: sum(ch["logprobs"]["token_logprobs"]))
+            assert ranked["choices"][k]["text"] == best["text"] and ranked["choices"][k]["index"] == k
+        assert ranked["usage"]["completion_tokens"] == 2 * 3 * 4
+
+        assert error_of(c.post("/v1/completions", json={"prompt": ["a"] * 200, "n": 2}), 400)["param"] == "prompt"
+        assert error_of(c.post("/v1/completions", json={"prompt": ["a", ""]}), 400)["param"] == "prompt"
+        # 2 slots + a queue of 8: eleven prompts cannot be taken
+        assert error_of(c.post("/v1/completions", json={"prompt": ["a"] * 11}), 429)["code"] == "queue_full"

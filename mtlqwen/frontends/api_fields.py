@@ -19,6 +19,7 @@ MAX_STOP = 16  # stop strings per request: each one is searched for in the text 
 MAX_STOP_CHARS = 256
 MAX_TOOLS = 128
 MAX_CHOICES = 16  # `n`: each choice is an engine request
+MAX_BATCH = 256  # a completion request's prompts x choices: each an engine request (the queue bounds them too)
 
 
 def _temperature(t: float) -> float:

@@ -20,7 +20,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ..runtime.sampling import MAX_LOGIT_BIAS_ENTRIES, MAX_TOP_K
 from ..runtime.structured import Structure
-from .api_fields import (MAX_CHOICES, MAX_STOP, MAX_TOOLS, Fraction, JsonObjectFormat, JsonSchemaFormat, LogprobCount,
+from .api_fields import (MAX_BATCH, MAX_CHOICES, MAX_STOP, MAX_TOOLS, Fraction, JsonObjectFormat, JsonSchemaFormat, LogprobCount,
                          Message, NamedToolChoice, Positive, Probability, StopString, StreamOptions, StrictBody,
                          Temperature, TextFormat, TokenId, ToolDef, validate_body)
 from .api_responses import APIError, not_supported
@@ -54,6 +54,7 @@ class ParsedRequest:
     sampling: dict[str, Any]  # SamplingParams fields; max_tokens None = the server default
     messages: list[dict] | None = None
     prompt: str | list[int] | None = None
+    prompts: list = field(default_factory=list)  # completions: every prompt of the request (prompt: the first)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     tools: list[dict] | None = None  # for the chat template
     read_tool_calls: bool = False  # tools were given and tool_choice is not "none"
@@ -300,12 +301,13 @@ def parse_chat(raw: bytes, d: Defaults, template_defaults: dict, allowed_templat
 def parse_completion(raw: bytes, d: Defaults) -> ParsedRequest:
     req = validate_body(CompletionRequest, raw)
     prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) > 1:
-            raise not_supported("prompt", "one prompt per request (send a batch as separate requests)")
-        prompt = prompt[0]  # a batch of one
-    if not prompt:
-        raise APIError("'prompt' must be a non-empty string or a list of token ids", 400, "prompt")
+    batch = list(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    if not all(batch):
+        raise APIError("'prompt' must be a non-empty string or a list of token ids, or a list of those", 400, "prompt")
+    best_of = req.best_of or req.n
+    if len(batch) * best_of > MAX_BATCH:
+        raise APIError(f"{len(batch)} prompts x {best_of} choices is {len(batch) * best_of} replies; at most "
+                       f"{MAX_BATCH} a request (send the rest in another)", 400, "prompt")
     stream, usage = req.stream_flags()
-    return ParsedRequest("completion", req.model, stream, usage, req.sampling(d), prompt=prompt, n=req.n,
-                         structure=req.structure(), echo=req.echo, best_of=req.best_of or req.n)
+    return ParsedRequest("completion", req.model, stream, usage, req.sampling(d), prompt=batch[0], prompts=batch,
+                         n=req.n, structure=req.structure(), echo=req.echo, best_of=best_of)

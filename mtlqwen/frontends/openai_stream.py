@@ -37,11 +37,12 @@ class _Choice:
         self.echoed = False
 
 
-def combined_usage(outputs: list) -> dict:
-    """n choices' usage: the prompt counted once, the completions summed (OpenAI's)."""
-    first = usage_of(outputs[0])
-    return oa.usage(first["prompt_tokens"], sum(len(o.token_ids) for o in outputs),
-                    first["prompt_tokens_details"]["cached_tokens"])
+def combined_usage(outputs: list, per_prompt: int | None = None) -> dict:
+    """The usage of choices grouped by prompt, per_prompt each (default: all of one prompt): each prompt counted
+    once, the completions summed (OpenAI's)."""
+    firsts = [usage_of(o) for o in outputs[:: per_prompt or len(outputs)]]
+    return oa.usage(sum(u["prompt_tokens"] for u in firsts), sum(len(o.token_ids) for o in outputs),
+                    sum(u["prompt_tokens_details"]["cached_tokens"] for u in firsts))
 
 
 class Formatter:
@@ -53,12 +54,15 @@ class Formatter:
         return sse(err.body())
 
     def __init__(self, kind: str, rid: str, model: str, in_reasoning: bool, include_usage: bool,
-                 tools: ToolCallReader | None = None, logprob_tokenizer=None, n: int = 1, echo: Echo | None = None):
-        """logprob_tokenizer: the tokenizer, when the request asked for logprobs; echo: a completion's prompt,
-        sent as each choice's first chunk (with its logprobs, which come on the choice's first delta)."""
-        self.kind, self.rid, self.model, self.include_usage, self.echo = kind, rid, model, include_usage, echo
+                 tools: ToolCallReader | None = None, logprob_tokenizer=None, n: int = 1,
+                 echoes: list[Echo] | None = None, prompts: int = 1):
+        """n choices for each of `prompts` prompts (a completion's batch), grouped by prompt. logprob_tokenizer: the
+        tokenizer, when the request asked for logprobs; echoes: a completion's prompts, each sent as its choices'
+        first chunk (with its logprobs, which come on the choice's first delta)."""
+        self.kind, self.rid, self.model, self.include_usage, self.n = kind, rid, model, include_usage, n
+        self.echoes = echoes
         self.created = int(time.time())
-        self.choices = [_Choice(kind, in_reasoning, tools, logprob_tokenizer) for _ in range(n)]
+        self.choices = [_Choice(kind, in_reasoning, tools, logprob_tokenizer) for _ in range(n * prompts)]
 
     def _chunk(self, i: int, delta: dict | str, reason: str | None = None) -> dict:
         if self.kind == "completion":
@@ -91,11 +95,11 @@ class Formatter:
         reason = d.finish_reason if d.finished else None
         r, c, calls = ("", d.text, []) if ch.reply is None else ch.reply.feed(d.text, d.finished)
         head = []
-        if self.echo is not None and not ch.echoed:  # first: the prompt, and its logprobs' text offsets
-            ch.echoed = True
-            head = [self._chunk(i, self.echo.text)]
+        if self.echoes is not None and not ch.echoed:  # first: the prompt, and its logprobs' text offsets
+            ch.echoed, echo = True, self.echoes[i // self.n]
+            head = [self._chunk(i, echo.text)]
             if ch.logprobs is not None:
-                head[0]["choices"][0]["logprobs"] = ch.logprobs.echoed(self.echo.ids, d.prompt_logprobs)
+                head[0]["choices"][0]["logprobs"] = ch.logprobs.echoed(echo.ids, d.prompt_logprobs)
         out = self._text(i, ch, r, c, reason, calls)
         if ch.logprobs is not None and d.logprobs:
             lp = ch.logprobs.chat(d.logprobs) if self.kind == "chat" else ch.logprobs.completion(d.logprobs)
@@ -106,5 +110,6 @@ class Formatter:
             ch.output = d.output
             outputs = [c.output for c in self.choices]
             if self.include_usage and all(o is not None for o in outputs):
-                out.append(oa.usage_chunk(self.rid, self.created, self.model, self.kind, combined_usage(outputs)))
+                out.append(oa.usage_chunk(self.rid, self.created, self.model, self.kind,
+                                          combined_usage(outputs, self.n)))
         return out

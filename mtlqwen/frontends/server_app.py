@@ -49,18 +49,23 @@ async def generate(request: Request, kind: str) -> Response:
     req = await run_in_threadpool(st.parse, raw, kind)
     st.check_model(req.model)
     st.ready()
-    st.check_capacity(req.best_of)  # before the work of tokenising, and again once it is done
-    ids, in_reasoning, opened, call_grammar = await run_in_threadpool(st.prompts.prompt_ids, req)
-    params = st.prompts.sampling_params(req, len(ids), in_reasoning, call_grammar)
-    st.check_capacity(req.best_of)
+    # a completion may batch prompts; every prompt has best_of candidates, each an engine request
+    subs = [replace(req, prompt=p) for p in req.prompts] if len(req.prompts) > 1 else [req]
+    total = len(subs) * req.best_of
+    st.check_capacity(total)  # before the work of tokenising, and again once it is done
+    prompts = [await run_in_threadpool(st.prompts.prompt_ids, sub) for sub in subs]
+    ids, in_reasoning, opened, _ = prompts[0]
+    params = [st.prompts.sampling_params(sub, len(p.ids), p.in_reasoning, p.call_grammar) for sub, p in zip(subs, prompts)]
+    st.check_capacity(total)
     rid = {"messages": new_message_id, "responses": new_response_id}.get(kind, lambda: oa.new_id(kind))()
-    lp_tok = st.loop.tokenizer if params.logprobs is not None else None  # what the client asked to see
+    lp_tok = st.loop.tokenizer if params[0].logprobs is not None else None  # what the client asked to see
     ranked = req.best_of > req.n
-    if ranked and params.logprobs is None:  # candidates are ranked by their tokens' logprobs
-        params = replace(params, logprobs=0)
-    choices = Choices([st.loop.submit(r, ids, params if i == 0 or params.seed is None
-                                      else replace(params, seed=params.seed + i))
-                       for i, r in enumerate(choice_ids(rid, req.best_of))])
+    if ranked and params[0].logprobs is None:  # candidates are ranked by their tokens' logprobs
+        params = [replace(sp, logprobs=0) for sp in params]
+    rids = choice_ids(rid, total)
+    choices = Choices([st.loop.submit(rids[k * req.best_of + i], p.ids, sp if i == 0 or sp.seed is None
+                                      else replace(sp, seed=sp.seed + i))
+                       for k, (p, sp) in enumerate(zip(prompts, params)) for i in range(req.best_of)])
     first = await choices.accepted()
     if first is not None:
         err = failure(first)
@@ -69,7 +74,8 @@ async def generate(request: Request, kind: str) -> Response:
         raise err
     tools = ToolCallReader.for_request(req, opened)
     name = st.cfg.model_name
-    echo = Echo(req.prompt if isinstance(req.prompt, str) else st.loop.tokenizer.decode(ids), ids) if req.echo else None
+    echoes = [Echo(sub.prompt if isinstance(sub.prompt, str) else st.loop.tokenizer.decode(p.ids), p.ids)
+              for sub, p in zip(subs, prompts)] if req.echo else None
     shell = ResponseShell(rid, name, req.source) if kind == "responses" else None
     if req.stream:
         if kind == "messages":
@@ -77,13 +83,16 @@ async def generate(request: Request, kind: str) -> Response:
         elif kind == "responses":
             fmt = ResponsesFormatter(shell, in_reasoning, tools)
         else:
-            fmt = Formatter(kind, rid, name, in_reasoning, req.include_usage, tools, lp_tok, req.n, echo)
+            fmt = Formatter(kind, rid, name, in_reasoning, req.include_usage, tools, lp_tok, req.n, echoes, len(subs))
         return SSEResponse(choices, fmt)
-    if ranked:  # the n likeliest answered, every candidate's tokens counted
+    per = req.best_of
+    if ranked:  # each prompt's n likeliest answered, every candidate's tokens counted
         return await collect(request, choices, kind, lambda outs: reply_body(
-            kind, rid, name, likeliest(outs, req.n), in_reasoning, tools, lp_tok, echo, combined_usage(outs)))
+            kind, rid, name, [o for k in range(len(subs)) for o in likeliest(outs[k * per:(k + 1) * per], req.n)],
+            in_reasoning, tools, lp_tok, echoes, combined_usage(outs, per)))
     return await collect(request, choices, kind, lambda outs: reply_body(
-        kind, rid, name, outs, in_reasoning, tools, lp_tok, echo, shell=shell))
+        kind, rid, name, outs, in_reasoning, tools, lp_tok, echoes, combined_usage(outs, per) if len(subs) > 1 else None,
+        shell=shell))
 
 
 def likeliest(outs: list, n: int) -> list:
@@ -92,19 +101,20 @@ def likeliest(outs: list, n: int) -> list:
 
 
 def reply_body(kind: str, rid: str, name: str, outs: list, in_reasoning: bool, tools: ToolCallReader | None,
-               lp_tok=None, echo: Echo | None = None, use: dict | None = None,
+               lp_tok=None, echoes: list[Echo] | None = None, use: dict | None = None,
                shell: ResponseShell | None = None) -> dict:
-    """A finished request's whole answer in its API's shape; outs: each choice's Output. lp_tok: the
-    tokenizer, when the request asked for logprobs; echo: a completion's prompt, to come back before it; use:
-    the usage of every candidate generated, when best_of ranked more than the answered choices; shell: a
-    Responses request's echoed settings."""
+    """A finished request's whole answer in its API's shape; outs: each choice's Output, prompt by prompt. lp_tok:
+    the tokenizer, when the request asked for logprobs; echoes: a completion's prompts, each to come back before
+    its choices; use: the usage of every candidate generated, when best_of ranked more than the answered choices
+    or several prompts were batched; shell: a Responses request's echoed settings."""
     if kind == "messages":
         return messages_reply.message(rid, name, outs[0], in_reasoning, tools)
     if kind == "responses":
         return responses_reply.response(shell, outs[0], in_reasoning, tools)
     bodies = []
-    for out in outs:
+    for i, out in enumerate(outs):
         lpf = LogprobFormat(lp_tok) if lp_tok is not None else None
+        echo = echoes[i * len(echoes) // len(outs)] if echoes else None  # the choices are grouped by prompt
         if kind == "completion":
             lp = None
             if lpf is not None:
