@@ -1,5 +1,5 @@
 """A request's n choices (OpenAI's `n`, at most api_requests.MAX_CHOICES): n engine requests on one prompt, read as one stream of
-(choice index, item). Choice i samples with seed + i when the request gives a seed (the engine keys its noise
+(choice index, item); a completion's batch of prompts is n choices for each, grouped by prompt. Choice i samples with seed + i when the request gives a seed (the engine keys its noise
 on the seed, so one seed would give n equal replies); the prefix cache computes the shared prompt once for
 requests that arrive together. n = 1 is the same path with one handle.
 """
