@@ -317,3 +317,27 @@ def test_sizes_for_the_prefix_cache_budget():
     assert "prefix_cache_bytes" not in _engine_kwargs(build_parser().parse_args(["serve"]))
     r = run_cli("serve", "--prefix-cache-bytes", "lots")
     assert r.returncode == 2 and "argument --prefix-cache-bytes: not a size: 'lots'" in r.stderr
+
+
+def test_a_drafter_from_the_command_line_speculates_and_changes_nothing(ckpt, tmp_path):
+    """--draft (mlx-lm's --draft-model too) and --num-draft-tokens reach the engine: generate speculates, and its
+    greedy text is the plain run's."""
+    from dflash_checkpoints import write_tiny_drafter  # noqa: PLC0415
+
+    draft = write_tiny_drafter(tmp_path / "drafter", ckpt, num_layers=2, block_size=8, mask_token_id=270)
+    plain = run_cli("generate", "--model", str(ckpt), "-p", "Hi there", "-m", "12")
+    spec = run_cli("generate", "--model", str(ckpt), "--draft-model", str(draft), "--num-draft-tokens", "3",
+                   "-p", "Hi there", "-m", "12")
+    assert plain.returncode == spec.returncode == 0, plain.stderr + spec.stderr
+    assert "Speculative: " in spec.stdout and "Speculative" not in plain.stdout
+    assert spec.stdout.split(BANNER)[1] == plain.stdout.split(BANNER)[1]
+    too_many = run_cli("generate", "--model", str(ckpt), "--draft", str(draft), "--num-draft-tokens", "8", "-p", "x")
+    assert too_many.returncode == 1 and "n_draft must be an int in 1..7" in too_many.stderr, too_many.stderr
+    for cmd in ("generate", "chat", "benchmark", "cache-prompt"):
+        r = run_cli(cmd, "--model", str(ckpt), "--num-draft-tokens", "3", *(["--prompt-cache-file", "x"]
+                                                                            if cmd == "cache-prompt" else []))
+        assert r.returncode == 1 and "--num-draft-tokens needs a drafter" in r.stderr, (cmd, r.stderr)
+    args = build_parser().parse_args(["serve", "--draft-model", "d", "--num-draft-tokens", "4"])
+    from mtlqwen.frontends.server import _engine_kwargs  # noqa: PLC0415
+
+    assert {k: _engine_kwargs(args)[k] for k in ("draft", "n_draft")} == {"draft": "d", "n_draft": 4}

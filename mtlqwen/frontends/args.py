@@ -53,10 +53,27 @@ def add_model_args(p: argparse.ArgumentParser, required: bool = False) -> None:
                         "--backend ring -n 2 -- mtlqwen ... --tensor-parallel`; only rank 0 prints or serves")
 
 
-def add_draft_bits_arg(p: argparse.ArgumentParser) -> None:
+def add_draft_args(p: argparse.ArgumentParser) -> None:
+    """The drafter flags (mlx-lm's names accepted too): the checkpoint, drafts a step, its quantization."""
+    p.add_argument("--draft", "--draft-model", default=None, metavar="PATH",
+                   help="a DFlash drafter checkpoint (directory or repo id) for speculative decoding (default: none, "
+                        "or the demo pair's with no --model)")
+    p.add_argument("--num-draft-tokens", type=int, default=None, metavar="N",
+                   help="drafts per speculative step, at most (default: the drafter's block size - 1; the adaptive "
+                        "policy sends fewer where they do not pay); needs a drafter")
     p.add_argument("--draft-bits", type=int, choices=[4, 8], default=None,
                    help="quantize the DFlash drafter's projections at load (8 or 4 bits, group 64); needs a drafter "
                         "(--draft, or the demo pair's)")
+
+
+def draft_kwargs(args, demo_drafter=None) -> dict:
+    """Engine keywords of the drafter flags: --draft (else the demo pair's drafter), n_draft, draft_bits."""
+    kw = {"draft": args.draft or demo_drafter}
+    if args.num_draft_tokens is not None:
+        kw["n_draft"] = args.num_draft_tokens
+    if args.draft_bits is not None:
+        kw["draft_bits"] = args.draft_bits
+    return kw
 
 
 def start_tensor_parallel(args) -> None:
@@ -115,13 +132,18 @@ def check_model_args(args) -> None:
         from ..model.quantize import parse_quantize_arg  # noqa: PLC0415
 
         parse_quantize_arg(args.quantize)
-    check_draft_bits(args)
+    check_draft_args(args)
 
 
-def check_draft_bits(args) -> None:
-    """--draft-bits quantizes a drafter: --draft's, or the demo pair's when no --model is given."""
-    if getattr(args, "draft_bits", None) is not None and not getattr(args, "draft", None) and args.model is not None:
-        raise ValueError("--draft-bits needs a drafter: --draft PATH (serve), or the demo pair's (no --model)")
+def check_draft_args(args) -> None:
+    """--draft-bits and --num-draft-tokens apply to a drafter: --draft's, or the demo pair's when no --model is given."""
+    has_drafter = getattr(args, "draft", None) or args.model is None
+    for flag, dest in (("--draft-bits", "draft_bits"), ("--num-draft-tokens", "num_draft_tokens")):
+        if getattr(args, dest, None) is not None and not has_drafter:
+            raise ValueError(f"{flag} needs a drafter: --draft PATH, or the demo pair's (no --model)")
+    n = getattr(args, "num_draft_tokens", None)
+    if n is not None and n < 1:
+        raise ValueError(f"--num-draft-tokens must be at least 1, got {n}")
 
 
 def parse_template_args(text: str | None) -> dict:

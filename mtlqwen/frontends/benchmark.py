@@ -14,7 +14,7 @@ import statistics
 import sys
 import time
 
-from .args import add_draft_bits_arg, add_model_args, add_quiet_arg, check_model_args, load_with_bar
+from .args import add_draft_args, add_model_args, add_quiet_arg, check_model_args, draft_kwargs, load_with_bar
 from .terminal import progress_enabled
 
 
@@ -25,7 +25,7 @@ def register(subparsers) -> None:
                     "--prompt-tokens tokens submitted together, each generating --generation-tokens tokens (EOS "
                     "ignored, greedy), over --num-trials trials after one untimed warm-up trial.")
     add_model_args(b)
-    add_draft_bits_arg(b)
+    add_draft_args(b)
     b.add_argument("--prompt-tokens", "-p", type=int, default=512, help="tokens per prompt (default 512)")
     b.add_argument("--generation-tokens", "-g", type=int, default=128, help="tokens generated per request (default 128)")
     b.add_argument("--batch-size", "-b", type=int, default=1, help="requests run together (default 1)")
@@ -92,7 +92,7 @@ def cmd_benchmark(args) -> int:
     check_model_args(args)
     model, tok, note, drafter = load_with_bar(args, progress_enabled(args.quiet))
     B, P, G = args.batch_size, args.prompt_tokens, args.generation_tokens
-    engine = Engine(model, tokenizer=tok, slots=B, draft=drafter, draft_bits=args.draft_bits)
+    engine = Engine(model, tokenizer=tok, slots=B, **draft_kwargs(args, drafter))
     if P + G > engine.max_model_len:
         raise ValueError(f"--prompt-tokens {P} and --generation-tokens {G} do not fit the model's context of "
                          f"{engine.max_model_len} tokens")

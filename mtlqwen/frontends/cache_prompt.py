@@ -13,7 +13,9 @@ from __future__ import annotations
 import sys
 import time
 
-from .args import add_draft_bits_arg, add_model_args, add_quiet_arg, check_model_args, load_with_bar, parse_template_args
+from .args import (
+    add_draft_args, add_model_args, add_quiet_arg, check_model_args, draft_kwargs, load_with_bar, parse_template_args,
+)
 from .generate import prompt_token_ids, read_prompt, template_flags
 from .prompting import SENTINEL_USER, has_chat_template
 from .terminal import PromptProgress, progress_enabled
@@ -27,10 +29,7 @@ def register(subparsers) -> None:
                     "TEXT; `mtlqwen serve --prompt-cache-file FILE` starts with it in its prefix cache. The file "
                     "fits only the same model weights, dtype and drafter.")
     add_model_args(c)
-    c.add_argument("--draft", default=None, metavar="PATH",
-                   help="the DFlash drafter the server will run (its state is saved too; a file fits only an engine "
-                        "with the same drafter)")
-    add_draft_bits_arg(c)
+    add_draft_args(c)  # the drafter the file's users will run: its context rows are saved too
     c.add_argument("--prompt", "-p", default="", help="the prompt to cache; '-' reads standard input (default: none, "
                                                        "only the system prompt and the user turn's opening)")
     c.add_argument("--system-prompt", default=None, help="system message for the chat template")
@@ -72,7 +71,7 @@ def cmd_cache_prompt(args) -> int:
     ids = cached_ids(args, tok, prompt, template_kwargs)
     if not ids:
         raise ValueError("nothing to cache: the prompt is empty and there is no chat template opening")
-    engine = Engine(model, tokenizer=tok, slots=1, draft=drafter or args.draft, draft_bits=args.draft_bits)
+    engine = Engine(model, tokenizer=tok, slots=1, **draft_kwargs(args, drafter))
     if len(ids) >= engine.max_model_len:
         raise ValueError(f"the prompt ({len(ids)} tokens) fills the model's context of {engine.max_model_len} tokens")
     if note:

@@ -20,7 +20,7 @@ import sys
 import time
 
 from .args import (
-    add_draft_bits_arg, add_model_args, add_prefix_cache_bytes_arg, add_quiet_arg, add_sampling_args, add_warmup_arg, check_max_tokens,
+    add_draft_args, add_model_args, draft_kwargs, add_prefix_cache_bytes_arg, add_quiet_arg, add_sampling_args, add_warmup_arg, check_max_tokens,
     check_model_args, fit_reply, load_with_bar, parse_template_args, sampling_from_args,
 )
 from .prompting import continuation, has_chat_template, render
@@ -43,7 +43,7 @@ def register(subparsers) -> None:
         description="Chat with a model in the terminal. The checkpoint's chat template is applied; "
                     "each turn extends the previous turn's tokens so a prefix cache can reuse them. " + HELP)
     add_model_args(c)
-    add_draft_bits_arg(c)
+    add_draft_args(c)
     c.add_argument("--system-prompt", default=None, help="system message for the conversation")
     c.add_argument("--chat-template-args", default=None, metavar="JSON",
                    help='chat template arguments, e.g. \'{"enable_thinking": false}\'')
@@ -154,9 +154,8 @@ def _engine_kwargs(args) -> dict:
     if args.prefix_interval is not None and args.prefix_interval < 0:
         raise ValueError(f"--prefix-interval must be >= 0 (0 turns the prefix cache off), got {args.prefix_interval}")
     kw = {"slots": 1} if args.prefix_interval is None else {"slots": 1, "prefix_interval": args.prefix_interval}
-    for name in ("draft_bits", "prefix_cache_bytes"):
-        if getattr(args, name, None) is not None:
-            kw[name] = getattr(args, name)
+    if getattr(args, "prefix_cache_bytes", None) is not None:
+        kw["prefix_cache_bytes"] = args.prefix_cache_bytes
     return kw
 
 
@@ -195,8 +194,7 @@ def cmd_chat(args) -> int:
     engine_kw = _engine_kwargs(args)
     bars = progress_enabled(args.quiet)
     model, tok, note, drafter = load_with_bar(args, bars)
-    if drafter is not None and not engine_kw.get("draft"):  # the demo pair speculates with its drafter
-        engine_kw["draft"] = drafter
+    engine_kw.update(draft_kwargs(args, drafter))  # --draft, else the demo pair's drafter
     if should_warm_up(args.warmup, getattr(args, "group", None)):  # before the engine: one pool at a time
         warm_up(model, engine_kw, tok, log=None if args.quiet else (lambda m: print(f"({m})", file=sys.stderr)))
     # --tensor-parallel: ranks other than 0 follow rank 0's engine and exit here

@@ -14,7 +14,7 @@ import sys
 import time
 
 from .args import (
-    add_draft_bits_arg, add_model_args, add_quiet_arg, add_sampling_args, check_max_tokens, check_model_args, fit_reply,
+    add_draft_args, add_model_args, draft_kwargs, add_quiet_arg, add_sampling_args, check_max_tokens, check_model_args, fit_reply,
     load_with_bar, parse_template_args, sampling_from_args,
 )
 from .prompting import has_chat_template
@@ -29,7 +29,7 @@ def register(subparsers) -> None:
                               description="Generate a completion. With no --model, the built-in demo model runs (a small Qwen3.5 "
                               "trained on the Python standard library, with its DFlash drafter).")
     add_model_args(g)
-    add_draft_bits_arg(g)
+    add_draft_args(g)
     g.add_argument("--prompt", "-p", default="Hello, Qwen!", help="the prompt; '-' reads standard input")
     g.add_argument("--system-prompt", default=None, help="system message for the chat template")
     g.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as is, without the chat template")
@@ -77,7 +77,8 @@ def from_prompt_cache(args):
     if args.model is None:
         args.model = req.get("model")  # None: the built-in demo model, as when it was written
     for flag, dest, default in (("--system-prompt", "system_prompt", None), ("--chat-template-args", "chat_template_args", None),
-                                ("--ignore-chat-template", "ignore_chat_template", False), ("--draft-bits", "draft_bits", None),
+                                ("--ignore-chat-template", "ignore_chat_template", False), ("--draft", "draft", None),
+                                ("--draft-bits", "draft_bits", None),
                                 ("--quantize", "quantize", None)):
         mine, theirs = getattr(args, dest), req.get(dest, default)
         same = parse_template_args(mine) == parse_template_args(theirs) if dest == "chat_template_args" else mine == theirs
@@ -111,7 +112,7 @@ def cmd_generate(args) -> int:
     model, tok, note, drafter = load_with_bar(args, bars)
     ids = prompt_token_ids(args, tok, prompt, template_kwargs)
     # --tensor-parallel: ranks other than 0 follow rank 0's engine and exit here
-    engine = replicate(Engine(model, tokenizer=tok, slots=1, draft=drafter, draft_bits=args.draft_bits), group)
+    engine = replicate(Engine(model, tokenizer=tok, slots=1, **draft_kwargs(args, drafter)), group)
     check_max_tokens(sampling.max_tokens, engine.max_model_len)
     cached = 0
     if saved is not None:

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from .args import (
-    add_draft_bits_arg, add_model_args, add_prefix_cache_bytes_arg, add_sampling_args, add_warmup_arg, check_draft_bits,
+    add_draft_args, add_model_args, add_prefix_cache_bytes_arg, add_sampling_args, add_warmup_arg, check_draft_args,
     load_model_and_tokenizer, parse_template_args, penalty_args, read_template_file, sampling_defaults,
     sampling_from_args,
 )
@@ -32,8 +32,7 @@ def register(subparsers) -> None:
         description="Serve a model over HTTP in the OpenAI format. Concurrent requests are batched by "
                     "one engine. With no --model, the small built-in random-weight model is served.")
     add_model_args(s)
-    s.add_argument("--draft", default=None, metavar="PATH", help="a DFlash drafter checkpoint for speculative decoding")
-    add_draft_bits_arg(s)
+    add_draft_args(s)
     s.add_argument("--prompt-cache-file", nargs="+", default=None, metavar="FILE",
                    help="prompt caches written by `mtlqwen cache-prompt` (same model, dtype and drafter), loaded into the "
                         "prefix cache at start: requests whose prompts begin with one prefill only the rest (entries "
@@ -106,6 +105,8 @@ def _engine_kwargs(args) -> dict:
         v = getattr(args, name, None)
         if v is not None:
             kw[name] = v
+    if getattr(args, "num_draft_tokens", None) is not None:
+        kw["n_draft"] = args.num_draft_tokens
     dense = getattr(args, "dense_weights", "auto")
     if dense != "auto":
         kw["dense_weights"] = dense == "on"
@@ -213,7 +214,7 @@ def cmd_serve(args) -> int:
 
     engine_kw = _engine_kwargs(args)
     _check_model_arg(args.model)
-    check_draft_bits(args)
+    check_draft_args(args)
     _check_args(args)
     template_defaults = parse_template_args(args.chat_template_args)
     if args.chat_template is not None:
