@@ -31,21 +31,29 @@ def register(subparsers) -> None:
         "serve", help="run an OpenAI-compatible HTTP server (chat/completions, streaming, /metrics)",
         description="Serve a model over HTTP in the OpenAI format. Concurrent requests are batched by "
                     "one engine. With no --model, the small built-in random-weight model is served.")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (or set MTLQWEN_API_KEY); "
+                        "also enables the operator endpoint POST /reset_prefix_cache")
+    add_app_args(s)
+    s.add_argument("--debug-load-delay", type=float, default=0.0, metavar="SECONDS",
+                   help="debugging aid: wait this long before loading the model (shows /health 'loading')")
+    s.set_defaults(func=cmd_serve)
+
+
+def add_app_args(s) -> None:
+    """The flags of the app and its engine (serve's, less where it listens; run-batch's too)."""
     add_model_args(s)
     add_draft_args(s)
     s.add_argument("--prompt-cache-file", nargs="+", default=None, metavar="FILE",
                    help="prompt caches written by `mtlqwen cache-prompt` (same model, dtype and drafter), loaded into the "
                         "prefix cache at start: requests whose prompts begin with one prefill only the rest (entries "
                         "are then evicted like any other when the cache is full)")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model names requests may use and /v1/models lists; the first is the one responses "
                         "carry (default: the checkpoint's name, and 'default'). Any other name gets a 404. A name with "
                         "shell wildcards is a pattern, not listed: e.g. 'claude-*' for Anthropic clients' own names")
-    s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (or set MTLQWEN_API_KEY); "
-                        "also enables the operator endpoint POST /reset_prefix_cache")
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests allowed to wait for a slot; beyond it the server answers 429 (default 64)")
     s.add_argument("--slots", "--max-num-seqs", type=int, default=8,
@@ -92,9 +100,6 @@ def register(subparsers) -> None:
     add_sampling_args(s, max_tokens=512)  # defaults for requests that leave a field out
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server and access log verbosity (default info)")
-    s.add_argument("--debug-load-delay", type=float, default=0.0, metavar="SECONDS",
-                   help="debugging aid: wait this long before loading the model (shows /health 'loading')")
-    s.set_defaults(func=cmd_serve)
 
 
 def _engine_kwargs(args) -> dict:
@@ -162,7 +167,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 def _check_args(args) -> None:
     for name in ("max_queue", "slots", "port", "max_body_bytes"):
-        if getattr(args, name) < (1 if name != "max_queue" else 0):
+        if hasattr(args, name) and getattr(args, name) < (1 if name != "max_queue" else 0):
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ("body_timeout", "chat_template_timeout"):
         if not getattr(args, name) > 0:
@@ -200,17 +205,10 @@ def _follow_rank0(args, engine_kw: dict, group) -> int:
     return 0
 
 
-def cmd_serve(args) -> int:
-    try:
-        import uvicorn  # noqa: PLC0415
-    except ImportError:
-        print("mtlqwen serve: error: the server needs starlette and uvicorn (pip install starlette uvicorn)",
-              file=sys.stderr)
-        return 1
+def app_config(args, api_key: str | None):
+    """(ServerConfig, engine keywords) of the app flags, every check that needs no model done."""
     from .api_requests import Defaults  # noqa: PLC0415
-    from .engine_loop import EngineLoop  # noqa: PLC0415
-    from .metrics import Metrics  # noqa: PLC0415
-    from .server_app import ServerConfig, build_app  # noqa: PLC0415
+    from .server_app import ServerConfig  # noqa: PLC0415
 
     engine_kw = _engine_kwargs(args)
     _check_model_arg(args.model)
@@ -223,15 +221,19 @@ def cmd_serve(args) -> int:
     defaults = Defaults(temperature=temp, top_p=top_p, top_k=args.top_k, min_p=args.min_p,
                         max_tokens=args.max_tokens, seed=args.seed, **penalty_args(args))
     sampling_from_args(args)  # flags out of range fail early, naming the flag
-    api_key = args.api_key or os.environ.get("MTLQWEN_API_KEY") or None
-    names = served_names(args)
-    group = getattr(args, "group", None)
-    if group is not None and group.rank() != 0:  # --tensor-parallel: only rank 0 binds and serves
-        return _follow_rank0(args, engine_kw, group)
-    sock = bind(args.host, args.port)  # before anything is loaded: a port in use fails here, alone
+    cfg = ServerConfig(served_names=served_names(args), slots=args.slots, max_queue=args.max_queue, api_key=api_key,
+                       defaults=defaults, template_defaults=template_defaults, max_body_bytes=args.max_body_bytes,
+                       body_timeout_s=args.body_timeout, template_timeout_s=args.chat_template_timeout,
+                       trust_request_template=args.trust_request_chat_template,
+                       special_tokens_in_content=args.special_tokens_in_content)
+    return cfg, engine_kw
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    log = logging.getLogger("mtlqwen.serve")
+
+def build_served_app(args, cfg, engine_kw: dict, log, group=None, load_delay: float = 0.0):
+    """(the app, its EngineLoop): the engine is built by the loop's thread when the app starts (its lifespan)."""
+    from .engine_loop import EngineLoop  # noqa: PLC0415
+    from .metrics import Metrics  # noqa: PLC0415
+    from .server_app import build_app  # noqa: PLC0415
 
     def build():
         from ..runtime import Engine  # noqa: PLC0415
@@ -253,14 +255,28 @@ def cmd_serve(args) -> int:
                      "" if new else " (cached already, or larger than the prefix cache's budget: not kept)")
         return replicate(engine, group), tok
 
-    metrics = Metrics(names[0])
-    loop = EngineLoop(build, metrics, load_delay=args.debug_load_delay)
-    cfg = ServerConfig(served_names=names, slots=args.slots, max_queue=args.max_queue, api_key=api_key,
-                       defaults=defaults, template_defaults=template_defaults, max_body_bytes=args.max_body_bytes,
-                       body_timeout_s=args.body_timeout, template_timeout_s=args.chat_template_timeout,
-                       trust_request_template=args.trust_request_chat_template,
-                       special_tokens_in_content=args.special_tokens_in_content)
-    app = build_app(loop, cfg)
+    loop = EngineLoop(build, Metrics(cfg.served_names[0]), load_delay=load_delay)
+    return build_app(loop, cfg), loop
+
+
+def cmd_serve(args) -> int:
+    try:
+        import uvicorn  # noqa: PLC0415
+    except ImportError:
+        print("mtlqwen serve: error: the server needs starlette and uvicorn (pip install starlette uvicorn)",
+              file=sys.stderr)
+        return 1
+    api_key = args.api_key or os.environ.get("MTLQWEN_API_KEY") or None
+    cfg, engine_kw = app_config(args, api_key)
+    names = cfg.served_names
+    group = getattr(args, "group", None)
+    if group is not None and group.rank() != 0:  # --tensor-parallel: only rank 0 binds and serves
+        return _follow_rank0(args, engine_kw, group)
+    sock = bind(args.host, args.port)  # before anything is loaded: a port in use fails here, alone
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    log = logging.getLogger("mtlqwen.serve")
+    app, loop = build_served_app(args, cfg, engine_kw, log, group, args.debug_load_delay)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, lifespan="on"))
     loop.on_load_error = lambda msg: setattr(server, "should_exit", True)  # noqa: ARG005
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
