@@ -1,4 +1,4 @@
-"""`mtlqwen` / `python -m mtlqwen`: generate, cache-prompt, benchmark, convert, chat and serve.
+"""`mtlqwen` / `python -m mtlqwen`: generate, cache-prompt, benchmark, convert, chat, serve and run-batch.
 
 This file only builds the parser and runs the chosen subcommand: generate, chat and serve live in
 mtlqwen/frontends/ (their shared flags in frontends/args.py). Errors a user can fix (a wrong path, a
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=_version(), help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", help="run `mtlqwen COMMAND --help` for its flags")
-    from .frontends import benchmark, cache_prompt, chat, generate, server  # noqa: PLC0415  each registers its own subcommand
+    from .frontends import benchmark, cache_prompt, chat, generate, run_batch, server  # noqa: PLC0415  each registers itself
 
     generate.register(sub)
     cache_prompt.register(sub)
@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat.register(sub)
     server.register(sub)
+    run_batch.register(sub)
     return parser
 
 

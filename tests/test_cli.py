@@ -167,7 +167,7 @@ def test_every_flag_has_help():
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     missing = [f"{name} {a.dest}" for name, p in sub.choices.items() for a in p._actions
                if not a.help and not isinstance(a, argparse._HelpAction)]
-    assert sorted(sub.choices) == ["benchmark", "cache-prompt", "chat", "convert", "generate", "serve"]
+    assert sorted(sub.choices) == ["benchmark", "cache-prompt", "chat", "convert", "generate", "run-batch", "serve"]
     assert missing == []
     assert all(a.help for a in parser._actions)
 
@@ -175,7 +175,7 @@ def test_every_flag_has_help():
 def test_help_lists_commands():
     r = run_cli("--help")
     assert r.returncode == 0
-    for cmd in ("generate", "cache-prompt", "benchmark", "convert", "chat", "serve"):
+    for cmd in ("generate", "cache-prompt", "benchmark", "convert", "chat", "serve", "run-batch"):
         assert cmd in r.stdout
 
 

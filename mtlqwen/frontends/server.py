@@ -120,7 +120,9 @@ def _engine_kwargs(args) -> dict:
 
 def _check_model_arg(model: str | None) -> None:
     """Fail before listening on a path that cannot be a checkpoint (repo ids are fetched while loading)."""
-    if model is None:
+    from ..demo import is_builtin  # noqa: PLC0415
+
+    if is_builtin(model):  # the demo pair, or 'random'
         return
     p = Path(model).expanduser()
     if not p.exists() and (model.startswith((".", "/", "~")) or model.count("/") != 1):
