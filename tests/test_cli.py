@@ -341,3 +341,13 @@ def test_a_drafter_from_the_command_line_speculates_and_changes_nothing(ckpt, tm
     from mtlqwen.frontends.server import _engine_kwargs  # noqa: PLC0415
 
     assert {k: _engine_kwargs(args)[k] for k in ("draft", "n_draft")} == {"draft": "d", "n_draft": 4}
+
+
+def test_serve_takes_the_built_in_models_and_refuses_missing_paths(tmp_path):
+    from mtlqwen.frontends.server import _check_model_arg  # noqa: PLC0415
+
+    _check_model_arg(None)
+    _check_model_arg("random")  # the random-weight built-in, as --help says
+    _check_model_arg("org/repo")  # a repo id: fetched while loading
+    with pytest.raises(FileNotFoundError, match="no checkpoint directory at"):
+        _check_model_arg(str(tmp_path / "missing"))
