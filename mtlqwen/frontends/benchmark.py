@@ -26,10 +26,11 @@ def register(subparsers) -> None:
                     "ignored, greedy), over --num-trials trials after one untimed warm-up trial.")
     add_model_args(b)
     add_draft_args(b)
-    b.add_argument("--prompt-tokens", "-p", type=int, default=512, help="tokens per prompt (default 512)")
-    b.add_argument("--generation-tokens", "-g", type=int, default=128, help="tokens generated per request (default 128)")
-    b.add_argument("--batch-size", "-b", type=int, default=1, help="requests run together (default 1)")
-    b.add_argument("--num-trials", "-n", type=int, default=5, help="timed trials, averaged (default 5)")
+    for flag, short, default, what in (("--prompt-tokens", "-p", 512, "tokens per prompt"),
+                                       ("--generation-tokens", "-g", 128, "tokens generated per request"),
+                                       ("--batch-size", "-b", 1, "requests run together"),
+                                       ("--num-trials", "-n", 5, "timed trials, averaged")):
+        b.add_argument(flag, short, type=int, default=default, help=f"{what} (default {default})")
     add_quiet_arg(b)
     b.set_defaults(func=cmd_benchmark)
 

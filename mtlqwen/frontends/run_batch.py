@@ -21,6 +21,7 @@ import sys
 import time
 import uuid
 
+from .args import add_quiet_arg
 from .server import add_app_args, app_config, build_served_app
 from .terminal import Bar, progress_enabled
 
@@ -34,12 +35,12 @@ def register(subparsers) -> None:
         description="Run an OpenAI Batch API input file (JSON lines with custom_id, method, url, body) through the "
                     "server's routes in this process, every request batched by one engine, and write OpenAI's batch "
                     "output lines in input order. Takes serve's flags (model, engine, template, sampling defaults).")
-    r.add_argument("--input-file", "-i", required=True, metavar="FILE", help="the requests, one JSON object a line; - reads "
-                                                                             "standard input")
-    r.add_argument("--output-file", "-o", required=True, metavar="FILE", help="where the results go; - writes standard "
-                                                                              "output")
+    r.add_argument("--input-file", "-i", required=True, metavar="FILE",
+                   help="the requests, one JSON object a line; - reads standard input")
+    r.add_argument("--output-file", "-o", required=True, metavar="FILE",
+                   help="where the results go, a line each; - writes standard output")
     add_app_args(r)
-    r.add_argument("--quiet", action="store_true", help="no progress bar (also off when standard error is not a terminal)")
+    add_quiet_arg(r)
     r.set_defaults(func=cmd_run_batch)
 
 
