@@ -88,3 +88,15 @@ def test_a_missing_input_file_fails_before_loading(tmp_path):
                         str(tmp_path / "out.jsonl")], capture_output=True, text=True, timeout=60, env=subprocess_env())
     assert r.returncode == 1 and r.stderr.startswith("mtlqwen run-batch: error: ") and "none.jsonl" in r.stderr
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_checkpoint_that_does_not_load_is_one_error_line(tmp_path):
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "config.json").write_text("{}")
+    (tmp_path / "in.jsonl").write_text(json.dumps(REQUESTS[0]) + "\n")
+    r = subprocess.run([sys.executable, "-m", "mtlqwen", "run-batch", "-i", str(tmp_path / "in.jsonl"), "-o",
+                        str(tmp_path / "out.jsonl"), "--model", str(tmp_path / "ck"), "--log-level", "critical"],
+                       capture_output=True, text=True, timeout=120, env=subprocess_env())
+    assert r.returncode == 1 and r.stderr.splitlines() == [r.stderr.strip()], r.stderr
+    assert r.stderr.startswith("mtlqwen run-batch: error: the engine did not start: model_type None is not supported")
+    assert not (tmp_path / "out.jsonl").exists()

@@ -89,8 +89,8 @@ async def run(app, loop, lines: list[str], capacity: int, bar=None) -> list[str]
     async with app.router.lifespan_context(app):
         while loop.state == "loading":
             await asyncio.sleep(0.02)
-        if loop.state != "ok":
-            raise RuntimeError(f"the engine did not start: {loop.error}")
+        if loop.state != "ok":  # a checkpoint that does not load: one line, as for the other commands
+            raise ValueError(f"the engine did not start: {loop.error}")
         gate = asyncio.Semaphore(capacity)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://run-batch",
                                      timeout=None) as client:
