@@ -100,3 +100,22 @@ def test_a_checkpoint_that_does_not_load_is_one_error_line(tmp_path):
     assert r.returncode == 1 and r.stderr.splitlines() == [r.stderr.strip()], r.stderr
     assert r.stderr.startswith("mtlqwen run-batch: error: the engine did not start: model_type None is not supported")
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_results_are_written_in_order_as_soon_as_they_can_be(tmp_path):
+    from mtlqwen.frontends.run_batch import InOrder  # noqa: PLC0415
+
+    path = tmp_path / "o.jsonl"
+    sink = InOrder(str(path), 3)
+    sink.put(2, "c", True)
+    assert path.read_text() == ""  # line 2 waits for lines 0 and 1
+    sink.put(0, "a", True)
+    assert path.read_text() == "a\n"
+    sink.put(1, "b", False)
+    assert path.read_text() == "a\nb\nc\n" and sink.answered == 2 and sink.results == ["", "", ""]
+    sink.close(ran=True)
+    empty = InOrder(str(tmp_path / "e.jsonl"), 0)
+    empty.close(ran=True)
+    assert (tmp_path / "e.jsonl").read_text() == ""
+    InOrder(str(tmp_path / "never.jsonl"), 1).close(ran=False)
+    assert not (tmp_path / "never.jsonl").exists()

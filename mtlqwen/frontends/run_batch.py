@@ -1,7 +1,8 @@
 """`mtlqwen run-batch`: an OpenAI Batch API input file run offline through the server's own routes (vLLM's
 `run-batch`), one output line per input line, in input order.
 
-Input: JSON lines `{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions", "body": {...}}` (also
+Results are written in input order as soon as every earlier line has its own, so a batch stopped midway keeps what
+was written. Input: JSON lines `{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions", "body": {...}}` (also
 /v1/completions, /v1/messages, /v1/responses). Output, OpenAI's batch output format: `{"id": "batch_req_...",
 "custom_id": ..., "response": {"status_code": ..., "request_id": ..., "body": {...}}, "error": null}`, a request
 the server refused carrying its error body and status like any answer; a line that is not such a request has
@@ -79,12 +80,38 @@ def result_line(cid, status: int | None = None, body=None, error: str | None = N
     return json.dumps(out, ensure_ascii=False)
 
 
-async def run(app, loop, lines: list[str], capacity: int, bar=None) -> list[str]:
-    """Each line's result, in order: the app started under its lifespan, the engine loaded, then at most
+class InOrder:
+    """Results written as soon as every line before them has its own (a batch stopped midway keeps what it wrote);
+    the output opened at the first write (an engine that does not start leaves no file)."""
+
+    def __init__(self, path: str, n: int):
+        self.path, self.results, self.next, self.out = path, [None] * n, 0, None
+        self.answered = 0
+
+    def put(self, i: int, line: str, answered: bool) -> None:
+        self.results[i] = line
+        self.answered += answered
+        if self.out is None:
+            self.out = sys.stdout if self.path == "-" else open(self.path, "w", encoding="utf-8")  # noqa: SIM115
+        while self.next < len(self.results) and self.results[self.next] is not None:
+            self.out.write(self.results[self.next] + "\n")
+            self.results[self.next] = ""  # written: not held any longer
+            self.next += 1
+        self.out.flush()
+
+    def close(self, ran: bool) -> None:
+        """ran: the batch ran to its end (an empty one then still writes its empty output)."""
+        if self.out is None and ran and self.path != "-":
+            self.out = open(self.path, "w", encoding="utf-8")  # noqa: SIM115
+        if self.out is not None and self.out is not sys.stdout:
+            self.out.close()
+
+
+async def run(app, loop, lines: list[str], capacity: int, sink: InOrder, bar=None) -> None:
+    """Each line's result into sink: the app started under its lifespan, the engine loaded, then at most
     `capacity` requests in flight."""
     import httpx  # noqa: PLC0415
 
-    results: list[str] = [""] * len(lines)
     done = [0]
     async with app.router.lifespan_context(app):
         while loop.state == "loading":
@@ -97,7 +124,7 @@ async def run(app, loop, lines: list[str], capacity: int, bar=None) -> list[str]
             async def one(i: int, line: str) -> None:
                 cid, req, why = check_line(line)
                 if req is None:
-                    results[i] = result_line(cid, error=why)
+                    sink.put(i, result_line(cid, error=why), False)
                 else:
                     async with gate:
                         while True:
@@ -105,13 +132,12 @@ async def run(app, loop, lines: list[str], capacity: int, bar=None) -> list[str]
                             if r.status_code != 429 or r.json().get("error", {}).get("code") != "queue_full":
                                 break
                             await asyncio.sleep(RETRY_S)
-                    results[i] = result_line(cid, r.status_code, r.json())
+                    sink.put(i, result_line(cid, r.status_code, r.json()), r.status_code == 200)
                 done[0] += 1
                 if bar is not None:
                     bar.update(done[0], len(lines))
 
             await asyncio.gather(*(one(i, line) for i, line in enumerate(lines)))
-    return results
 
 
 def cmd_run_batch(args) -> int:
@@ -122,18 +148,14 @@ def cmd_run_batch(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     app, loop = build_served_app(args, cfg, engine_kw, logging.getLogger("mtlqwen.serve"))
     bar = Bar("requests", unit="req", enabled=progress_enabled(args.quiet) and bool(lines))
-    t0 = time.perf_counter()
+    sink = InOrder(args.output_file, len(lines))
+    t0, ran = time.perf_counter(), False
     try:
-        results = asyncio.run(run(app, loop, lines, cfg.slots + cfg.max_queue, bar))
+        asyncio.run(run(app, loop, lines, cfg.slots + cfg.max_queue, sink, bar))
+        ran = True
     finally:
         bar.close()
-    out = sys.stdout if args.output_file == "-" else open(args.output_file, "w", encoding="utf-8")  # noqa: SIM115
-    try:
-        out.write("".join(r + "\n" for r in results))
-    finally:
-        if out is not sys.stdout:
-            out.close()
-    ok = sum(1 for r in results if (json.loads(r)["response"] or {}).get("status_code") == 200)
-    print(f"run-batch: {len(results)} requests, {ok} answered, {len(results) - ok} failed, in "
+        sink.close(ran)
+    print(f"run-batch: {len(lines)} requests, {sink.answered} answered, {len(lines) - sink.answered} failed, in "
           f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
