@@ -1,8 +1,8 @@
 """OpenAI's Responses API (`/v1/responses`) through the serve app in process, driven by the official client over a
 real tiny engine whose replies to seeded requests are scripted (frontend_fixtures.ScriptedEngine): the whole
 response and its event stream build the same output items (reasoning, message, function calls), input items
-render through the chat template, text.format holds the reply to a schema, and what needs stored state is
-refused."""
+render through the chat template, text.format holds the reply to a schema, stored responses are continued,
+retrieved and deleted, and other inputs are refused."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def test_a_schema_and_thinking_off(tmp_path):
 
 
 @pytest.mark.parametrize("patch, param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"conversation": "conv_1"}, "conversation"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input"),
@@ -105,3 +105,57 @@ def test_what_needs_state_or_other_inputs_is_refused(served, patch, param):
     r = c.post("/v1/responses", json={"model": "tiny", "input": "hi", **patch})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_a_stored_response_is_continued_retrieved_and_deleted(served):
+    """previous_response_id renders the conversation the client would have sent whole (the earlier instructions
+    not carried over); GET returns the stored body, streamed responses included; store=false keeps nothing."""
+    client, c, engine = served
+    kw = dict(model="tiny", max_output_tokens=60, temperature=0.5, extra_body={"seed": PLAIN})
+    raw = c.post("/v1/responses", json={"model": "tiny", "input": "Weather in Milan?", "instructions": "Be brief.",
+                                        "max_output_tokens": 60, "temperature": 0.5, "seed": PLAIN}).json()
+    assert c.get(f"/v1/responses/{raw['id']}").json() == raw
+    first = client.responses.retrieve(raw["id"])
+    assert first.output_text == "It is sunny in Milan."
+    second = client.responses.create(input="And Oslo?", previous_response_id=first.id, **kw)
+    whole = client.responses.create(input=[{"role": "user", "content": "Weather in Milan?"},
+                                           *[it.model_dump(exclude_none=True) for it in first.output],
+                                           {"role": "user", "content": "And Oslo?"}], **kw)
+    assert engine.prompts[second.id] == engine.prompts[whole.id]
+    assert "Be brief." not in engine.engine.tokenizer.decode(engine.prompts[second.id])
+    third = client.responses.create(input="Thanks.", previous_response_id=second.id, **kw)  # a chain of three
+    chain = client.responses.create(input=[{"role": "user", "content": "Weather in Milan?"},
+                                           *[it.model_dump(exclude_none=True) for it in first.output],
+                                           {"role": "user", "content": "And Oslo?"},
+                                           *[it.model_dump(exclude_none=True) for it in second.output],
+                                           {"role": "user", "content": "Thanks."}], **kw)
+    assert engine.prompts[third.id] == engine.prompts[chain.id]
+
+    with client.responses.stream(input="hi", **kw) as s:
+        streamed = s.get_final_response()
+    assert c.get(f"/v1/responses/{streamed.id}").json()["output"][-1]["content"][0]["text"] == streamed.output_text
+
+    unstored = client.responses.create(input="hi", store=False, **kw)
+    assert c.get(f"/v1/responses/{unstored.id}").status_code == 404
+    r = c.post("/v1/responses", json={"model": "tiny", "input": "x", "previous_response_id": unstored.id})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id", r.text
+    assert c.delete(f"/v1/responses/{first.id}").json() == {"id": first.id, "object": "response.deleted",
+                                                            "deleted": True}
+    assert c.get(f"/v1/responses/{first.id}").status_code == c.delete(f"/v1/responses/{first.id}").status_code == 404
+    assert client.responses.create(input="more", previous_response_id=second.id, **kw).status == "completed"
+
+
+def test_the_store_keeps_the_most_recent():
+    from mtlqwen.frontends.response_store import ResponseStore  # noqa: PLC0415
+
+    store = ResponseStore(2)
+    for i in range(3):
+        store.keep({"id": f"r{i}"}, [{"n": i}])
+    assert store.body("r0") is None and store.conversation("r1") == [{"n": 1}]  # r1 now the most recent
+    store.keep({"id": "r3"}, [])
+    assert (store.body("r2"), store.body("r1"), len(store)) == (None, {"id": "r1"}, 2)
+    off = ResponseStore(0)
+    off.keep({"id": "x"}, [])
+    assert off.body("x") is None and len(off) == 0
+    with pytest.raises(ValueError, match=">= 0"):
+        ResponseStore(-1)

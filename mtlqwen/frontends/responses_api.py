@@ -7,8 +7,9 @@ is one user message; items in order: a `message` (developer is system), a `funct
 call, consecutive calls one assistant turn), a `function_call_output` (a `tool` message), a `reasoning` item
 (the next assistant turn's reasoning). Function tools map to chat tools, `tool_choice` as on the chat route,
 `text.format` to `response_format`, `reasoning.effort` "none" turns the template's thinking off.
-Nothing is stored: `previous_response_id` and `conversation` are refused (send the whole input), and items
-of other kinds (images, files, built-in tools) are refused by name.
+A finished response is stored (unless `store` is false; response_store.py) and `previous_response_id` continues
+its conversation; `conversation` objects are refused, and items of other kinds (images, files, built-in tools) are
+refused by name.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, TypeAdapter, model_validator
 
 from .api_fields import MAX_TOOLS, Positive, Probability, Temperature, ToolName, validate_body
 from .api_requests import Defaults, ParsedRequest, parse_chat
-from .api_responses import not_supported
+from .api_responses import APIError, not_supported
 
 
 class _Body(BaseModel):
@@ -157,18 +158,30 @@ class ResponsesRequest(_Body):
     reasoning: Reasoning | None = None
     seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)] | None = None  # not OpenAI's: as the chat route
     previous_response_id: str | None = None
+    store: bool = True
     conversation: Any = None
+    _prior: list = PrivateAttr(default_factory=list)  # the stored conversation previous_response_id continues
 
     @model_validator(mode="after")
-    def _stateless(self):
-        for key in ("previous_response_id", "conversation"):
-            if getattr(self, key) is not None:
-                raise not_supported(key, "nothing is stored: send the whole input")
+    def _no_conversation(self):
+        if self.conversation is not None:
+            raise not_supported("conversation", "send previous_response_id or the whole input")
         return self
+
+    def input_items(self) -> list[dict]:
+        """The request's input as items (a string is one user message)."""
+        if isinstance(self.input, str):
+            return [{"type": "message", "role": "user", "content": self.input}]
+        return [it.model_dump(by_alias=True, exclude_none=True) for it in self.input]
+
+    def conversation_items(self) -> list[dict]:
+        """What a response to this request continues: the previous response's conversation, then this input."""
+        return [it.model_dump(by_alias=True, exclude_none=True) for it in self._prior] + self.input_items()
 
     def messages(self) -> list[dict]:
         out: list[dict] = [{"role": "system", "content": self.instructions}] if self.instructions else []
         items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        items = [*self._prior, *items]
         thought = None  # a reasoning item's text, for the assistant turn that follows it
         for it in items:
             if isinstance(it, ReasoningItem):
@@ -219,8 +232,19 @@ class ResponsesRequest(_Body):
         return body
 
 
-def parse_responses(raw: bytes, d: Defaults, template_defaults: dict) -> tuple[ParsedRequest, ResponsesRequest]:
-    """A Responses body -> (the ParsedRequest its chat body gives, the body itself: the reply echoes parts)."""
+_ITEMS = TypeAdapter(list[Item])
+
+
+def parse_responses(raw: bytes, d: Defaults, template_defaults: dict,
+                    conversation_of=None) -> tuple[ParsedRequest, ResponsesRequest]:
+    """A Responses body -> (the ParsedRequest its chat body gives, the body itself: the reply echoes parts).
+    conversation_of(response id): a stored response's conversation items, or None (response_store.py)."""
     req = validate_body(ResponsesRequest, raw)
+    if req.previous_response_id is not None:
+        prior = conversation_of(req.previous_response_id) if conversation_of is not None else None
+        if prior is None:
+            raise APIError(f"no stored response '{req.previous_response_id:.100}' (it was not stored, was deleted, "
+                           "or was dropped for newer ones)", 404, "previous_response_id", "previous_response_not_found")
+        req._prior = _ITEMS.validate_python(prior)
     no_template = lambda template: False  # noqa: E731 - a Responses request cannot name a chat template
     return parse_chat(json.dumps(req.chat_body()).encode(), d, template_defaults, no_template), req

@@ -47,8 +47,9 @@ def _call_item(iid: str, call: ToolCall, status: str = "completed") -> dict:
 class ResponseShell:
     """What every response object of one request carries: its id, model and the request's echoed settings."""
 
-    def __init__(self, rid: str, model: str, req):
-        self.rid, self.model, self.created = rid, model, int(time.time())
+    def __init__(self, rid: str, model: str, req, on_final=None):
+        """on_final(body): called with the finished response's body (response_store keeps it)."""
+        self.rid, self.model, self.created, self.on_final = rid, model, int(time.time()), on_final
         self.echo = {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
                      "parallel_tool_calls": req.parallel_tool_calls, "temperature": req.temperature,
                      "top_p": req.top_p,
@@ -58,9 +59,12 @@ class ResponseShell:
 
     def body(self, output_items: list, status: str, output=None) -> dict:
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-        return {"id": self.rid, "object": "response", "created_at": self.created, "model": self.model,
+        body = {"id": self.rid, "object": "response", "created_at": self.created, "model": self.model,
                 "status": status, "incomplete_details": incomplete, "error": None, "output": output_items,
                 "usage": usage(output) if output is not None else None, **self.echo}
+        if output is not None and self.on_final is not None:
+            self.on_final(body)
+        return body
 
 
 def _status(output) -> str:

@@ -54,6 +54,9 @@ def add_app_args(s) -> None:
                    help="the model names requests may use and /v1/models lists; the first is the one responses "
                         "carry (default: the checkpoint's name, and 'default'). Any other name gets a 404. A name with "
                         "shell wildcards is a pattern, not listed: e.g. 'claude-*' for Anthropic clients' own names")
+    s.add_argument("--max-stored-responses", type=int, default=None, metavar="N",
+                   help="Responses API responses kept in memory for previous_response_id and GET /v1/responses/{id} "
+                        "(default 1024, least recently used dropped; 0 keeps none)")
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests allowed to wait for a slot; beyond it the server answers 429 (default 64)")
     s.add_argument("--slots", "--max-num-seqs", type=int, default=8,
@@ -168,6 +171,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def _check_args(args) -> None:
+    if getattr(args, "max_stored_responses", None) is not None and args.max_stored_responses < 0:
+        raise ValueError(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
     for name in ("max_queue", "slots", "port", "max_body_bytes"):
         if hasattr(args, name) and getattr(args, name) < (1 if name != "max_queue" else 0):
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -227,7 +232,8 @@ def app_config(args, api_key: str | None):
                        defaults=defaults, template_defaults=template_defaults, max_body_bytes=args.max_body_bytes,
                        body_timeout_s=args.body_timeout, template_timeout_s=args.chat_template_timeout,
                        trust_request_template=args.trust_request_chat_template,
-                       special_tokens_in_content=args.special_tokens_in_content)
+                       special_tokens_in_content=args.special_tokens_in_content,
+                       **({} if args.max_stored_responses is None else {"stored_responses": args.max_stored_responses}))
     return cfg, engine_kw
 
 

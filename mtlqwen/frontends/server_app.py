@@ -76,7 +76,11 @@ async def generate(request: Request, kind: str) -> Response:
     name = st.cfg.model_name
     echoes = [Echo(sub.prompt if isinstance(sub.prompt, str) else st.loop.tokenizer.decode(p.ids), p.ids)
               for sub, p in zip(subs, prompts)] if req.echo else None
-    shell = ResponseShell(rid, name, req.source) if kind == "responses" else None
+    shell = None
+    if kind == "responses":
+        src = req.source
+        keep = (lambda body: st.responses.keep(body, src.conversation_items() + body["output"])) if src.store else None
+        shell = ResponseShell(rid, name, src, keep)
     if req.stream:
         if kind == "messages":
             fmt = MessagesFormatter(rid, name, len(ids), in_reasoning, tools)
@@ -168,6 +172,19 @@ async def responses(request: Request) -> Response:
     return await refusals(state(request), generate(request, "responses"))
 
 
+async def stored_response(request: Request) -> Response:
+    """GET /v1/responses/{id}: a stored response's body; DELETE: forget it."""
+    st, rid = state(request), request.path_params["response_id"]
+    if request.method == "DELETE":
+        if st.responses.delete(rid):
+            return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
+    else:
+        body = st.responses.body(rid)
+        if body is not None:
+            return JSONResponse(body)
+    return error_response(oa.APIError(f"no stored response '{rid:.100}'", 404, "response_id", "not_found"), "responses")
+
+
 async def messages(request: Request) -> Response:
     return await refusals(state(request), generate(request, "messages"), "messages")
 
@@ -220,6 +237,7 @@ ROUTES = [
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/messages", messages, methods=["POST"]),
     Route("/v1/responses", responses, methods=["POST"]),
+    Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
     Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),

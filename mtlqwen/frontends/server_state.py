@@ -20,6 +20,7 @@ from .messages_api import parse_messages
 from .prompt_limits import PromptBuilder
 from .responses_api import parse_responses
 from .request_body import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from .response_store import DEFAULT_STORED, ResponseStore
 
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait: a slot frees as soon as any request ends
 
@@ -42,6 +43,7 @@ class ServerConfig:
     template_timeout_s: float = 5.0
     trust_request_template: bool = False  # may a request send its own chat template source
     special_tokens_in_content: bool = False  # do special-token strings in messages act as control tokens
+    stored_responses: int = DEFAULT_STORED  # Responses API responses kept for previous_response_id (0: none)
     started: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):
@@ -73,6 +75,7 @@ class ServerState:
     def __post_init__(self):
         self.metrics = self.loop.metrics
         self.prompts = PromptBuilder(self.loop, self.cfg)
+        self.responses = ResponseStore(self.cfg.stored_responses)
 
     def ready(self) -> None:
         if self.loop.state == "loading":
@@ -93,7 +96,8 @@ class ServerState:
         if kind in ("messages", "count_tokens"):
             return parse_messages(raw, self.cfg.defaults, self.cfg.template_defaults, kind == "count_tokens")
         if kind == "responses":
-            parsed, source = parse_responses(raw, self.cfg.defaults, self.cfg.template_defaults)
+            parsed, source = parse_responses(raw, self.cfg.defaults, self.cfg.template_defaults,
+                                             self.responses.conversation)
             parsed.source = source
             return parsed
         return parse_completion(raw, self.cfg.defaults)
