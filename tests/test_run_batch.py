@@ -83,11 +83,16 @@ def test_more_requests_than_the_server_holds_are_all_answered(ckpt, tmp_path):
     assert len(out[2]["response"]["body"]["choices"]) == 3
 
 
-def test_a_missing_input_file_fails_before_loading(tmp_path):
+def test_a_missing_input_or_output_place_fails_before_loading(tmp_path):
     r = subprocess.run([sys.executable, "-m", "mtlqwen", "run-batch", "-i", str(tmp_path / "none.jsonl"), "-o",
                         str(tmp_path / "out.jsonl")], capture_output=True, text=True, timeout=60, env=subprocess_env())
     assert r.returncode == 1 and r.stderr.startswith("mtlqwen run-batch: error: ") and "none.jsonl" in r.stderr
     assert not (tmp_path / "out.jsonl").exists()
+    (tmp_path / "in.jsonl").write_text("")
+    r = subprocess.run([sys.executable, "-m", "mtlqwen", "run-batch", "-i", str(tmp_path / "in.jsonl"), "-o",
+                        str(tmp_path / "no" / "out.jsonl")], capture_output=True, text=True, timeout=60,
+                       env=subprocess_env())
+    assert r.returncode == 1 and "is not a writable directory" in r.stderr, r.stderr
 
 
 def test_a_checkpoint_that_does_not_load_is_one_error_line(tmp_path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import sys
 import time
 import uuid
@@ -144,6 +145,9 @@ def cmd_run_batch(args) -> int:
     if getattr(args, "tensor_parallel", False):
         raise ValueError("run-batch does not run under --tensor-parallel")
     lines = read_lines(args.input_file)  # a missing file fails here, before the model loads
+    where = os.path.dirname(os.path.abspath(args.output_file))
+    if args.output_file != "-" and not (os.path.isdir(where) and os.access(where, os.W_OK)):
+        raise ValueError(f"cannot write {args.output_file}: {where} is not a writable directory")
     cfg, engine_kw = app_config(args, api_key=None)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     app, loop = build_served_app(args, cfg, engine_kw, logging.getLogger("mtlqwen.serve"))
