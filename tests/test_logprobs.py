@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dflash_checkpoints import write_tiny_drafter
-from engine_checks import close, ref_logits, run_preempting
+from engine_checks import assert_idle, close, ref_logits, run_preempting
 from hf_checkpoints import random_token_ids
 from mtlqwen.model.dflash import load_drafter
 from mtlqwen.runtime import Engine, SamplingParams, logprobs
@@ -104,3 +104,27 @@ def test_prompt_logprobs_are_the_model_alone_and_the_engine_is_untouched(model, 
     with pytest.raises(ValueError, match="tensor parallelism"):
         eng.submit(prompt[:10], SamplingParams(prompt_logprobs=0))
     assert not eng.has_work()
+
+
+def test_the_prompt_logprob_pass_leaves_its_state_for_the_engine(ckpt, model, tmp_path):
+    """The pass computes the prompt; its state before the last token becomes a prefix entry, so the engine runs
+    only the last token (exactly: the counters), with the reply and logprobs of an engine without a prefix cache.
+    Not for a salted request (its entries are its tenant's), nor with a drafter (the pass writes no drafter rows)."""
+    prompt = random_token_ids(150, 512, seed=12)
+    sp = SamplingParams(max_tokens=5, prompt_logprobs=1, logprobs=1)
+    eng = Engine(model, slots=1, step_tokens=64, block_tokens=16, num_blocks=40)
+    (out,) = eng.generate([prompt], sp)
+    (alone,) = Engine(model, slots=1, step_tokens=64, block_tokens=16, num_blocks=40, prefix_interval=0).generate(
+        [prompt], sp)
+    assert out.cached_tokens == 149 and eng.counters["prefill_tokens"] == 1 and eng.stats()["prefix_hits"] == 1
+    assert out.token_ids == alone.token_ids and alone.cached_tokens == 0
+    assert [(lp.token, lp.top) for lp in out.prompt_logprobs[1:]] == [(lp.token, lp.top) for lp in alone.prompt_logprobs[1:]]
+    assert all(close(a.logprob, b.logprob) for a, b in zip(out.logprobs, alone.logprobs))
+    (salted,) = Engine(model, slots=1, step_tokens=64, block_tokens=16, num_blocks=40).generate(
+        [prompt], SamplingParams(max_tokens=2, prompt_logprobs=0, cache_salt="t"))
+    assert salted.cached_tokens == 0
+    drafter = load_drafter(write_tiny_drafter(tmp_path / "d", ckpt, num_layers=2), model)
+    (drafting,) = Engine(model, slots=1, step_tokens=64, block_tokens=16, num_blocks=40, draft=drafter).generate(
+        [prompt], SamplingParams(max_tokens=2, prompt_logprobs=0))
+    assert drafting.cached_tokens == 0
+    assert_idle(eng)

@@ -198,7 +198,11 @@ class Engine(Generation):
         if params.prompt_logprobs is not None:  # before the request exists: a failure is its alone
             if getattr(self.model, "group", None) is not None:  # rank 0 alone would wait in its collectives
                 raise ValueError("prompt logprobs are not computed under tensor parallelism")
-            prompt_lps = prompt_logprobs(self.model, ids, params.prompt_logprobs)
+            # the pass's state before the last token goes into the prefix cache: the prompt is computed once
+            keep = self.prefix is not None and self.spec is None and params.cache_salt is None
+            prompt_lps, prefix = prompt_logprobs(self.model, ids, params.prompt_logprobs, keep)
+            if prefix is not None:
+                self._adopt_prompt(ids[:-1], prefix)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(request_id, ids, params, seed)
         seq.prompt_logprobs = prompt_lps
@@ -497,6 +501,14 @@ class Engine(Generation):
         self._prompt_files()
         drafter = self.spec.drafter if self.spec is not None else None
         return prompt_file.load(self.kv, self.cache, path, prompt_file.identity(self.model, drafter))
+
+    def _adopt_prompt(self, tokens: list[int], prefix) -> None:
+        """A prompt-logprob pass's state as a prefix entry (no drafter: the pass writes no drafter rows). Only a
+        saving: a pool too full for it is left alone."""
+        try:
+            self.kv.adopt(tokens, *prefix, self.cache)
+        except ValueError:
+            pass
 
     def _prompt_files(self) -> None:
         if getattr(self.model, "group", None) is not None:  # each rank holds a shard of every pool

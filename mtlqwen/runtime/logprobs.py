@@ -76,10 +76,14 @@ MAX_PROMPT_LOGPROB_TOKENS = 16384  # prompt logprobs run the prompt in one pass,
 _CHUNK = 256  # rows through the LM head at a time: [rows, vocab] fp32 stays small
 
 
-def prompt_logprobs(model, ids: list[int], k: int) -> list[TokenLogprob | None]:
+def prompt_logprobs(model, ids: list[int], k: int, keep_prefix: bool = False):
     """Each prompt token's log probability given the tokens before it (None for the first), with k alternatives:
     the prompt run once through the model from an empty state, in a cache of its own (the engine's pool and
-    prefix cache are untouched), its LM head applied a chunk of rows at a time."""
+    prefix cache are untouched), its LM head applied a chunk of rows at a time.
+
+    keep_prefix: also return the state after all but the last token, as KVManager.adopt takes it (per K/V pool
+    the rows of those positions, per GDN pool the state), so that the engine restores it rather than computing
+    the prompt a second time. Returns (the logprobs, that state; None unasked or for a one-token prompt)."""
     from ..kernels import SeqLayout  # noqa: PLC0415
 
     T = len(ids)
@@ -89,8 +93,18 @@ def prompt_logprobs(model, ids: list[int], k: int) -> list[TokenLogprob | None]:
     bt = 128
     nb = -(-T // bt)
     cache = model.make_cache(num_blocks=nb, num_slots=1, block_tokens=bt)
-    h = model.hidden(mx.array(ids, dtype=mx.int32), SeqLayout([0, T], [0], [list(range(nb))], [0], bt), cache)
-    mx.eval(h)
+    x, blocks = mx.array(ids, dtype=mx.int32), [list(range(nb))]
+    prefix = None
+    if keep_prefix and T >= 2:  # the prompt less its last token, the state there taken, then the last token
+        h0 = model.hidden(x[:-1], SeqLayout([0, T - 1], [0], blocks, [0], bt), cache)
+        state = [mx.take(p, mx.array([0]), axis=0)[0] for p in (*cache.conv_states, *cache.rec_states)]
+        mx.eval(h0, state)  # before the last token's state writes (in place on the GPU)
+        h = mx.concatenate([h0, model.hidden(x[-1:], SeqLayout([0, 1], [T - 1], blocks, [0], bt), cache)])
+        rows = [pool.reshape(nb * bt, *pool.shape[2:])[: T - 1] for pool in (*cache.k_pools, *cache.v_pools)]
+        prefix = (rows, state)
+    else:
+        h = model.hidden(x, SeqLayout([0, T], [0], blocks, [0], bt), cache)
+    mx.eval(h, *(prefix[0] if prefix else ()))
     out: list[TokenLogprob | None] = [None]
     for s in range(0, T - 1, _CHUNK):
         e = min(T - 1, s + _CHUNK)
@@ -99,7 +113,7 @@ def prompt_logprobs(model, ids: list[int], k: int) -> list[TokenLogprob | None]:
         mx.eval(*step.arrays())
         read = step.read(ids[s + 1:e + 1])
         out += [read[r] for r in range(e - s)]
-    return out
+    return out, prefix
 
 
 @dataclass(frozen=True)
