@@ -26,12 +26,12 @@ from .draft_policy import make_policy
 from .config import EngineConfig
 from .dense_weights import keep_dense_weights, kept_bytes, resolve as resolve_dense
 from .failures import EvalFailed, Failures, reason
+from .engine_prefix import PrefixControls
 from .generate import Generation
 from .memory import plan_memory
 from .outputs import Delta, Output, TextState
 from .kv_manager import KVManager, StepSnapshots
 from .prefix_cache import model_identity
-from . import prompt_file
 from .logprobs import StepLogprobs, prompt_logprobs
 from .sampling import SamplingParams, sample_rows
 from .structured import Constraints
@@ -76,7 +76,7 @@ def _load(model_or_path, tokenizer):
     return model, tokenizer
 
 
-class Engine(Generation):
+class Engine(Generation, PrefixControls):
     """Batched generation over a fixed number of slots with paged KV memory.
 
     Options come as keywords or as `config=EngineConfig(...)` (keywords override its fields); config.py's
@@ -454,11 +454,6 @@ class Engine(Generation):
         return self.kv.pool
 
     @property
-    def prefix(self):
-        """The KV manager's prefix cache, None when off (read-only view)."""
-        return self.kv.prefix
-
-    @property
     def dense_bytes(self) -> int:
         """Bytes of the projections' dequantized copies the model holds (dense_weights.py); read from the model,
         which another engine on it may have equipped or stripped since."""
@@ -479,44 +474,3 @@ class Engine(Generation):
             **(self.spec.stats() if self.spec is not None else {}),
         }
         return s
-
-    # ---- prompt cache files (prompt_file.py)
-    def save_prompt_cache(self, path, prompt, request: dict | None = None) -> prompt_file.SavedPrompt:
-        """Prefill `prompt` (token ids, or text for the tokenizer) unless the prefix cache holds it, and write its
-        computed state to `path` (.safetensors appended if missing) for load_prompt_cache, in this process or
-        another with the same model. request: what a frontend needs to extend the prompt, stored as JSON."""
-        ids = prompt_ids(prompt, self.tokenizer)
-        self._prompt_files()
-        if self.prefix is None or self.prefix.exact(ids) is None:
-            out = self.generate(ids, SamplingParams(max_tokens=1, temperature=0.0))[0]
-            if out.finish_reason == "error":
-                raise RuntimeError(f"the prompt's prefill failed: {out.error}")
-        drafter = self.spec.drafter if self.spec is not None else None
-        return prompt_file.save(self.kv, self.cache, path, ids, prompt_file.identity(self.model, drafter),
-                                getattr(self.model, "source", None), getattr(drafter, "source", None), request)
-
-    def load_prompt_cache(self, path) -> tuple[prompt_file.SavedPrompt, bool]:
-        """Put a saved prompt into the prefix cache: (its header, whether a new entry was made; False when the
-        prompt is cached already or larger than the cache's budget). ValueError for a file of another model."""
-        self._prompt_files()
-        drafter = self.spec.drafter if self.spec is not None else None
-        return prompt_file.load(self.kv, self.cache, path, prompt_file.identity(self.model, drafter))
-
-    def _adopt_prompt(self, tokens: list[int], prefix) -> None:
-        """A prompt-logprob pass's state as a prefix entry (no drafter: the pass writes no drafter rows). Only a
-        saving: a pool too full for it is left alone."""
-        try:
-            self.kv.adopt(tokens, *prefix, self.cache)
-        except ValueError:
-            pass
-
-    def _prompt_files(self) -> None:
-        if getattr(self.model, "group", None) is not None:  # each rank holds a shard of every pool
-            raise ValueError("prompt cache files are not written or read under tensor parallelism")
-        if self.prefix is None:
-            raise ValueError("prompt cache files need the prefix cache (prefix_interval > 0)")
-
-    def clear_prefix_cache(self) -> int:
-        """Drop every prefix-cache entry (their bundles return to the pool); returns how many."""
-        return self.kv.clear()
-
