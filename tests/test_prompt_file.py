@@ -268,3 +268,80 @@ def test_serve_starts_with_the_system_prompt_cached(chat_ckpt, tmp_path):
         assert got["usage"]["prompt_tokens_details"]["cached_tokens"] < n
     finally:
         s.stop()
+
+
+def test_a_longer_prompt_adopted_shares_the_blocks_of_the_entry_it_extends():
+    kv, cache = KVManager(12, 4, prefix_interval=8, identity="f"), fake_cache(4, blocks=12)
+    a = list(range(100, 114))  # 14 tokens: 3 whole blocks + a partial one
+    rows = lambda n: [mx.arange(n * 2, dtype=mx.float32).reshape(n, 2, 1) + 1000 * j for j in range(2)]  # noqa: E731
+    state = [mx.ones((2,)), mx.ones((3,))]
+    first = kv.adopt(a, rows(14), state, cache)
+    second = kv.adopt(a + [7] * 6, rows(20), state, cache)  # 20 tokens: 5 whole blocks, the first 3 first's
+    assert first.blocks == [0, 1, 2] and second.blocks == [0, 1, 2, 3, 4] and second.tail is None
+    assert kv.pool.ref_counts[:6] == [2, 2, 2, 1, 1, 0] and kv.pool.num_free == 7
+    assert np.array_equal(np.array(cache.k_pools[0][3:5]).reshape(8, 2, 1), np.array(rows(20)[0][12:20]))
+    assert kv.prefix.maximal() == [second]  # first's tokens are a prefix of second's
+    salted = kv.adopt(a, rows(14), state, cache, salt="tenant")
+    assert salted is not None and salted.salt == "tenant" and kv.prefix.exact(a, "tenant") is salted
+    assert salted.blocks == [5, 6, 7]  # nothing shared across salts
+    assert kv.prefix.maximal() == [second, salted]
+    assert kv.clear() == 3 and kv.pool.num_free == 12
+
+
+def test_the_prefix_cache_is_saved_and_restored_across_engines(model, tmp_path):
+    """A two-turn chat and a salted prompt; the entries no other extends saved, then loaded by another engine of
+    another block size: the third turn restores the second's end, the salted prompt only under its salt, and the
+    replies are a fresh engine's."""
+    sp = greedy(6, ignore_eos=True)
+    kw = dict(block_tokens=16, prefix_interval=32, num_blocks=40)
+    turn1 = random_token_ids(40, 500, seed=5)
+    eng = Engine(model, **kw)
+    (r1,) = eng.generate([turn1], sp)
+    turn2 = turn1 + r1.token_ids + random_token_ids(7, 500, seed=6)
+    (r2,) = eng.generate([turn2], sp)
+    (s1,) = eng.generate([random_token_ids(20, 500, seed=7)], greedy(3, ignore_eos=True, cache_salt="t"))
+    files = eng.save_prefix_cache(tmp_path / "pc")
+    assert len(files) == len(eng.prefix.maximal()) == 2  # turn 2's end (turn 1's inside it) and the salted one
+    assert sorted(p.name for p in (tmp_path / "pc").iterdir()) == sorted(f.rsplit("/", 1)[1] for f in files)
+
+    other = Engine(model, block_tokens=32, prefix_interval=64, num_blocks=20)
+    assert other.load_prefix_cache(tmp_path / "pc") == (2, [])
+    turn3 = turn2 + r2.token_ids + random_token_ids(5, 500, seed=8)
+    (r3,) = other.generate([turn3], sp)
+    (fresh,) = Engine(model, block_tokens=32, prefix_interval=0, num_blocks=20).generate([turn3], sp)
+    assert r3.cached_tokens == len(turn2) + len(r2.token_ids) - 1 and r3.token_ids == fresh.token_ids
+    salted = random_token_ids(20, 500, seed=7) + s1.token_ids[:2] + [9]  # its turn: the 2 reply tokens that ran
+    (plain,) = other.generate([salted], greedy(2))
+    (same,) = other.generate([salted], greedy(2, cache_salt="t"))
+    assert plain.cached_tokens == 0 and same.cached_tokens == 22
+    written = other.save_prefix_cache(tmp_path / "pc")  # the old files replaced by the new ends
+    assert sorted(p.name for p in (tmp_path / "pc").iterdir()) == sorted(f.rsplit("/", 1)[1] for f in written)
+    assert_idle(other)
+
+
+def test_serve_keeps_its_prefix_cache_across_a_restart(chat_ckpt, tmp_path):
+    """--prefix-cache-dir: a prompt's end written when the server stops, restored when it starts again: a prompt
+    that extends it prefills only the rest."""
+    folder = tmp_path / "pc"
+    args = ["--model", str(chat_ckpt), "--slots", "1", "--num-blocks", "32", "--block-tokens", "16",
+            "--prefix-cache-dir", str(folder), "--log-level", "info"]
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3
+    s = ServerProcess(args, tmp_path / "first.log")
+    try:
+        s.wait_healthy()  # one token: the sampled token never runs, so the turn entry is the prompt exactly
+        first = httpx.post(s.base + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=60).json()
+    finally:
+        s.stop()  # SIGTERM: a graceful stop, which writes the cache
+    assert "1 entries written to" in (tmp_path / "first.log").read_text()
+    assert [p.suffix for p in folder.iterdir()] == [".safetensors"]
+    s = ServerProcess(args, tmp_path / "second.log")
+    try:
+        s.wait_healthy()
+        again = httpx.post(s.base + "/v1/completions", json={"prompt": prompt + "Again?", "max_tokens": 2},
+                           timeout=60).json()
+    finally:
+        s.stop()
+    assert "1 entries loaded from" in (tmp_path / "second.log").read_text()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == first["usage"]["prompt_tokens"], again
+    bad = run_cli("serve", "--model", str(chat_ckpt), "--prefix-cache-dir", str(tmp_path / "first.log"))
+    assert bad.returncode == 1 and "is not a writable directory" in bad.stderr

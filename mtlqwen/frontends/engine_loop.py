@@ -92,6 +92,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._handover = threading.Lock()  # orders submit() against the engine thread's death
         self._thread = threading.Thread(target=self._run, name="mtlqwen-engine", daemon=True)
+        self.on_stop: Callable[[Any], None] | None = None  # fn(engine) on the engine thread when it stops
 
     # ---- asyncio side
     def start(self) -> None:
@@ -100,7 +101,8 @@ class EngineLoop:
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._inbox.put(("wake", None))
-        self._thread.join(timeout)
+        # on_stop (saving the prefix cache) may write gigabytes: waited for, the files are written whole or not
+        self._thread.join(None if self.on_stop is not None else timeout)
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """fn(engine) run on the engine thread between steps (operator actions such as clearing the
@@ -143,6 +145,16 @@ class EngineLoop:
                 self.on_load_error(self.error)
             return
         engine = self.engine
+        try:
+            self._serve(engine)
+        finally:
+            if self.on_stop is not None and self.state == "ok":
+                try:
+                    self.on_stop(engine)
+                except Exception:  # shutting down: said, not raised
+                    log.error("on stop: %s", traceback.format_exc())
+
+    def _serve(self, engine) -> None:
         while not self._stop.is_set():
             try:
                 self._drain(block=not engine.has_work())

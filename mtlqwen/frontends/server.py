@@ -50,6 +50,10 @@ def add_app_args(s) -> None:
                    help="prompt caches written by `mtlqwen cache-prompt` (same model, dtype and drafter), loaded into the "
                         "prefix cache at start: requests whose prompts begin with one prefill only the rest (entries "
                         "are then evicted like any other when the cache is full)")
+    s.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                   help="keep the prefix cache across restarts: its entries that no other extends (the ends of "
+                        "conversations) are written to DIR when the server stops and loaded when it starts (files of "
+                        "another model are skipped, logged)")
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model names requests may use and /v1/models lists; the first is the one responses "
                         "carry (default: the checkpoint's name, and 'default'). Any other name gets a 404. A name with "
@@ -179,6 +183,12 @@ def _check_args(args) -> None:
     for name in ("body_timeout", "chat_template_timeout"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {getattr(args, name)}")
+    folder = getattr(args, "prefix_cache_dir", None)
+    if folder is not None:
+        if args.tensor_parallel or args.prefix_interval == 0:
+            raise ValueError("--prefix-cache-dir needs the prefix cache (--prefix-interval > 0) and no --tensor-parallel")
+        if os.path.exists(folder) and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            raise ValueError(f"--prefix-cache-dir: {folder} is not a writable directory")
     if args.prompt_cache_file:
         if args.tensor_parallel:
             raise ValueError("--prompt-cache-file cannot be used with --tensor-parallel")
@@ -257,13 +267,24 @@ def build_served_app(args, cfg, engine_kw: dict, log, group=None, load_delay: fl
         if should_warm_up(args.warmup, group):  # before the serving engine: its pool and the warm-up's never coexist
             warm_up(model, engine_kw, tok, log=log.info)
         engine = Engine(model, tokenizer=tok, **engine_kw)
+        if folder is not None and os.path.isdir(folder):
+            made, skipped = engine.load_prefix_cache(folder)
+            log.info("prefix cache: %d entries loaded from %s", made, folder)
+            for why in skipped:
+                log.warning("prefix cache: skipped %s", why)
         for f in args.prompt_cache_file or ():
             saved, new = engine.load_prompt_cache(f)
             log.info("prompt cache %s: %d tokens%s", saved.path, len(saved.tokens),
                      "" if new else " (cached already, or larger than the prefix cache's budget: not kept)")
         return replicate(engine, group), tok
 
+    folder = getattr(args, "prefix_cache_dir", None)
     loop = EngineLoop(build, Metrics(cfg.served_names[0]), load_delay=load_delay)
+    if folder is not None:
+        def save(engine):
+            log.info("prefix cache: %d entries written to %s", len(engine.save_prefix_cache(folder)), folder)
+
+        loop.on_stop = save
     return build_app(loop, cfg), loop
 
 

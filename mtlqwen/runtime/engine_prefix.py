@@ -38,6 +38,22 @@ class PrefixControls:
         drafter = self.spec.drafter if self.spec is not None else None
         return prompt_file.load(self.kv, self.cache, path, prompt_file.identity(self.model, drafter))
 
+    def save_prefix_cache(self, folder) -> list[str]:
+        """Every prefix-cache entry no other extends (the ends of conversations and prompts), a prompt cache file
+        each, into `folder` (its older files replaced): what load_prefix_cache restores in another process with
+        the same model. Returns the files written."""
+        self._prompt_files()
+        drafter = self.spec.drafter if self.spec is not None else None
+        return prompt_file.save_dir(self.kv, self.cache, folder, prompt_file.identity(self.model, drafter),
+                                    getattr(self.model, "source", None), getattr(drafter, "source", None))
+
+    def load_prefix_cache(self, folder) -> tuple[int, list[str]]:
+        """save_prefix_cache's files as prefix-cache entries (a conversation's turns share their common blocks):
+        (entries made, why each skipped file was skipped)."""
+        self._prompt_files()
+        drafter = self.spec.drafter if self.spec is not None else None
+        return prompt_file.load_dir(self.kv, self.cache, folder, prompt_file.identity(self.model, drafter))
+
     def _adopt_prompt(self, tokens: list[int], prefix) -> None:
         """A prompt-logprob pass's state as a prefix entry (no drafter: the pass writes no drafter rows). Only a
         saving: a pool too full for it is left alone."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .block_pool import BlockPool
-from .prefix_cache import DEFAULT_CACHE_BYTES, Capture, PrefixCache, bundle_pools, empty_stats
+from .prefix_cache import DEFAULT_CACHE_BYTES, Capture, Prefix, PrefixCache, bundle_pools, empty_stats
 
 
 # finish reasons whose sequence's slot holds a state worth keeping (not a cancelled or failed request)
@@ -202,10 +202,10 @@ class KVManager:
         return StepSnapshots(self, scheduled, cache)
 
     # ---- saved prompts (runtime/prompt_file.py)
-    def export(self, tokens: list[int], cache) -> tuple[list[mx.array], list[mx.array]] | None:
-        """The entry for exactly these tokens as (per bundle pool its K/V rows of positions 0..L-1 [L, ...],
-        per GDN pool the state after them [...]); None when the prefix cache holds none (or is off)."""
-        e = self.prefix.exact(tokens) if self.prefix is not None else None
+    def export(self, tokens: list[int], cache, salt: str | None = None) -> tuple[list[mx.array], list[mx.array]] | None:
+        """The entry for exactly these tokens (under that cache_salt) as (per bundle pool its K/V rows of positions
+        0..L-1 [L, ...], per GDN pool the state after them [...]); None when the prefix cache holds none (or is off)."""
+        e = self.prefix.exact(tokens, salt) if self.prefix is not None else None
         if e is None:
             return None
         bt, nb = self.block_tokens, len(e.blocks)
@@ -218,25 +218,33 @@ class KVManager:
             rows.append(mx.concatenate(parts) if len(parts) > 1 else parts[0])
         return rows, [s[0] for s in e.state]
 
-    def adopt(self, tokens: list[int], rows: list[mx.array], state: list[mx.array], cache):
-        """A prefix entry for exactly `tokens` from rows and states in export's form: the whole blocks written
-        into fresh bundles (evicting LRU entries for room), the rest kept as the entry's partial block. Returns
-        the entry, or None when that prefix is cached already or the entry does not fit the budget."""
+    def adopt(self, tokens: list[int], rows: list[mx.array], state: list[mx.array], cache, salt: str | None = None):
+        """A prefix entry for exactly `tokens` (under that cache_salt) from rows and states in export's form. The
+        whole blocks of the longest entry it extends are shared (a conversation's turns, loaded one after another,
+        hold their common K/V once); the other whole blocks are written into fresh bundles (evicting LRU entries
+        for room), the rest kept as the entry's partial block. Returns the entry, or None when that prefix is
+        cached already or the entry does not fit the budget."""
         if self.prefix is None:
             raise ValueError("the prefix cache is off (prefix_interval=0): a saved prompt has nowhere to go")
-        if self.prefix.exact(tokens) is not None:
+        if self.prefix.exact(tokens, salt) is not None:
             return None
         bt = self.block_tokens
         nb, rest = divmod(len(tokens), bt)
-        if not self.prefix.evict_for_blocks(nb):
-            raise ValueError(f"the KV pool cannot hold the saved prompt: it needs {nb} free blocks of "
+        base = self.prefix.lookup(Prefix(tokens, salt))
+        shared = base.blocks[:nb] if base is not None else []
+        self.pool.share(shared)  # held before eviction can free them
+        fresh_n = nb - len(shared)
+        if not self.prefix.evict_for_blocks(fresh_n):
+            self.pool.free(shared)
+            raise ValueError(f"the KV pool cannot hold the saved prompt: it needs {fresh_n} free blocks of "
                              f"{bt} tokens, {self.pool.num_free} of {self.pool.num_blocks} are free")
-        blocks = self.pool.allocate(nb)
-        ids = mx.array(blocks, dtype=mx.int32)
+        fresh = self.pool.allocate(fresh_n)
+        ids = mx.array(fresh, dtype=mx.int32)
+        lo = len(shared) * bt  # rows below lo are in the shared blocks already
         tail = [] if rest else None
         for pool, x in zip(bundle_pools(cache), rows):  # x [L, ...]
-            if nb:
-                pool[ids] = x[: nb * bt].reshape(nb, bt, *x.shape[1:])
+            if fresh_n:
+                pool[ids] = x[lo: nb * bt].reshape(fresh_n, bt, *x.shape[1:])
                 mx.eval(pool)  # one pool at a time: the scatter updates it in place, no second pool alive
             if rest:
                 t = mx.zeros((1, bt, *x.shape[1:]), dtype=x.dtype)
@@ -244,7 +252,7 @@ class KVManager:
                 tail.append(t)
         state = [s[None] for s in state]
         mx.eval(state, tail or [])
-        return self.prefix.adopt(list(tokens), blocks, state, tail)
+        return self.prefix.adopt(list(tokens), shared + fresh, state, tail, salt)
 
     # ---- reporting
     def stats(self) -> dict:

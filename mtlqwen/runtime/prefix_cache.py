@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import struct
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -90,6 +90,7 @@ class PrefixEntry:
     bucket: int | None = None  # a turn entry's bucket key (see the module doc); None for an interval entry
     hits: int = 0
     spare: bool = False  # hit since it last came up for eviction: spared once (second chance)
+    salt: str | None = None  # the cache_salt its key chains in (saved with it: prompt_file.py)
 
     @property
     def kind(self) -> str:
@@ -111,13 +112,15 @@ class Capture:
         return self.state + (self.tail or [])
 
 
-@dataclass(eq=False)
-class _Unsalted:
-    """What keys and inserts read of a sequence, for a bare token list (no cache_salt)."""
+class Prefix:
+    """What keys, lookups and inserts read of a sequence, for a bare token list and its cache_salt."""
 
-    tokens: list[int]
-    params: object = field(default_factory=lambda: SimpleNamespace(cache_salt=None))
-    prefix_keys: list = field(default_factory=list)
+    def __init__(self, tokens: list[int], salt: str | None = None):
+        self.tokens, self.params, self.prefix_keys = list(tokens), SimpleNamespace(cache_salt=salt), []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
 
 
 def _group(seqs: list, row) -> list[tuple[PrefixEntry, mx.array]]:
@@ -323,19 +326,26 @@ class PrefixCache:
         return (chunk_key(bucket, seq.tokens[k * self.interval : length]), bucket) if rest else (bucket, None)
 
     # ---- entries made elsewhere (a saved prompt: runtime/prompt_file.py)
-    def exact(self, tokens: list[int]) -> PrefixEntry | None:
-        """The entry for exactly these tokens (unsalted), or None."""
+    def exact(self, tokens: list[int], salt: str | None = None) -> PrefixEntry | None:
+        """The entry for exactly these tokens under that cache_salt, or None."""
         if not tokens:
             return None
-        e = self.entries.get(self._turn_key(_Unsalted(tokens), len(tokens))[0])
+        e = self.entries.get(self._turn_key(Prefix(tokens, salt), len(tokens))[0])
         return e if e is not None and e.tokens == token_bytes(tokens) else None
 
+    def maximal(self) -> list[PrefixEntry]:
+        """The entries no other entry of their salt extends, least recently used first: what restores every
+        conversation's end (a shorter entry's tokens are a prefix of a kept one's, its K/V rows within it)."""
+        es = list(self.entries.values())
+        return [e for e in es if not any(o is not e and o.salt == e.salt and o.length > e.length
+                                         and o.tokens.startswith(e.tokens) for o in es)]
+
     def adopt(self, tokens: list[int], blocks: list[int], state: list[mx.array],
-              tail: list[mx.array] | None) -> PrefixEntry | None:
-        """An entry for exactly these tokens (unsalted) from state computed elsewhere, taking over one reference
-        to each of `blocks` (written already); None when that prefix is cached already (the references are
-        dropped) or the entry did not fit the budget."""
-        prefix = _Unsalted(tokens)
+              tail: list[mx.array] | None, salt: str | None = None) -> PrefixEntry | None:
+        """An entry for exactly these tokens (under that cache_salt) from state computed elsewhere, taking over
+        one reference to each of `blocks` (written already); None when that prefix is cached already (the
+        references are dropped) or the entry did not fit the budget."""
+        prefix = Prefix(tokens, salt)
         key, bucket = self._turn_key(prefix, len(tokens))
         if not self._insert(key, Capture(prefix, len(tokens), blocks, state, tail), bucket, counted=False):
             return None
@@ -352,7 +362,8 @@ class PrefixCache:
             self.pool.free(c.blocks)
             return False
         nbytes = sum(a.nbytes for a in c.arrays())
-        self.entries[key] = PrefixEntry(key, c.length, tokens, c.blocks, c.state, c.tail, nbytes, bucket=bucket)
+        self.entries[key] = PrefixEntry(key, c.length, tokens, c.blocks, c.state, c.tail, nbytes, bucket=bucket,
+                                        salt=c.seq.params.cache_salt)
         if bucket is not None:
             self.turns.setdefault(bucket, []).append(key)
             self.counters["prefix_turns_kept"] += counted

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -47,6 +48,7 @@ class SavedPrompt:
     draft: str | None = None
     request: dict = field(default_factory=dict)
     nbytes: int = 0
+    salt: str | None = None  # the cache_salt of the requests it serves
 
 
 def fingerprint(module) -> str:
@@ -78,10 +80,10 @@ def _file(path: str | os.PathLike, reading: bool) -> str:
 
 
 def save(kv, cache, path, tokens: list[int], ident: dict[str, str], model: str | None = None,
-         draft: str | None = None, request: dict | None = None) -> SavedPrompt:
-    """Write the prefix-cache entry for exactly `tokens` (kv: the engine's KVManager) to path; ValueError when the
-    prefix cache holds none."""
-    got = kv.export(tokens, cache)
+         draft: str | None = None, request: dict | None = None, salt: str | None = None) -> SavedPrompt:
+    """Write the prefix-cache entry for exactly `tokens` (under that cache_salt; kv: the engine's KVManager) to
+    path, through a temporary file (a file of that name is whole or absent); ValueError when the cache holds none."""
+    got = kv.export(tokens, cache, salt)
     if got is None:
         raise ValueError(
             f"no prefix-cache entry holds the prompt's {len(tokens)} tokens: the prefix cache is off, or its budget "
@@ -91,10 +93,12 @@ def save(kv, cache, path, tokens: list[int], ident: dict[str, str], model: str |
     arrays.update({f"kv.{j}": r for j, r in enumerate(rows)})
     arrays.update({f"state.{i}": s for i, s in enumerate(state)})
     meta = {"format": FORMAT, "version": VERSION, **ident, "model": model or "", "draft": draft or "",
-            "request": json.dumps(request or {})}
+            "request": json.dumps(request or {}), "salt": json.dumps(salt)}
     out = _file(path, reading=False)
-    mx.save_safetensors(out, arrays, metadata=meta)
-    return SavedPrompt(out, list(tokens), dict(ident), model, draft, request or {}, os.path.getsize(out))
+    part = out[: -len(SUFFIX)] + ".part" + SUFFIX
+    mx.save_safetensors(part, arrays, metadata=meta)
+    os.replace(part, out)
+    return SavedPrompt(out, list(tokens), dict(ident), model, draft, request or {}, os.path.getsize(out), salt)
 
 
 def _open(path) -> tuple[str, dict, dict]:
@@ -121,8 +125,14 @@ def _header(p: str, arrays: dict, meta: dict) -> SavedPrompt:
         request = json.loads(meta.get("request") or "{}")
     except json.JSONDecodeError:
         raise ValueError(f"{p!r}: its request metadata is not JSON") from None
+    try:
+        salt = json.loads(meta.get("salt") or "null")
+    except json.JSONDecodeError:
+        raise ValueError(f"{p!r}: its salt metadata is not JSON") from None
+    if salt is not None and not isinstance(salt, str):
+        raise ValueError(f"{p!r}: its salt is not a string")
     return SavedPrompt(p, tok.tolist(), {k: meta.get(k, "") for k in IDENTITY}, meta.get("model") or None,
-                       meta.get("draft") or None, request, os.path.getsize(p))
+                       meta.get("draft") or None, request, os.path.getsize(p), salt)
 
 
 def read(path) -> SavedPrompt:
@@ -154,4 +164,35 @@ def load(kv, cache, path, ident: dict[str, str]) -> tuple[SavedPrompt, bool]:
     extra = set(arrays) - {"tokens", *(f"kv.{j}" for j in range(len(pools))), *(f"state.{i}" for i in range(len(states)))}
     if extra:
         raise ValueError(f"{p!r} holds arrays this engine has no pool for: {', '.join(sorted(extra))}")
-    return saved, kv.adopt(saved.tokens, rows, state, cache) is not None
+    return saved, kv.adopt(saved.tokens, rows, state, cache, saved.salt) is not None
+
+
+def save_dir(kv, cache, folder, ident: dict[str, str], model: str | None = None, draft: str | None = None) -> list[str]:
+    """Every entry no other extends (PrefixCache.maximal), each a file in folder named by its key; the folder's
+    other prompt cache files are removed (loaded earlier or since evicted: what they held is in the new ones or
+    was dropped). Returns the files written, least recently used first."""
+    os.makedirs(folder, exist_ok=True)
+    written = []
+    for e in (kv.prefix.maximal() if kv.prefix is not None else []):
+        tokens = list(struct.unpack(f"<{e.length}i", e.tokens))
+        name = os.path.join(os.fspath(folder), f"{e.key:016x}{SUFFIX}")
+        written.append(save(kv, cache, name, tokens, ident, model, draft, salt=e.salt).path)
+    for f in os.listdir(folder):
+        path = os.path.join(os.fspath(folder), f)
+        if f.endswith(SUFFIX) and path not in written:
+            os.remove(path)
+    return written
+
+
+def load_dir(kv, cache, folder, ident: dict[str, str]) -> tuple[int, list[str]]:
+    """The folder's prompt cache files into the prefix cache, oldest first (the most recent stays the most
+    recently used). Returns (entries made, one line for each file skipped and why)."""
+    files = sorted((os.path.join(os.fspath(folder), f) for f in os.listdir(folder)
+                    if f.endswith(SUFFIX) and not f.endswith(".part" + SUFFIX)), key=os.path.getmtime)
+    made, skipped = 0, []
+    for f in files:
+        try:
+            made += load(kv, cache, f, ident)[1]
+        except ValueError as e:  # another model's, or broken: the others still load
+            skipped.append(str(e))
+    return made, skipped
