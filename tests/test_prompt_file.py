@@ -314,8 +314,17 @@ def test_the_prefix_cache_is_saved_and_restored_across_engines(model, tmp_path):
     (plain,) = other.generate([salted], greedy(2))
     (same,) = other.generate([salted], greedy(2, cache_salt="t"))
     assert plain.cached_tokens == 0 and same.cached_tokens == 22
+    foreign = tmp_path / "pc" / "foreign.safetensors"  # another model's file: left alone
+    foreign.write_bytes((tmp_path / "pc" / files[0].rsplit("/", 1)[1]).read_bytes())
+    arrays, meta = mx.load(str(foreign), return_metadata=True)
+    mx.save_safetensors(str(foreign), arrays, metadata={**meta, "weights": "another"})
+    (tmp_path / "pc" / "x.part.safetensors").write_bytes(b"cut short")  # an unfinished write: removed
     written = other.save_prefix_cache(tmp_path / "pc")  # the old files replaced by the new ends
-    assert sorted(p.name for p in (tmp_path / "pc").iterdir()) == sorted(f.rsplit("/", 1)[1] for f in written)
+    assert sorted(p.name for p in (tmp_path / "pc").iterdir()) == sorted(
+        [f.rsplit("/", 1)[1] for f in written] + ["foreign.safetensors"])
+    assert other.load_prefix_cache(tmp_path / "pc")[1] == [
+        f"'{foreign}' does not fit this engine: the weights differ (it was written with --model {model.source}); "
+        "a saved state only fits the same model weights, dtype and drafter"]
     assert_idle(other)
 
 

@@ -150,7 +150,8 @@ def load(kv, cache, path, ident: dict[str, str]) -> tuple[SavedPrompt, bool]:
     if differ:
         made = f" (it was written with --model {saved.model})" if saved.model else ""
         what = " and ".join(_NAMES[k] for k in differ)
-        raise ValueError(f"{p!r} does not fit this engine: the {what} differ{'s' if len(differ) == 1 else ''}{made}; "
+        verb = "differ" if len(differ) > 1 or differ == ["weights"] else "differs"
+        raise ValueError(f"{p!r} does not fit this engine: the {what} {verb}{made}; "
                          "a saved state only fits the same model weights, dtype and drafter")
     pools, states = bundle_pools(cache), state_pools(cache)
     L = len(saved.tokens)
@@ -168,9 +169,10 @@ def load(kv, cache, path, ident: dict[str, str]) -> tuple[SavedPrompt, bool]:
 
 
 def save_dir(kv, cache, folder, ident: dict[str, str], model: str | None = None, draft: str | None = None) -> list[str]:
-    """Every entry no other extends (PrefixCache.maximal), each a file in folder named by its key; the folder's
-    other prompt cache files are removed (loaded earlier or since evicted: what they held is in the new ones or
-    was dropped). Returns the files written, least recently used first."""
+    """Every entry no other extends (PrefixCache.maximal), each a file in folder named by its key. The folder's
+    other files of this engine's identity are removed (loaded earlier or since evicted: what they held is in the
+    new ones or was dropped), as are unfinished ones; another model's are left. Returns the files written, least
+    recently used first."""
     os.makedirs(folder, exist_ok=True)
     written = []
     for e in (kv.prefix.maximal() if kv.prefix is not None else []):
@@ -179,7 +181,13 @@ def save_dir(kv, cache, folder, ident: dict[str, str], model: str | None = None,
         written.append(save(kv, cache, name, tokens, ident, model, draft, salt=e.salt).path)
     for f in os.listdir(folder):
         path = os.path.join(os.fspath(folder), f)
-        if f.endswith(SUFFIX) and path not in written:
+        if not f.endswith(SUFFIX) or path in written:
+            continue
+        try:
+            stale = f.endswith(".part" + SUFFIX) or read(path).identity == ident
+        except ValueError:  # not a prompt cache file: not ours to remove
+            stale = False
+        if stale:
             os.remove(path)
     return written
 
