@@ -16,7 +16,9 @@ snapshots); the rules that tie them to sequences live here and nowhere else:
   - one hook when a request finishes (`finish`): a turn entry for its exact computed tokens, taken
     from its slot before the slot is released;
   - what a waiting request would restore (`hit_length`) and which prefix it shares with a running
-    one (`shared_boundary`), for the scheduler's shared in-flight prefixes.
+    one (`shared_boundary`), for the scheduler's shared in-flight prefixes;
+  - entries that leave or arrive as rows and states (`export`, `adopt`: prompt_file.py's files, a
+    prompt-logprob pass), written into bundles of their own or sharing those of the entry they extend.
 
 The scheduler decides who runs and how many tokens; it asks here how many bundles that takes, whether
 they exist, and to allocate or free them (the seam of vLLM v1's scheduler and KV-cache manager).
