@@ -458,3 +458,24 @@ def test_a_batch_of_prompts_answers_each_as_alone(ckpt):
         assert error_of(c.post("/v1/completions", json={"prompt": ["a", ""]}), 400)["param"] == "prompt"
         # 2 slots + a queue of 8: eleven prompts cannot be taken
         assert error_of(c.post("/v1/completions", json={"prompt": ["a"] * 11}), 429)["code"] == "queue_full"
+
+
+def test_the_prefix_cache_is_saved_on_request(ckpt, tmp_path):
+    """POST /save_prefix_cache: keyed servers only, with --prefix-cache-dir; what it writes another engine loads."""
+    from mtlqwen.runtime import Engine  # noqa: PLC0415
+
+    with TestClient(app_for(ckpt)) as c:
+        wait_ok(c)
+        assert error_of(c.post("/save_prefix_cache"), 403)["code"] == "forbidden"
+    auth = {"Authorization": "Bearer k"}
+    with TestClient(app_for(ckpt, api_key="k")) as c:
+        wait_ok(c)
+        assert error_of(c.post("/save_prefix_cache", headers=auth), 400)["code"] == "not_supported"
+    folder = str(tmp_path / "pc")
+    with TestClient(app_for(ckpt, api_key="k", prefix_cache_dir=folder)) as c:
+        wait_ok(c)
+        r = c.post("/v1/completions", json={"prompt": "abcdefgh" * 4, "max_tokens": 1}, headers=auth)
+        assert r.status_code == 200, r.text
+        assert c.post("/save_prefix_cache", headers=auth).json() == {"written_entries": 1, "dir": folder}
+        engine = Engine(str(ckpt), slots=1, num_blocks=32, block_tokens=16)
+        assert engine.load_prefix_cache(folder) == (1, [])

@@ -35,7 +35,7 @@ def register(subparsers) -> None:
     s.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (or set MTLQWEN_API_KEY); "
-                        "also enables the operator endpoint POST /reset_prefix_cache")
+                        "also enables the operator endpoints POST /reset_prefix_cache and /save_prefix_cache")
     add_app_args(s)
     s.add_argument("--debug-load-delay", type=float, default=0.0, metavar="SECONDS",
                    help="debugging aid: wait this long before loading the model (shows /health 'loading')")
@@ -243,6 +243,7 @@ def app_config(args, api_key: str | None):
                        body_timeout_s=args.body_timeout, template_timeout_s=args.chat_template_timeout,
                        trust_request_template=args.trust_request_chat_template,
                        special_tokens_in_content=args.special_tokens_in_content,
+                       prefix_cache_dir=getattr(args, "prefix_cache_dir", None),
                        **({} if args.max_stored_responses is None else {"stored_responses": args.max_stored_responses}))
     return cfg, engine_kw
 

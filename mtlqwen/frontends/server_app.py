@@ -232,6 +232,26 @@ async def reset_prefix_cache(request: Request) -> Response:
     return await refusals(st, run())
 
 
+async def save_prefix_cache(request: Request) -> Response:
+    """Operator action: write the prefix cache to --prefix-cache-dir now, as a graceful stop does (a server that
+    is killed later keeps what was written). Only on a server with an API key."""
+    st = state(request)
+
+    async def run() -> Response:
+        if st.cfg.api_key is None:
+            raise oa.APIError("operator endpoints need a server started with --api-key", 403, code="forbidden")
+        folder = st.cfg.prefix_cache_dir
+        if folder is None:
+            raise oa.APIError("this server keeps no prefix cache on disk: start it with --prefix-cache-dir", 400,
+                              code="not_supported")
+        st.ready()
+        written = await st.loop.call(lambda engine: engine.save_prefix_cache(folder))
+        log.info("prefix cache: %d entries written to %s", len(written), folder)
+        return JSONResponse({"written_entries": len(written), "dir": folder})
+
+    return await refusals(st, run())
+
+
 ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
@@ -245,6 +265,7 @@ ROUTES = [
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics_endpoint, methods=["GET"]),
     Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+    Route("/save_prefix_cache", save_prefix_cache, methods=["POST"]),
 ]
 
 

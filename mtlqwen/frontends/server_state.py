@@ -44,6 +44,7 @@ class ServerConfig:
     trust_request_template: bool = False  # may a request send its own chat template source
     special_tokens_in_content: bool = False  # do special-token strings in messages act as control tokens
     stored_responses: int = DEFAULT_STORED  # Responses API responses kept for previous_response_id (0: none)
+    prefix_cache_dir: str | None = None  # where POST /save_prefix_cache writes (serve --prefix-cache-dir)
     started: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):
