@@ -26,6 +26,9 @@
 #   gdn-staged    (150)  kernels_gdn.py --only staged: the GDN recurrences with a block read ahead, staged or not,
 #                        against the chunk scan
 #   spec-e2e      (240)  spec_e2e_bench.py $SPEC_E2E_ARGS (default: 1 and 8 requests, tau 6, 256 tokens)
+#   spec-costs    (260)  spec_bench.py: the adaptive policy's step-cost table as the engine runs (pipelined,
+#                        1 / 8 / 32 sequences, 0-15 drafts) -> $OUT/spec-costs.json (spec-e2e's --costs)
+#   tests-host    (300)  the CPU-written tests whose tolerances follow the device, on the GPU: $HOST_TESTS
 #   wait                 wait for the background parts
 # DRY=1 prints each part's command instead of running it. MTLQWEN_SELECT passes through to every part.
 #
@@ -55,6 +58,8 @@ command_for() {  # part name [spec] -> the command line of that part
     spec-trace) echo "python benchmarks/spec_trace.py ${SPEC_TRACE_ARGS:---seqs 1 --n-draft 0 7 --accept 6 --steps 6 --warmup 2} --json $OUT/spec-trace.json" ;;
     gdn-staged) echo "python benchmarks/kernels_gdn.py --only staged --out $OUT/gdn-staged.json" ;;
     spec-e2e) echo "python benchmarks/spec_e2e_bench.py ${SPEC_E2E_ARGS:---seqs 1 8 --accept 5 --gen 256} --json $OUT/spec-e2e.json" ;;
+    spec-costs) echo "python benchmarks/spec_bench.py --seqs 1 8 32 --n-draft 0 1 3 7 15 --commit auto --accept 6 --compile on --pipeline on --no-parts --steps 10 --warmup 2 --json $OUT/spec-costs.json" ;;
+    tests-host) echo "python -m pytest -q -p no:cacheprovider -rfEs ${HOST_TESTS:-tests/test_context_backlog.py tests/test_kv_manager.py tests/test_draft_policy.py tests/test_penalties.py tests/test_logprobs.py tests/test_structured.py tests/test_prompt_file.py tests/test_tool_grammar.py tests/test_server_tools.py}" ;;
     suite) local a extra=""; IFS=';' read -ra a <<< "${SUITE_ARGS:-}"
            [ ${#a[@]} -gt 0 ] && extra=" --args$(printf " '%s'" "${a[@]}")"
            echo "python benchmarks/suite.py --out $OUT --parts ${2//,/ }$extra" ;;
@@ -67,6 +72,7 @@ default_limit() {  # part name [spec]
     tests-kernels) echo 200 ;; tests-model) echo 260 ;; tests-engine) echo 280 ;; qmv-sweep) echo 120 ;;
     profile) echo 110 ;; trace) echo 150 ;; ncu) echo 240 ;; demo) echo 120 ;;
     drafter) echo 170 ;; spec-trace) echo 200 ;; spec-e2e) echo 240 ;; gdn-staged) echo 150 ;;
+    spec-costs) echo 260 ;; tests-host) echo 300 ;;
     suite) local s=60 p; for p in ${2//,/ }; do s=$(( s + ${p#*:} )); done; echo $s ;;
   esac
 }
