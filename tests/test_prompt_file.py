@@ -354,3 +354,15 @@ def test_serve_keeps_its_prefix_cache_across_a_restart(chat_ckpt, tmp_path):
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == first["usage"]["prompt_tokens"], again
     bad = run_cli("serve", "--model", str(chat_ckpt), "--prefix-cache-dir", str(tmp_path / "first.log"))
     assert bad.returncode == 1 and "is not a writable directory" in bad.stderr
+
+
+def test_an_adoption_that_cannot_fit_gives_back_the_blocks_it_would_have_shared():
+    """The entry a prompt extends is evicted to make room, the room is still short: nothing stays taken."""
+    kv, cache = KVManager(5, 4, prefix_interval=4, identity="g"), fake_cache(4, blocks=5)
+    rows = lambda n: [mx.ones((n, 2, 1))] * 2  # noqa: E731
+    state = [mx.ones((2,)), mx.ones((3,))]
+    a = list(range(12))
+    assert kv.adopt(a, rows(12), state, cache).blocks == [0, 1, 2]
+    with pytest.raises(ValueError, match="needs 3 free blocks of 4 tokens beside the 3 it shares, 2 of 5 are free"):
+        kv.adopt(a + list(range(50, 62)), rows(24), state, cache)  # 6 blocks: 3 shared with a's + 3 fresh
+    assert not kv.prefix.entries and kv.pool.num_free == 5 and kv.pool.ref_counts == [0] * 5

@@ -237,9 +237,11 @@ class KVManager:
         self.pool.share(shared)  # held before eviction can free them
         fresh_n = nb - len(shared)
         if not self.prefix.evict_for_blocks(fresh_n):
+            why = (f"the KV pool cannot hold the saved prompt: it needs {fresh_n} free blocks of {bt} tokens"
+                   f"{f' beside the {len(shared)} it shares' if shared else ''}, {self.pool.num_free} of "
+                   f"{self.pool.num_blocks} are free")
             self.pool.free(shared)
-            raise ValueError(f"the KV pool cannot hold the saved prompt: it needs {fresh_n} free blocks of "
-                             f"{bt} tokens, {self.pool.num_free} of {self.pool.num_blocks} are free")
+            raise ValueError(why)
         fresh = self.pool.allocate(fresh_n)
         ids = mx.array(fresh, dtype=mx.int32)
         lo = len(shared) * bt  # rows below lo are in the shared blocks already
