@@ -16,7 +16,7 @@ import time
 from .args import (
     add_draft_args, add_model_args, add_quiet_arg, check_model_args, draft_kwargs, load_with_bar, parse_template_args,
 )
-from .generate import prompt_token_ids, read_prompt, template_flags
+from .generate import CACHED_FLAGS, prompt_token_ids, read_prompt, template_flags
 from .prompting import SENTINEL_USER, has_chat_template
 from .terminal import PromptProgress, progress_enabled
 
@@ -89,9 +89,7 @@ def cmd_cache_prompt(args) -> int:
     if out.finish_reason == "error":
         raise RuntimeError(f"the prompt's prefill failed: {out.error}")
     seconds = time.perf_counter() - t0
-    request = {"prompt": prompt, "system_prompt": args.system_prompt, "chat_template_args": args.chat_template_args,
-               "ignore_chat_template": args.ignore_chat_template, "model": args.model, "quantize": args.quantize,
-               "draft": args.draft, "draft_bits": args.draft_bits}
+    request = {"prompt": prompt, "model": args.model, **{dest: getattr(args, dest) for _, dest, _ in CACHED_FLAGS}}
     saved = engine.save_prompt_cache(args.prompt_cache_file, ids, request)
     print(f"Prompt: {len(ids)} tokens, {len(ids) / max(seconds, 1e-9):.3f} tokens-per-sec")
     print(f"Saved {saved.path} ({saved.nbytes / 1e6:.1f} MB)")

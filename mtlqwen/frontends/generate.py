@@ -65,6 +65,13 @@ def prompt_token_ids(args, tok, prompt: str, template_kwargs: dict) -> list[int]
     return list(tok.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs))
 
 
+# (flag, args name, default) of what a prompt cache file records of its making (cache_prompt.py writes them) and
+# `generate --prompt-cache-file` takes as its defaults
+CACHED_FLAGS = (("--system-prompt", "system_prompt", None), ("--chat-template-args", "chat_template_args", None),
+                ("--ignore-chat-template", "ignore_chat_template", False), ("--draft", "draft", None),
+                ("--draft-bits", "draft_bits", None), ("--quantize", "quantize", None))
+
+
 def from_prompt_cache(args):
     """--prompt-cache-file: the file's header, its request's settings taken as the flags' (a flag given with another
     value is an error: the cached tokens were rendered with the file's), and --model the file's when not given."""
@@ -76,10 +83,7 @@ def from_prompt_cache(args):
     req = saved.request
     if args.model is None:
         args.model = req.get("model")  # None: the built-in demo model, as when it was written
-    for flag, dest, default in (("--system-prompt", "system_prompt", None), ("--chat-template-args", "chat_template_args", None),
-                                ("--ignore-chat-template", "ignore_chat_template", False), ("--draft", "draft", None),
-                                ("--draft-bits", "draft_bits", None),
-                                ("--quantize", "quantize", None)):
+    for flag, dest, default in CACHED_FLAGS:
         mine, theirs = getattr(args, dest), req.get(dest, default)
         same = parse_template_args(mine) == parse_template_args(theirs) if dest == "chat_template_args" else mine == theirs
         if mine != default and not same:

@@ -216,40 +216,46 @@ async def metrics_endpoint(request: Request) -> Response:
     return PlainTextResponse(st.metrics.render(st.loop.stats), media_type="text/plain; version=0.0.4")
 
 
-async def reset_prefix_cache(request: Request) -> Response:
-    """Operator action: drop every prefix-cache entry. Only on a server with an API key (the key
-    middleware has checked it by the time this runs)."""
+async def operator(request: Request, action) -> Response:
+    """An operator endpoint: only on a server with an API key (the key middleware has checked it by the time this
+    runs); action(st) -> (fn(engine) run on the engine thread, fn(its result) -> the answer's JSON)."""
     st = state(request)
 
     async def run() -> Response:
         if st.cfg.api_key is None:
             raise oa.APIError("operator endpoints need a server started with --api-key", 403, code="forbidden")
+        on_engine, answer = action(st)
         st.ready()
-        cleared = await st.loop.call(lambda engine: engine.clear_prefix_cache())
-        log.info("prefix cache cleared: %d entries", cleared)
-        return JSONResponse({"cleared_entries": cleared})
+        return JSONResponse(answer(await st.loop.call(on_engine)))
 
     return await refusals(st, run())
+
+
+async def reset_prefix_cache(request: Request) -> Response:
+    """Operator action: drop every prefix-cache entry."""
+    def cleared(n: int) -> dict:
+        log.info("prefix cache cleared: %d entries", n)
+        return {"cleared_entries": n}
+
+    return await operator(request, lambda st: (lambda engine: engine.clear_prefix_cache(), cleared))
 
 
 async def save_prefix_cache(request: Request) -> Response:
     """Operator action: write the prefix cache to --prefix-cache-dir now, as a graceful stop does (a server that
-    is killed later keeps what was written). Only on a server with an API key."""
-    st = state(request)
-
-    async def run() -> Response:
-        if st.cfg.api_key is None:
-            raise oa.APIError("operator endpoints need a server started with --api-key", 403, code="forbidden")
+    is killed later keeps what was written)."""
+    def action(st):
         folder = st.cfg.prefix_cache_dir
         if folder is None:
             raise oa.APIError("this server keeps no prefix cache on disk: start it with --prefix-cache-dir", 400,
                               code="not_supported")
-        st.ready()
-        written = await st.loop.call(lambda engine: engine.save_prefix_cache(folder))
-        log.info("prefix cache: %d entries written to %s", len(written), folder)
-        return JSONResponse({"written_entries": len(written), "dir": folder})
 
-    return await refusals(st, run())
+        def written(files: list) -> dict:
+            log.info("prefix cache: %d entries written to %s", len(files), folder)
+            return {"written_entries": len(files), "dir": folder}
+
+        return (lambda engine: engine.save_prefix_cache(folder)), written
+
+    return await operator(request, action)
 
 
 ROUTES = [

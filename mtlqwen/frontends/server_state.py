@@ -91,7 +91,8 @@ class ServerState:
                               f"{', '.join(self.cfg.served_names)}", 404, "model", "model_not_found")
 
     def parse(self, raw: bytes, kind: str) -> ParsedRequest:
-        """kind: "chat", "completion" (OpenAI) or "messages" (Anthropic; a chat request once parsed)."""
+        """kind: "chat", "completion", "responses" (OpenAI; a Responses request is a chat request once parsed,
+        continuing a stored response's conversation) or "messages" / "count_tokens" (Anthropic; likewise)."""
         if kind == "chat":
             return parse_chat(raw, self.cfg.defaults, self.cfg.template_defaults, self.prompts.template_allowed)
         if kind in ("messages", "count_tokens"):

@@ -4,17 +4,20 @@ prefix cache, so that requests starting with that prompt prefill only what follo
 What is saved is the prefix-cache entry for exactly the prompt's tokens (prefix_cache.py): the K/V rows of every
 bundle pool (the target's attention layers, then the drafter's when one is loaded) for positions 0..L-1, and every
 GDN layer's conv and recurrent state after them. Rows are stored per position, not per block, so an engine with
-another block size loads the file too. Loading writes the whole blocks into fresh bundles and keeps the rest as the
-entry's partial block; from then on the entry is like any other (LRU-evicted, restored by a hit).
+another block size loads the file too. Loading shares the whole blocks of an entry the prompt extends, writes the
+others into fresh bundles and keeps the rest as the entry's partial block (KVManager.adopt); from then on the entry
+is like any other (LRU-evicted, restored by a hit). A salted entry's file keeps its salt. save_dir / load_dir do
+this for every entry no other extends: the prefix cache kept across a server's restarts.
 
 A file holds state only the same weights reproduce, so it records what decides that and a load refuses any
 difference: the model's config and dtype, a fingerprint of its weights (every parameter's name, shape, dtype and
-first elements), and the drafter's (its K/V rows are in the bundles). The source path is recorded for
-information (and as the default model of `mtlqwen generate --prompt-cache-file`), not compared.
+first elements), and the drafter's (its K/V rows are in the bundles). The model's and drafter's source paths are
+recorded for the error messages, not compared (`generate --prompt-cache-file` takes its default --model from the
+request metadata the frontend wrote).
 
 Format: safetensors; `tokens` int32 [L], `kv.{j}` [L, nKV, hd] per bundle pool, `state.{i}` per GDN pool (conv
-states then recurrent states); metadata `format`, `version`, the identity fields, `model`, `draft`, and `request`
-(JSON: what the frontend needs to extend the prompt, e.g. its text and chat-template settings).
+states then recurrent states); metadata `format`, `version`, the identity fields, `model`, `draft`, `salt` (JSON)
+and `request` (JSON: what the frontend needs to extend the prompt, e.g. its text and chat-template settings).
 """
 
 from __future__ import annotations
