@@ -279,7 +279,7 @@ def build_served_app(args, cfg, engine_kw: dict, log, group=None, load_delay: fl
                      "" if new else " (cached already, or larger than the prefix cache's budget: not kept)")
         return replicate(engine, group), tok
 
-    folder = getattr(args, "prefix_cache_dir", None)
+    folder = cfg.prefix_cache_dir
     loop = EngineLoop(build, Metrics(cfg.served_names[0]), load_delay=load_delay)
     if folder is not None:
         def save(engine):
