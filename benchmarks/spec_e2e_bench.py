@@ -40,8 +40,9 @@ def decode_rate(eng: Engine, prompts: list[list[int]], gen: int, speculative: bo
 
 def engine_for(model, drafter, S: int, args, pipeline: bool | None = None) -> Engine:
     need = BlockPool.blocks_for(args.prompt_len + args.gen + 32, 128)
+    learn = {"auto": None, "on": True, "off": False}[args.learn] if args.policy == "adaptive" else None
     spec = dict(draft=drafter, draft_policy=args.policy, n_draft=args.n_draft, spec_pipeline=pipeline,
-                **({"draft_costs": args.costs} if args.costs else {})) if drafter is not None else {}
+                learn_draft_costs=learn, **({"draft_costs": args.costs} if args.costs else {})) if drafter is not None else {}
     return Engine(model, slots=S, block_tokens=128, num_blocks=S * need + 1, prefix_interval=0, **spec)
 
 
@@ -64,7 +65,7 @@ def run(model, drafter, S: int, args, pipeline: str = "auto") -> dict:
             "plain_tok_s": plain_rate, "spec_tok_s": spec_rate, "speedup": spec_rate / plain_rate,
             "tau": 1 + d["accepted_tokens"] / max(1, d["spec_verifications"]),
             "verifying_step_share": d["spec_steps"] / max(1, steps), "steps": steps,
-            "tokens": [plain_n, spec_n]}
+            "tokens": [plain_n, spec_n], **({"step_cost_ratios": st["step_cost_ratios"]} if "step_cost_ratios" in st else {})}
 
 
 def main(argv=None) -> int:
@@ -78,6 +79,9 @@ def main(argv=None) -> int:
     ap.add_argument("--n-draft", type=int, default=None, help="Engine(n_draft=...): fixed drafts, adaptive's cap")
     ap.add_argument("--costs", default=None, help="the adaptive policy's step-cost table: spec_bench.py --json output "
                                                   "(default: the engine's own)")
+    ap.add_argument("--learn", choices=["auto", "on", "off"], default="auto",
+                    help="Engine(learn_draft_costs=...): the adaptive policy corrects its table with the engine's own "
+                         "step times (auto: when --costs is not given)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen", type=int, default=256, help="tokens generated per request")
     ap.add_argument("--pipeline", nargs="+", choices=["auto", "off", "on"], default=["auto"],

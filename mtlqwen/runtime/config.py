@@ -60,7 +60,10 @@ class EngineConfig:
     (draft_policy.py); default adaptive when the GPU kernels run (the default table is the H200's) or
     draft_costs is given, else fixed. draft_costs: the adaptive policy's table, a draft_policy.StepCosts or a JSON
     file (spec_bench.py --json output); default draft_policy.H200_9B_COMPILED_COSTS when steps compile, else
-    H200_9B_COSTS. Each sequence's drafts are rounded down to a draft length (draft_policy.draft_lengths:
+    H200_9B_COSTS. learn_draft_costs: the policy prices steps with that table corrected by the engine's own
+    step times (runtime/measured_costs.py; default on when draft_costs is not given: the built-in table was
+    measured for one pair on one machine, and with it the trained demo pair drafted at half the plain speed on
+    the H200). Each sequence's drafts are rounded down to a draft length (draft_policy.draft_lengths:
     1, 3, 7, 15 and n_draft), so that few compiled traces and kernel instantiations serve a workload. draft_bits: 8 or 4 quantizes
     the drafter's projections (group 64): at load for a directory or repo id, into a new Drafter for a
     loaded float one (model/dflash.quantize_drafter).
@@ -103,6 +106,8 @@ class EngineConfig:
     draft_policy: Any = None  # "fixed" | "adaptive" | a policy object; None: adaptive on the GPU kernels or
     # with draft_costs, else fixed
     draft_costs: Any = None  # the adaptive policy's step-cost table (StepCosts or JSON path); None: H200's
+    # correct that table with the engine's own step times (measured_costs.py); None: when draft_costs is not given
+    learn_draft_costs: bool | None = None
     draft_bits: int | None = None  # 8 or 4: quantize the drafter's projections at load; None: as stored
     # launch an all-verify step while the previous one is in flight (spec_pipeline.py); None: on where the steps are
     # compiled (the GPU kernels' default). H200, 9B, tau 6 end to end: 1.89x -> 2.33x plain at 1 request, 1.54x ->
@@ -136,9 +141,10 @@ class EngineConfig:
         _int("prefix_cache_bytes", self.prefix_cache_bytes, 0, optional=True)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        for name in ("pad_buckets", "compile_decode", "spec_pipeline", "prefix_in_step", "dense_weights"):
+        optional = ("compile_decode", "spec_pipeline", "dense_weights", "learn_draft_costs")
+        for name in ("pad_buckets", "prefix_in_step") + optional:
             v = getattr(self, name)
-            if not (isinstance(v, bool) or (v is None and name in ("compile_decode", "spec_pipeline", "dense_weights"))):
+            if not (isinstance(v, bool) or (v is None and name in optional)):
                 raise ValueError(f"{name} must be true or false, got {v!r}")
         if self.n_draft is not None and self.draft is None:
             raise ValueError("n_draft needs a drafter (draft=...)")
@@ -151,11 +157,12 @@ class EngineConfig:
         if self.draft_policy is not None and not isinstance(self.draft_policy, str) and not callable(
                 getattr(self.draft_policy, "choose", None)):
             raise ValueError(f"draft_policy must be one of {DRAFT_POLICIES} or a policy object, got {self.draft_policy!r}")
-        if self.draft_costs is not None and self.draft_policy not in (None, "adaptive"):
-            raise ValueError("draft_costs is the adaptive policy's table (draft_policy='adaptive')")
+        for name in ("draft_costs", "learn_draft_costs"):
+            if getattr(self, name) not in (None, False) and self.draft_policy not in (None, "adaptive"):
+                raise ValueError(f"{name} is the adaptive policy's (draft_policy='adaptive')")
         if self.draft_bits is not None and (isinstance(self.draft_bits, bool) or self.draft_bits not in (4, 8)):
             raise ValueError(f"draft_bits must be 4, 8 or None, got {self.draft_bits!r}")
-        for name in ("draft_policy", "draft_costs", "draft_bits", "spec_pipeline"):
+        for name in ("draft_policy", "draft_costs", "learn_draft_costs", "draft_bits", "spec_pipeline"):
             if getattr(self, name) not in (None, False) and self.draft is None:
                 raise ValueError(f"{name} needs a drafter (draft=...)")
 

@@ -22,6 +22,9 @@ between, S the step's sequences, so that all of them together spend at most 5% (
 be). Where the drafter never pays, it costs its first steps' drafts, then at most 5% (`test_draft_policy.py`
 checks the bound over random tables); a sequence whose text turns predictable is found within one backoff.
 
+The table prices steps; by default the engine corrects it with its own step times (measured_costs.py), since
+the built-in one was measured for one pair on one machine.
+
 `FixedDrafting` is the engine's original rule: every eligible sequence verifies all the drafts it may.
 
 Draft lengths: whatever a policy chooses, a sequence sends a draft length from `draft_lengths(n_draft)`
@@ -94,6 +97,11 @@ class StepCosts:
         if k >= s0:
             return self.cost(k, N) - self.cost(k, 0)
         return (self.cost(s0, N) - self.cost(s0, 0)) * k / s0
+
+    def step(self, S: int, k: int, N: int) -> float:
+        """A step of S decoding sequences, k of them speculating with N drafts: c(S, 0) + extra(k, N) (the
+        policy's price of a step; measured_costs.MeasuredCosts corrects it online)."""
+        return self.cost(S, 0) + (self.extra(k, N) if k > 0 and N > 0 else 0.0)
 
     def _in_drafts(self, r: tuple[float, ...], N: int) -> float:
         j = bisect_right(self.drafts, N) - 1
@@ -231,8 +239,8 @@ class AdaptiveDrafting:
 
     def __init__(self, costs: StepCosts = H200_9B_COSTS, decay: float = 0.8, prior: float = 0.8,
                  prior_weight: float = 2.0, min_backoff: int = 4, max_backoff: int = 128, probe_share: float = 0.05):
-        if not isinstance(costs, StepCosts):
-            raise TypeError(f"costs must be a StepCosts, got {type(costs).__name__}")
+        if not (callable(getattr(costs, "step", None)) and hasattr(costs, "drafts")):
+            raise TypeError(f"costs must be a StepCosts or a measured_costs.MeasuredCosts, got {type(costs).__name__}")
         if not 0.0 <= decay < 1.0 or not 0.0 <= prior <= 1.0 or not prior_weight > 0:
             raise ValueError(f"need 0 <= decay < 1, 0 <= prior <= 1, prior_weight > 0 "
                              f"(got {decay}, {prior}, {prior_weight})")
@@ -263,10 +271,21 @@ class AdaptiveDrafting:
         if not k:
             return
         S, N = max(rows, k), max(drafts)
-        extra = self.costs.extra(k, N) / self.costs.cost(S, 0) * S / k
+        c0 = self.costs.step(S, 0, 0)
+        extra = max(0.0, self.costs.step(S, k, N) - c0) / c0 * S / k
         for seq, n in zip(seqs, drafts):
             if n > 0:
                 self.estimate(seq).step_extra = extra
+
+    @property
+    def learns(self) -> bool:
+        """Its table learns from step times (MeasuredCosts): the engine then times its steps for it."""
+        return callable(getattr(self.costs, "observe", None))
+
+    def observe(self, S: int, k: int, N: int, seconds: float) -> None:
+        """A pure decode step's wall time (the engine's StepTimer), for a table that learns."""
+        if self.learns:
+            self.costs.observe(S, k, N, seconds)
 
     def record(self, seq, drafts: int, accepted: int) -> None:
         """A verification's result. An accepted draft resets the backoff; a probe that accepted none doubles
@@ -304,14 +323,13 @@ class AdaptiveDrafting:
         n_max = min(max(caps), self.costs.drafts[-1])
         rates = {i: max(self.acceptance(seqs[i]), self.prior) if self.due(seqs[i]) else self.acceptance(seqs[i])
                  for i in live}
-        c0 = self.costs.cost(S, 0)
-        best, choice = S / c0, (0, [])
+        best, choice = S / self.costs.step(S, 0, 0), (0, [])
         for N in sorted({d for d in self.costs.drafts if 0 < d <= n_max} | {n_max}):
             gains = sorted(((expected_tokens(rates[i], min(N, caps[i])) - 1.0, i) for i in live), reverse=True)
             tokens = float(S)
             for k, (g, _) in enumerate(gains, 1):
                 tokens += g
-                rate = tokens / (c0 + self.costs.extra(k, N))
+                rate = tokens / self.costs.step(S, k, N)
                 if rate > best * (1.0 + 1e-9):  # a tie keeps the cheaper choice
                     best, choice = rate, (N, [i for _, i in gains[:k]])
         N, chosen = choice
@@ -320,14 +338,19 @@ class AdaptiveDrafting:
         return out
 
 
-def make_policy(policy, costs, compiled: bool | None = None) -> FixedDrafting | AdaptiveDrafting:
-    """EngineConfig's draft_policy ("fixed", "adaptive" or a policy object) and draft_costs (None: the H200
+def make_policy(policy, costs, compiled: bool | None = None, learn: bool | None = None) -> FixedDrafting | AdaptiveDrafting:
+    """EngineConfig's draft_policy ("fixed", "adaptive" or a policy object), draft_costs (None: the H200
     table of compiled steps when `compiled`, else of uncompiled ones; a StepCosts or a JSON path for
-    StepCosts.load, read for compiled or uncompiled steps)."""
+    StepCosts.load, read for compiled or uncompiled steps) and learn_draft_costs (the table as the prior of
+    a measured_costs.MeasuredCosts; None: when no table is given, the default one being another machine's)."""
     if not isinstance(policy, str):
         return policy
     if policy == "fixed":
         return FixedDrafting()
     default = H200_9B_COMPILED_COSTS if compiled else H200_9B_COSTS
     table = default if costs is None else costs if isinstance(costs, StepCosts) else StepCosts.load(costs, compiled)
+    if learn if learn is not None else costs is None:
+        from .measured_costs import MeasuredCosts  # noqa: PLC0415 (it builds on this module's StepCosts)
+
+        table = MeasuredCosts(table)
     return AdaptiveDrafting(table)

@@ -28,6 +28,7 @@ from .dense_weights import keep_dense_weights, kept_bytes, resolve as resolve_de
 from .failures import EvalFailed, Failures, reason
 from .engine_prefix import PrefixControls
 from .generate import Generation
+from .measured_costs import StepTimer, decode_shape
 from .memory import plan_memory
 from .outputs import Delta, Output, TextState
 from .kv_manager import KVManager, StepSnapshots
@@ -51,6 +52,7 @@ class _InFlight:
     spec: Any = None  # speculative._Verification: the step's verifying sequences, applied at read-back
     failed: list[tuple[Sequence, Exception]] = field(default_factory=list)  # sampler errors of one request each
     logprobs: StepLogprobs | None = None  # of the sampling rows that asked for them, read back with the tokens
+    shape: tuple[int, int, int] | None = None  # a pure decode step's (rows, speculating, drafts): its timing's key
 
 
 _UNSET: Any = object()  # an Engine keyword left out: EngineConfig's value stands
@@ -112,6 +114,7 @@ class Engine(Generation, PrefixControls):
         verify_commit: str | None = _UNSET,
         draft_policy=_UNSET,
         draft_costs=_UNSET,
+        learn_draft_costs: bool | None = _UNSET,
         draft_bits: int | None = _UNSET,
         spec_pipeline: bool | None = _UNSET,
         dense_weights: bool | None = _UNSET,
@@ -148,7 +151,10 @@ class Engine(Generation, PrefixControls):
             "adaptive" if use_kernels() or cfg.draft_costs is not None else "fixed"
         self.spec = None if drafter is None else Speculator(
             model, drafter, n_draft, self.cache, self.kv, cfg.verify_commit,
-            make_policy(policy, cfg.draft_costs, self.compiled is not None))  # the table's rows for these steps
+            make_policy(policy, cfg.draft_costs, self.compiled is not None, cfg.learn_draft_costs))
+        # the policy's table learns from the engine's own step times (measured_costs.py)
+        policy = self.spec and self.spec.policy
+        self.timer = StepTimer(policy.observe) if getattr(policy, "learns", False) else None
         self.scratch = (slots, self.num_blocks)
         if self.spec is not None:
             self.spec.use_compiled(self.compiled, self.num_blocks)  # block num_blocks: the padding bundle
@@ -239,6 +245,8 @@ class Engine(Generation, PrefixControls):
 
     def _advance(self) -> list[Delta]:
         out, self._events = self._events, []
+        if self.timer is not None:
+            self.timer.call_started()
         try:
             self._step(out)
             if self._inflight is not None and not self._seqs:
@@ -249,6 +257,8 @@ class Engine(Generation, PrefixControls):
                 self._read_back(flight, None, out)
         except Exception as e:  # not attributable to a step: treat the device state as unsound
             out += self._fail_all(e, [self._inflight])
+        if self.timer is not None:
+            self.timer.call_ended()
         return out
 
     def _step(self, deltas: list[Delta]) -> None:
@@ -294,6 +304,8 @@ class Engine(Generation, PrefixControls):
         """Commit a step; False when its read-back failed and the engine was reset (both steps dropped)."""
         try:
             deltas += self._commit(flight)
+            if self.timer is not None:
+                self.timer.read_back(flight.shape)
             return True
         except EvalFailed as e:
             deltas += self._fail_all(e.cause, [flight, launched])
@@ -326,7 +338,8 @@ class Engine(Generation, PrefixControls):
                 logits = self.model.forward(plan_batch.input_ids, plan_batch.layout, cache, plan_batch.logits_rows)
             tokens, failed, logprobs = self._sample(logits, plan_batch)
         flight = _InFlight([s.seq for s in scheduled], plan_batch.sampling, tokens,
-                           {s.seq: r for r, s in enumerate(plan_batch.sampling)}, snapshots, spec, failed, logprobs)
+                           {s.seq: r for r, s in enumerate(plan_batch.sampling)}, snapshots, spec, failed, logprobs,
+                           decode_shape(scheduled))
         try:  # the CPU evaluates part of the graph here already: a failing kernel can raise now
             mx.async_eval(*([tokens] if tokens is not None else []), *(logprobs.arrays() if logprobs else []),
                           *cache.arrays())

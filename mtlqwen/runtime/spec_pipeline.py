@@ -167,7 +167,7 @@ class SpecPipeline:
         c["spec_pipelined_steps"] += 1
         ec["steps"] += 1
         state = _Verification(scheduled, lay, n, drafts, k, nxt, stash)
-        flight = _InFlight([s.seq for s in scheduled], [], None, {}, None, state)
+        flight = _InFlight([s.seq for s in scheduled], [], None, {}, None, state, shape=(S, S, N))
         try:
             mx.async_eval(k, nxt, drafts)
             spec.write_context(taps, lay)  # the anchor's and every draft's rows, as Speculator.launch

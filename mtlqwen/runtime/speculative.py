@@ -336,8 +336,14 @@ class Speculator:
 
     def stats(self) -> dict:
         """The counters, n_draft, the policy's name and mean_acceptance_length: tokens per verification
-        (accepted drafts + the bonus / correction; 0 before any)."""
+        (accepted drafts + the bonus / correction; 0 before any); with a learning table, its observed step-cost
+        ratios (measured_costs.MeasuredCosts.summary)."""
         c = self.counters
         v = c["spec_verifications"]
         tau = (c["accepted_tokens"] + v) / v if v else 0.0
-        return {**c, "n_draft": self.n_draft, "draft_policy": self.policy.name, "mean_acceptance_length": tau}
+        out = {**c, "n_draft": self.n_draft, "draft_policy": getattr(self.policy, "name", type(self.policy).__name__),
+               "mean_acceptance_length": tau}
+        summary = getattr(getattr(self.policy, "costs", None), "summary", None)
+        if summary is not None:
+            out["step_cost_ratios"] = summary()
+        return out

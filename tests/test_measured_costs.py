@@ -1,0 +1,168 @@
+"""The adaptive policy's step costs learned from the engine's own steps (runtime/measured_costs.py): the ratios
+and their fallbacks, the timer's intervals and gap rule, and an engine whose speculative steps cost far more
+than its table says turning its drafter off by its own timings (a virtual clock, so the choices are exact)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from engine_checks import assert_idle, greedy
+from hf_checkpoints import random_token_ids
+from mtlqwen.runtime import Engine, EngineConfig
+from mtlqwen.runtime.draft_policy import AdaptiveDrafting, StepCosts
+from mtlqwen.runtime.measured_costs import MeasuredCosts, StepTimer, decode_shape
+from test_draft_policy import CHEAP, seq_with
+from test_speculative import Oracle, draft_dir, drafter, plain_outputs  # noqa: F401
+
+TABLE = StepCosts((1, 8), (0, 3, 7), ((2.0, 4.0, 5.0), (4.0, 10.0, 16.0)))
+
+
+def test_prior_until_observed_then_the_median_ratio():
+    m = MeasuredCosts(TABLE, window=3, min_seen=2)
+    assert m.drafts == (0, 3, 7) and m.seqs == (1, 8)
+    assert m.step(1, 1, 7) == TABLE.step(1, 1, 7) == 5.0 and m.step(8, 0, 0) == 4.0
+    m.observe(1, 1, 7, 0.050)  # the shape's first step (its compile): dropped
+    assert m.summary() == {} and m.step(1, 1, 7) == 5.0
+    m.observe(1, 1, 7, 0.010)  # 10 ms / 5 ms
+    assert m.summary() == {"7@1": [2.0, 1]} and m.step(1, 1, 7) == 5.0  # one is not enough (min_seen 2)
+    m.observe(1, 1, 7, 0.020)
+    assert m.step(1, 1, 7) == pytest.approx(5.0 * 3.0)  # median of 2 and 4
+    m.observe(1, 1, 7, 0.030)
+    m.observe(1, 1, 7, 0.011)  # the window keeps the last 3: 4, 6, 2.2
+    assert m.ratio(7, 1) == pytest.approx(4.0)
+    assert m.summary() == {"7@1": [4.0, 3]}
+
+
+def test_unseen_keys_borrow_from_the_nearest_seen_one():
+    m = MeasuredCosts(TABLE, window=5, min_seen=1)
+    assert m.bucket(1) == 1 and m.bucket(2) == 1 and m.bucket(3) == 8 and m.bucket(32) == 8  # log scale
+    assert m.ratio(3, 1) == m.ratio(0, 1) == 1.0  # nothing seen: the table's own ratios
+    for ms in (9.0, 3.0):  # plain steps at 1 sequence: 1.5x the table (the first dropped)
+        m.observe(1, 0, 0, ms / 1e3)
+    assert m.ratio(0, 1) == 1.5 and m.ratio(3, 1) == 1.5 and m.ratio(7, 1) == 1.5  # no spec step seen: plain's
+    assert m.ratio(0, 8) == 1.0  # another batch keeps the table
+    for ms in (1.0, 12.0):  # 1 x 3 drafts: 3x
+        m.observe(1, 1, 3, ms / 1e3)
+    assert m.ratio(3, 1) == 3.0 and m.ratio(7, 1) == 3.0  # 7 drafts: the nearest seen length's
+    assert m.step(1, 1, 7) == pytest.approx(15.0) and m.step(1, 0, 0) == pytest.approx(3.0)
+    # k = 0 or N = 0 is a plain step whatever the other says; N past the table is its longest
+    m.observe(2, 0, 7, 0.001)
+    assert (2, 0, 0) in m._seen
+    m.observe(1, 1, 15, 0.002)
+    assert (1, 1, 7) in m._seen
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        m.observe(1, 1, 3, bad)
+    assert m.ratio(3, 1) == 3.0
+    with pytest.raises(TypeError):
+        MeasuredCosts({"seqs": [1]})
+    with pytest.raises(ValueError):
+        MeasuredCosts(TABLE, window=2, min_seen=3)
+
+
+def test_the_policy_prices_steps_with_what_it_measured():
+    """By TABLE one sequence at the prior (a = 0.8) drafts 7: E[tau] 4.16 over 5 ms against 1 over 2. Once 7-draft
+    steps are seen at 4x their price it stays plain; plain steps seen slower too bring it back."""
+    p = AdaptiveDrafting(MeasuredCosts(TABLE, window=4, min_seen=2), prior=0.8, prior_weight=2.0)
+    assert p.choose([seq_with()], [7], 1) == [7]
+    for _ in range(3):
+        p.observe(1, 1, 7, 0.020)
+    assert p.choose([seq_with()], [7], 1) == [0]  # 4.16 / 20 < 1 / 2 (3 drafts: the same ratio, 2.95 / 16)
+    for _ in range(3):
+        p.observe(1, 0, 0, 0.008)  # plain steps at 4x too: the table's ratios again
+    assert p.choose([seq_with()], [7], 1) == [7]
+    # a table that does not learn ignores observations
+    q = AdaptiveDrafting(TABLE, prior=0.8, prior_weight=2.0)
+    for _ in range(3):
+        q.observe(1, 1, 7, 0.020)
+    assert q.choose([seq_with()], [7], 1) == [7]
+
+
+def test_step_timer_intervals_and_the_gap_rule():
+    t, seen = [0.0], []
+    timer = StepTimer(lambda *a: seen.append(a), max_gap_share=0.25, clock=lambda: t[0])
+
+    def call(dt_in_call, shape, gap=0.0):
+        t[0] += gap
+        timer.call_started()
+        t[0] += dt_in_call
+        timer.read_back(shape)
+        timer.call_ended()
+
+    call(1.0, (2, 0, 0))  # the first read-back starts the chain
+    call(1.0, (2, 0, 0), gap=0.2)  # 1.2 s between read-backs, 0.2 of it between calls: kept
+    call(1.0, (2, 2, 7), gap=0.5)  # 0.5 of 1.5: an idle host, dropped
+    call(3.0, None)  # a prefill step: timed for no one
+    call(3.0, (2, 2, 7))
+    assert seen == [(2, 0, 0, pytest.approx(1.2)), (2, 2, 7, pytest.approx(3.0))]
+
+
+def test_decode_shape():
+    def row(n, drafts=0, samples=True):
+        return SimpleNamespace(num_tokens=n, drafts=drafts, samples=samples)
+
+    assert decode_shape([row(1), row(8, 7), row(4, 3)]) == (3, 2, 7)
+    assert decode_shape([row(1), row(1)]) == (2, 0, 0)
+    assert decode_shape([row(1), row(5)]) is None  # a prefill chunk
+    assert decode_shape([row(1, samples=False)]) is None
+    assert decode_shape([]) is None
+
+
+def test_config(model, drafter):
+    with pytest.raises(ValueError, match="learn_draft_costs is the adaptive policy's"):
+        EngineConfig(draft="d", draft_policy="fixed", learn_draft_costs=True)
+    with pytest.raises(ValueError, match="learn_draft_costs must be true or false"):
+        EngineConfig(draft="d", learn_draft_costs="yes")
+    with pytest.raises(ValueError, match="learn_draft_costs needs a drafter"):
+        EngineConfig(learn_draft_costs=True)
+    kw = dict(slots=1, step_tokens=32, block_tokens=16, num_blocks=8, prefix_interval=0)
+    assert Engine(model, draft=drafter, draft_costs=CHEAP, **kw).timer is None  # a given table is kept
+    eng = Engine(model, draft=drafter, draft_costs=CHEAP, learn_draft_costs=True, **kw)
+    assert eng.spec.policy.costs.prior is CHEAP and eng.timer is not None
+    assert Engine(model, draft=drafter, draft_policy="fixed", **kw).timer is None
+    assert Engine(model, **kw).timer is None
+
+
+def test_an_engine_turns_off_a_drafter_its_own_steps_show_does_not_pay(model, drafter):
+    """One request, n_draft 7, an oracle drafter (every draft accepted), the CHEAP table (7 drafts cost 3 plain
+    steps), on a virtual clock where a plain step takes 1 ms and a speculative one 40. Trusting the table, the
+    engine verifies in every step it may; learning, it verifies 3 drafts (the prior), then 7 three times (the
+    first of each shape dropped, two more to trust the ratio, 13.3x), then decodes plain: 8 tokens a 40 ms step
+    lose to 1 a ms. Output as plain decoding; nothing leaks."""
+    prompt = random_token_ids(12, 512, seed=91)
+    sp = greedy(48, ignore_eos=True)
+    kw = dict(slots=1, step_tokens=32, block_tokens=16, num_blocks=12, prefix_interval=0)
+    (base,) = plain_outputs(model, [prompt], sp, **{k: v for k, v in kw.items() if k != "prefix_interval"})
+    runs = {}
+    for learn in (False, True):
+        eng = Engine(model, draft=drafter, n_draft=7, draft_policy="adaptive", draft_costs=CHEAP,
+                     learn_draft_costs=learn, **kw)
+        eng.spec.propose = Oracle({tuple(prompt): prompt + base.token_ids})
+        at, record = [], eng.spec.policy.record
+
+        def recording(seq, drafts, accepted, at=at, record=record):
+            at.append((seq.num_generated, drafts))
+            record(seq, drafts, accepted)
+
+        eng.spec.policy.record = recording
+        if learn:
+            clock, read_back = [0.0], eng.timer.read_back
+            eng.timer.clock = lambda: clock[0]
+
+            def timed(shape, clock=clock, read_back=read_back):
+                clock[0] += 0.040 if shape is not None and shape[1] else 0.001
+                read_back(shape)
+
+            eng.timer.read_back = timed
+        (out,) = eng.generate([prompt], sp)
+        assert out.token_ids == base.token_ids
+        runs[learn] = (at, eng.stats())
+        assert_idle(eng)
+    trusted, learned = runs[False][0], runs[True][0]
+    assert len(trusted) > 5 and all(n == 7 for _, n in trusted[1:-1])
+    assert [n for _, n in learned] == [3, 7, 7, 7]
+    stats = runs[True][1]
+    assert stats["step_cost_ratios"]["7@1"] == [13.333, 2]  # 40 ms over 3 (rounded in the summary)
+    assert stats["draft_tokens"] == 3 + 7 * 3 and stats["accepted_tokens"] == stats["draft_tokens"]
+    assert "step_cost_ratios" not in runs[False][1]
