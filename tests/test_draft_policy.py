@@ -239,11 +239,11 @@ def test_adaptive_choices_for_given_tables_and_acceptances():
     p.record(batch[1], 4, 1)
     assert batch[1].draft_estimate.backoff == 30
     # one probing sequence pays the speculative step's fixed part alone: by the H200 compiled table, 1 of 32
-    # sequences at a = 0.9 adds c(1, 7) - c(1, 0) = 3.69 ms to 10.85 (36.9 / 14.54 tokens a ms < 32 / 10.85),
-    # where a share of the 32-sequence row (1.06 ms) would have drafted it
+    # sequences at a = 0.9 adds c(1, 7) - c(1, 0) = 5.89 ms to 8.53 (36.9 / 14.42 tokens a ms < 32 / 8.53),
+    # where a share of the 32-sequence row (0.44 ms) would have drafted it
     p = AdaptiveDrafting(H200_9B_COMPILED_COSTS, prior=0.8, prior_weight=2.0)
     batch = [seq_with(1e9, 1e8)] + [seq_with(0.0, 1e9) for _ in range(31)]
-    assert p.costs.extra(1, 7) == pytest.approx(9.87 - 6.18)
+    assert p.costs.extra(1, 7) == pytest.approx(9.84 - 3.95)
     assert p.choose(batch, [7] * 32, 32) == [0] * 32
     assert p.choose(batch[:1], [7], 1) == [7]  # alone, it drafts
     assert FixedDrafting().choose([seq_with(), seq_with()], [3, 0], 2) == [3, 0]
@@ -267,7 +267,7 @@ def test_h200_table_drafts_only_when_acceptance_pays():
     assert make_policy("adaptive", None, compiled=True, learn=False).costs is H200_9B_COMPILED_COSTS
     assert make_policy("adaptive", H200_9B_COSTS).costs is H200_9B_COSTS
     assert make_policy("adaptive", H200_9B_COSTS, learn=True).costs.prior is H200_9B_COSTS
-    assert H200_9B_COMPILED_COSTS.cost(1, 15) == 9.84 and H200_9B_COMPILED_COSTS.cost(32, 0) == 10.85
+    assert H200_9B_COMPILED_COSTS.cost(1, 15) == 12.17 and H200_9B_COMPILED_COSTS.cost(32, 0) == 8.53
     mine = FixedDrafting()
     assert make_policy(mine, None) is mine
 

@@ -47,6 +47,17 @@ def test_unseen_keys_borrow_from_the_nearest_seen_one():
         m.observe(1, 1, 3, ms / 1e3)
     assert m.ratio(3, 1) == 3.0 and m.ratio(7, 1) == 3.0  # 7 drafts: the nearest seen length's
     assert m.step(1, 1, 7) == pytest.approx(15.0) and m.step(1, 0, 0) == pytest.approx(3.0)
+    # between two speculative lengths seen: their costs interpolated; never from plain (no fixed part there)
+    m2 = MeasuredCosts(TABLE, window=5, min_seen=1)
+    for ms in (1.0, 20.0):  # 7 drafts at 4x: 20 ms where the table says 5
+        m2.observe(1, 1, 7, ms / 1e3)
+    assert m2.ratio(3, 1) == 4.0 and m2.ratio(0, 1) == 1.0  # plain unseen: the table's own cost
+    for ms in (1.0, 3.0):
+        m2.observe(1, 0, 0, ms / 1e3)
+    assert m2.ratio(3, 1) == 4.0  # plain seen too: 3 drafts still borrow 7's ratio
+    for ms in (1.0, 12.0):  # 3 drafts at 3x: 12 ms
+        m2.observe(1, 1, 3, ms / 1e3)
+    assert m2.step(1, 1, 5) == pytest.approx(12.0 + (20.0 - 12.0) * 2 / 4)  # the table's 4.5 becomes 16
     # k = 0 or N = 0 is a plain step whatever the other says; N past the table is its longest
     m.observe(2, 0, 7, 0.001)
     assert (2, 0, 0) in m._seen
@@ -69,9 +80,12 @@ def test_the_policy_prices_steps_with_what_it_measured():
     for _ in range(3):
         p.observe(1, 1, 7, 0.020)
     assert p.choose([seq_with()], [7], 1) == [0]  # 4.16 / 20 < 1 / 2 (3 drafts: the same ratio, 2.95 / 16)
-    for _ in range(3):
-        p.observe(1, 0, 0, 0.008)  # plain steps at 4x too: the table's ratios again
-    assert p.choose([seq_with()], [7], 1) == [7]
+    for _ in range(5):
+        p.observe(1, 0, 0, 0.008)  # plain steps at 4x too
+    assert p.choose([seq_with()], [7], 1) == [7]  # the table's ratios again (3 drafts borrow 7's ratio)
+    for _ in range(4):
+        p.observe(1, 0, 0, 0.002)  # plain as the table says: 7 drafts cost 10 plain steps, 3 drafts 8
+    assert p.choose([seq_with()], [7], 1) == [0]
     # a table that does not learn ignores observations
     q = AdaptiveDrafting(TABLE, prior=0.8, prior_weight=2.0)
     for _ in range(3):
@@ -95,6 +109,8 @@ def test_step_timer_intervals_and_the_gap_rule():
     call(1.0, (2, 2, 7), gap=0.5)  # 0.5 of 1.5: an idle host, dropped
     call(3.0, None)  # a prefill step: timed for no one
     call(3.0, (2, 2, 7))
+    assert seen == [(2, 0, 0, pytest.approx(1.2))]  # a call's observations reach the table at the next call's start
+    timer.call_started()
     assert seen == [(2, 0, 0, pytest.approx(1.2)), (2, 2, 7, pytest.approx(3.0))]
 
 
@@ -127,9 +143,10 @@ def test_config(model, drafter):
 def test_an_engine_turns_off_a_drafter_its_own_steps_show_does_not_pay(model, drafter):
     """One request, n_draft 7, an oracle drafter (every draft accepted), the CHEAP table (7 drafts cost 3 plain
     steps), on a virtual clock where a plain step takes 1 ms and a speculative one 40. Trusting the table, the
-    engine verifies in every step it may; learning, it verifies 3 drafts (the prior), then 7 three times (the
-    first of each shape dropped, two more to trust the ratio, 13.3x), then decodes plain: 8 tokens a 40 ms step
-    lose to 1 a ms. Output as plain decoding; nothing leaks."""
+    engine verifies in every step it may; learning, it verifies 3 drafts (the prior), then 7 four times (the
+    first of each shape dropped, two more to trust the ratio, 13.3x, and one while the last observation waits
+    for the next step call), then decodes plain: 8 tokens a 40 ms step lose to 1 a ms. Output as plain
+    decoding; nothing leaks."""
     prompt = random_token_ids(12, 512, seed=91)
     sp = greedy(48, ignore_eos=True)
     kw = dict(slots=1, step_tokens=32, block_tokens=16, num_blocks=12, prefix_interval=0)
@@ -161,8 +178,8 @@ def test_an_engine_turns_off_a_drafter_its_own_steps_show_does_not_pay(model, dr
         assert_idle(eng)
     trusted, learned = runs[False][0], runs[True][0]
     assert len(trusted) > 5 and all(n == 7 for _, n in trusted[1:-1])
-    assert [n for _, n in learned] == [3, 7, 7, 7]
+    assert [n for _, n in learned] == [3, 7, 7, 7, 7]
     stats = runs[True][1]
-    assert stats["step_cost_ratios"]["7@1"] == [13.333, 2]  # 40 ms over 3 (rounded in the summary)
-    assert stats["draft_tokens"] == 3 + 7 * 3 and stats["accepted_tokens"] == stats["draft_tokens"]
+    assert stats["step_cost_ratios"]["7@1"] == [13.333, 3]  # 40 ms over 3 (rounded in the summary)
+    assert stats["draft_tokens"] == 3 + 7 * 4 and stats["accepted_tokens"] == stats["draft_tokens"]
     assert "step_cost_ratios" not in runs[False][1]

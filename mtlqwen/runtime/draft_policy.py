@@ -168,20 +168,20 @@ H200_9B_COSTS = StepCosts(
 
 
 # The same pair, compiled steps (Engine(compile_decode=True): decode-with-taps, all-verify steps, the drafter
-# pass and its context write through mx.compile), forced acceptance of min(6, N) drafts, the engine's commit
-# mode, at every draft length the engine sends (draft_lengths: 1, 3, 7, 15), so that no cost is interpolated
-# across the fixed cost of a speculative step. Column 0: the engine with the drafter loaded and nobody drafting.
-# The engine's default table when it compiles (benchmarks/spec.md "End to end"; results/spec-costs-buckets.json):
+# pass and its context write through mx.compile), pipelined as the engine runs them, forced acceptance of
+# min(6, N) drafts, the engine's commit mode, at every draft length the engine sends (draft_lengths: 1, 3, 7, 15),
+# so that no cost is interpolated across the fixed cost of a speculative step. Column 0: the engine with the
+# drafter loaded and nobody drafting. The engine's default table when it compiles, and the prior it corrects
+# with its own step times (measured_costs.py; benchmarks/spec.md "The cost table pipelined";
+# results/spec-costs-pipelined.json):
 #   source .device/env.sh && python benchmarks/spec_bench.py --seqs 1 8 32 --n-draft 0 1 3 7 15 --commit auto \
-#     --accept 6 --compile on --no-parts --steps 10 --warmup 2
-# The 1-sequence row re-measured (--seqs 1) once 1-3 drafts' verifications ran on the tensor-core qmv
-# (qmv_mma_min_rows 2; results/spec-costs-1seq-mma-2-rows.json); 8 and 32 sequences verify 16+ rows, unchanged.
+#     --accept 6 --compile on --pipeline on --no-parts --steps 10 --warmup 2
 H200_9B_COMPILED_COSTS = StepCosts(
     seqs=(1, 8, 32),
     drafts=(0, 1, 3, 7, 15),
-    ms=((6.18, 9.10, 9.57, 9.87, 9.84),
-        (6.42, 15.54, 16.48, 20.50, 34.75),
-        (10.85, 21.35, 40.30, 44.79, 56.75)),
+    ms=((3.95, 9.69, 10.22, 9.84, 12.17),
+        (6.26, 9.01, 13.60, 16.19, 27.47),
+        (8.53, 17.86, 26.87, 22.58, 42.76)),
 )
 
 

@@ -9,15 +9,19 @@ steps where the 9B table says 1.6, and with that table the adaptive policy draft
 
 prior the table's cost (c(S, 0) + extra(k, N)), b(S) the table's nearest batch (in log scale) and rho(N, b)
 the median of the last `window` observed / prior ratios of steps with that draft length (N = 0: plain) at
-that batch. A key that has not been seen enough takes the nearest observed draft length's ratio at its batch
-(a speculative step's cost is mostly its fixed part), else the plain ratio there, else 1: only ratios between
-columns move decisions, so an unseen key keeps the table's. The first observation of each key is dropped
+that batch. A draft length not seen enough at its batch costs the interpolation of the two seen lengths
+around it, else the nearest seen length's ratio, else (none seen) the plain one's. An unseen plain column, or a batch with nothing seen, keeps the
+table's cost (ratio 1): where that is wrong, the choices it leads to are timed and correct it (a slower
+machine's speculative steps look dearer than plain, so plain steps run and are seen). The first observation of each key is dropped
 (new shapes compile); the median rides over later recompiles.
 
 `StepTimer` turns the engine's read-backs into observations: a step's time is the wall time between its
 read-back and the previous one (what a step costs in steady state, pipelined or not), kept only when the
 engine was stepping the whole time: host gaps between step calls (an idle server, a slow consumer) above a
-quarter of the interval drop it.
+quarter of the interval drop it. Observations reach the table at the start of the next step call, so that
+within a call the engine's question "might the policy draft?" (which costs a read-back before scheduling)
+and the policy's choice after it see the same costs: on the H200 a fresh observation between the two
+flipped near-ties, and every other plain step gave up its pipelining for a choice not made.
 """
 
 from __future__ import annotations
@@ -64,17 +68,22 @@ class MeasuredCosts:
 
     def ratio(self, N: int, b: int) -> float:
         """rho(N, b): the observed / prior ratio the policy prices with (module docstring's fallbacks)."""
-        own = self._ratios.get((N, b))
-        if own is not None and len(own) >= self.min_seen:
-            return statistics.median(own)
-        if N > 0:
-            seen = [n for (n, bb), r in self._ratios.items() if bb == b and n > 0 and len(r) >= self.min_seen]
-            if seen:
-                return statistics.median(self._ratios[(min(seen, key=lambda n: (abs(n - N), -n)), b)])
-        plain = self._ratios.get((0, b))
-        if plain is not None and len(plain) >= self.min_seen:
-            return statistics.median(plain)
-        return 1.0
+        seen = {n: statistics.median(r) for (n, bb), r in self._ratios.items() if bb == b and len(r) >= self.min_seen}
+        if N in seen:
+            return seen[N]
+        if N == 0 or not seen:  # the table's own cost: where it is wrong, the steps it leads to are seen and correct it
+            return 1.0
+        lo = max((n for n in seen if 0 < n < N), default=None)
+        hi = min((n for n in seen if n > N), default=None)
+        if lo is None and hi is None:  # no speculative step seen: plain's ratio (the table's shape)
+            return seen[0]
+        if lo is None or hi is None:  # outside the lengths seen: the nearest one's ratio
+            return seen[hi if lo is None else lo]
+        # between two lengths seen: their costs interpolated (not from plain, which has no speculative step's
+        # fixed part: an unseen length would look as cheap as plain and be tried again and again)
+        full = {n: self.prior.step(b, b, n) for n in (lo, hi, N)}
+        c_lo, c_hi = seen[lo] * full[lo], seen[hi] * full[hi]
+        return (c_lo + (c_hi - c_lo) * (N - lo) / (hi - lo)) / full[N]
 
     def step(self, S: int, k: int, N: int) -> float:
         """Cost of a step of S decoding sequences, k speculating with N drafts (the prior's units)."""
@@ -105,10 +114,14 @@ class StepTimer:
         self._last_done: float | None = None  # the previous read-back
         self._gaps = 0.0  # host time between step calls since then
         self._call_end: float | None = None
+        self._pending: list[tuple] = []  # this call's observations, handed over at the next call's start
 
     def call_started(self) -> None:
         if self._call_end is not None:
             self._gaps += self.clock() - self._call_end
+        pending, self._pending = self._pending, []
+        for obs in pending:
+            self.observe(*obs)
 
     def call_ended(self) -> None:
         self._call_end = self.clock()
@@ -118,5 +131,5 @@ class StepTimer:
         if self._last_done is not None and shape is not None:
             interval = now - self._last_done
             if interval > 0 and self._gaps <= self.max_gap_share * interval:
-                self.observe(*shape, interval)
+                self._pending.append((*shape, interval))
         self._last_done, self._gaps = now, 0.0
