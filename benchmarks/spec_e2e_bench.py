@@ -20,6 +20,7 @@ every step of the measured pass, its prefill steps included).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
@@ -38,19 +39,19 @@ def decode_rate(eng: Engine, prompts: list[list[int]], gen: int, speculative: bo
     return bench_common.decode_rate(eng, prompts, [sp] * len(prompts))
 
 
-def engine_for(model, drafter, S: int, args, pipeline: bool | None = None) -> Engine:
+def engine_for(model, drafter, S: int, args, pipeline: bool | None = None, learn: str = "auto") -> Engine:
     need = BlockPool.blocks_for(args.prompt_len + args.gen + 32, 128)
-    learn = {"auto": None, "on": True, "off": False}[args.learn] if args.policy == "adaptive" else None
+    learn = {"auto": None, "on": True, "off": False}[learn] if args.policy == "adaptive" else None
     spec = dict(draft=drafter, draft_policy=args.policy, n_draft=args.n_draft, spec_pipeline=pipeline,
                 learn_draft_costs=learn, **({"draft_costs": args.costs} if args.costs else {})) if drafter is not None else {}
     return Engine(model, slots=S, block_tokens=128, num_blocks=S * need + 1, prefix_interval=0, **spec)
 
 
-def run(model, drafter, S: int, args, pipeline: str = "auto") -> dict:
+def run(model, drafter, S: int, args, pipeline: str = "auto", learn: str = "auto") -> dict:
     """One batch size: a warm-up pass of each engine (compiles its traces), then the measured pass."""
     prompts = mx.random.randint(0, model.config.vocab_size, (S, args.prompt_len), key=mx.random.key(S)).tolist()
-    plain, spec = engine_for(model, None, S, args), engine_for(model, drafter, S, args,
-                                                                         {"auto": None, "on": True, "off": False}[pipeline])
+    plain = engine_for(model, None, S, args)
+    spec = engine_for(model, drafter, S, args, {"auto": None, "on": True, "off": False}[pipeline], learn)
     with forced_acceptance(args.accept):
         for _ in range(2):  # the first pass meets every trace of the workload; the second is timed
             plain_rate, plain_n = decode_rate(plain, prompts, args.gen, False)
@@ -60,7 +61,7 @@ def run(model, drafter, S: int, args, pipeline: str = "auto") -> dict:
     st = spec.stats()
     d = {k: st[k] - s0[k] for k in s0}
     steps = d["spec_steps"] + d["plain_steps"]
-    return {"seqs": S, "accept": args.accept, "policy": st["draft_policy"], "pipeline": pipeline,
+    return {"seqs": S, "accept": args.accept, "policy": st["draft_policy"], "pipeline": pipeline, "learn": learn,
             "pipelined_steps": d["spec_pipelined_steps"],
             "plain_tok_s": plain_rate, "spec_tok_s": spec_rate, "speedup": spec_rate / plain_rate,
             "tau": 1 + d["accepted_tokens"] / max(1, d["spec_verifications"]),
@@ -79,9 +80,9 @@ def main(argv=None) -> int:
     ap.add_argument("--n-draft", type=int, default=None, help="Engine(n_draft=...): fixed drafts, adaptive's cap")
     ap.add_argument("--costs", default=None, help="the adaptive policy's step-cost table: spec_bench.py --json output "
                                                   "(default: the engine's own)")
-    ap.add_argument("--learn", choices=["auto", "on", "off"], default="auto",
-                    help="Engine(learn_draft_costs=...): the adaptive policy corrects its table with the engine's own "
-                         "step times (auto: when --costs is not given)")
+    ap.add_argument("--learn", nargs="+", choices=["auto", "on", "off"], default=["auto"],
+                    help="Engine(learn_draft_costs=...), each a row: the adaptive policy corrects its table with the "
+                         "engine's own step times (auto: when --costs is not given)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen", type=int, default=256, help="tokens generated per request")
     ap.add_argument("--pipeline", nargs="+", choices=["auto", "off", "on"], default=["auto"],
@@ -97,15 +98,15 @@ def main(argv=None) -> int:
           flush=True)
     rows = []
     for S in args.seqs:
-        for pl in args.pipeline:
-            rows.append(run(model, drafter, S, args, pl))
+        for pl, learn in itertools.product(args.pipeline, args.learn):
+            rows.append(run(model, drafter, S, args, pl, learn))
             print(json.dumps(rows[-1]), flush=True)
             write_json(args, rows)  # after every row: a run cut short keeps what it measured
-    print("\n| seqs | pipeline | plain tok/s | with drafter tok/s | speed-up | tau | steps that verified |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| seqs | pipeline | learn | plain tok/s | with drafter tok/s | speed-up | tau | steps that verified |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['seqs']} | {r['pipeline']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f}x "
-              f"| {r['tau']:.2f} | {r['verifying_step_share']:.0%} |")
+        print(f"| {r['seqs']} | {r['pipeline']} | {r['learn']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
+              f"{r['speedup']:.2f}x | {r['tau']:.2f} | {r['verifying_step_share']:.0%} |")
     return 0
 
 
