@@ -82,7 +82,7 @@ def main(argv=None) -> int:
                                                   "(default: the engine's own)")
     ap.add_argument("--learn", nargs="+", choices=["auto", "on", "off"], default=["auto"],
                     help="Engine(learn_draft_costs=...), each a row: the adaptive policy corrects its table with the "
-                         "engine's own step times (auto: when --costs is not given)")
+                         "engine's own step times (auto: the engine's default, off)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen", type=int, default=256, help="tokens generated per request")
     ap.add_argument("--pipeline", nargs="+", choices=["auto", "off", "on"], default=["auto"],

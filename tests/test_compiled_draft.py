@@ -151,9 +151,11 @@ def test_default_compiles_with_a_drafter_where_the_kernels_run(model, drafter, m
     eng = Engine(model, **kw)
     assert eng.compiled is not None and eng.spec.compiled is eng.compiled
     assert eng.spec.compiled_draft.drafter is drafter and eng.spec.compiled_draft.scratch_block == eng.num_blocks
-    assert eng.spec.policy.costs.prior is H200_9B_COMPILED_COSTS  # the prior of the costs it learns
+    assert eng.spec.policy.costs is H200_9B_COMPILED_COSTS
     eng = Engine(model, compile_decode=False, **kw)
-    assert eng.compiled is None and eng.spec.compiled_draft is None and eng.spec.policy.costs.prior is H200_9B_COSTS
+    assert eng.compiled is None and eng.spec.compiled_draft is None and eng.spec.policy.costs is H200_9B_COSTS
+    eng = Engine(model, learn_draft_costs=True, **kw)  # learning: the table is the prior of what it measures
+    assert eng.spec.policy.costs.prior is H200_9B_COMPILED_COSTS and eng.timer is not None
 
 
 def test_context_write_padding_is_built_on_the_host_where_the_layout_holds_the_values():

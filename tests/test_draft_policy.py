@@ -260,12 +260,11 @@ def test_h200_table_drafts_only_when_acceptance_pays():
     assert choice(0.85, 1) == [0] and choice(0.85, 8) == [15] * 8
     assert choice(0.7, 1) == [0] and choice(0.7, 8) == [0] * 8 and choice(0.7, 32) == [0] * 32
     assert isinstance(make_policy("fixed", None), FixedDrafting)
-    # the built-in table is another machine's: by default the policy learns from it as a prior; a given one is kept
-    assert make_policy("adaptive", None).costs.prior is H200_9B_COSTS
-    assert make_policy("adaptive", None, compiled=False).costs.prior is H200_9B_COSTS
-    assert make_policy("adaptive", None, compiled=True).costs.prior is H200_9B_COMPILED_COSTS
-    assert make_policy("adaptive", None, compiled=True, learn=False).costs is H200_9B_COMPILED_COSTS
-    assert make_policy("adaptive", H200_9B_COSTS).costs is H200_9B_COSTS
+    assert make_policy("adaptive", None).costs is H200_9B_COSTS
+    assert make_policy("adaptive", None, compiled=False).costs is H200_9B_COSTS
+    assert make_policy("adaptive", None, compiled=True).costs is H200_9B_COMPILED_COSTS
+    # learning: the table is the prior of the costs the engine measures
+    assert make_policy("adaptive", None, compiled=True, learn=True).costs.prior is H200_9B_COMPILED_COSTS
     assert make_policy("adaptive", H200_9B_COSTS, learn=True).costs.prior is H200_9B_COSTS
     assert H200_9B_COMPILED_COSTS.cost(1, 15) == 12.17 and H200_9B_COMPILED_COSTS.cost(32, 0) == 8.53
     mine = FixedDrafting()

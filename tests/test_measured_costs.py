@@ -133,7 +133,7 @@ def test_config(model, drafter):
     with pytest.raises(ValueError, match="learn_draft_costs needs a drafter"):
         EngineConfig(learn_draft_costs=True)
     kw = dict(slots=1, step_tokens=32, block_tokens=16, num_blocks=8, prefix_interval=0)
-    assert Engine(model, draft=drafter, draft_costs=CHEAP, **kw).timer is None  # a given table is kept
+    assert Engine(model, draft=drafter, draft_costs=CHEAP, **kw).timer is None  # off unless asked for
     eng = Engine(model, draft=drafter, draft_costs=CHEAP, learn_draft_costs=True, **kw)
     assert eng.spec.policy.costs.prior is CHEAP and eng.timer is not None
     assert Engine(model, draft=drafter, draft_policy="fixed", **kw).timer is None

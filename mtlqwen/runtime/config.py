@@ -61,9 +61,9 @@ class EngineConfig:
     draft_costs is given, else fixed. draft_costs: the adaptive policy's table, a draft_policy.StepCosts or a JSON
     file (spec_bench.py --json output); default draft_policy.H200_9B_COMPILED_COSTS when steps compile, else
     H200_9B_COSTS. learn_draft_costs: the policy prices steps with that table corrected by the engine's own
-    step times (runtime/measured_costs.py; default on when draft_costs is not given: the built-in table was
-    measured for one pair on one machine, and with it the trained demo pair drafted at half the plain speed on
-    the H200). Each sequence's drafts are rounded down to a draft length (draft_policy.draft_lengths:
+    step times (runtime/measured_costs.py), for a model, drafter or machine other than the table's; off by
+    default (benchmarks/spec.md, "Step costs the engine learns", says what it has and has not been measured
+    on). Each sequence's drafts are rounded down to a draft length (draft_policy.draft_lengths:
     1, 3, 7, 15 and n_draft), so that few compiled traces and kernel instantiations serve a workload. draft_bits: 8 or 4 quantizes
     the drafter's projections (group 64): at load for a directory or repo id, into a new Drafter for a
     loaded float one (model/dflash.quantize_drafter).
@@ -106,7 +106,7 @@ class EngineConfig:
     draft_policy: Any = None  # "fixed" | "adaptive" | a policy object; None: adaptive on the GPU kernels or
     # with draft_costs, else fixed
     draft_costs: Any = None  # the adaptive policy's step-cost table (StepCosts or JSON path); None: H200's
-    # correct that table with the engine's own step times (measured_costs.py); None: when draft_costs is not given
+    # correct that table with the engine's own step times (measured_costs.py); None: off
     learn_draft_costs: bool | None = None
     draft_bits: int | None = None  # 8 or 4: quantize the drafter's projections at load; None: as stored
     # launch an all-verify step while the previous one is in flight (spec_pipeline.py); None: on where the steps are

@@ -22,8 +22,8 @@ between, S the step's sequences, so that all of them together spend at most 5% (
 be). Where the drafter never pays, it costs its first steps' drafts, then at most 5% (`test_draft_policy.py`
 checks the bound over random tables); a sequence whose text turns predictable is found within one backoff.
 
-The table prices steps; by default the engine corrects it with its own step times (measured_costs.py), since
-the built-in one was measured for one pair on one machine.
+The table prices steps; with learn_draft_costs the engine corrects it with its own step times
+(measured_costs.py), since the built-in one was measured for one pair on one machine.
 
 `FixedDrafting` is the engine's original rule: every eligible sequence verifies all the drafts it may.
 
@@ -342,14 +342,14 @@ def make_policy(policy, costs, compiled: bool | None = None, learn: bool | None 
     """EngineConfig's draft_policy ("fixed", "adaptive" or a policy object), draft_costs (None: the H200
     table of compiled steps when `compiled`, else of uncompiled ones; a StepCosts or a JSON path for
     StepCosts.load, read for compiled or uncompiled steps) and learn_draft_costs (the table as the prior of
-    a measured_costs.MeasuredCosts; None: when no table is given, the default one being another machine's)."""
+    a measured_costs.MeasuredCosts; off unless asked for)."""
     if not isinstance(policy, str):
         return policy
     if policy == "fixed":
         return FixedDrafting()
     default = H200_9B_COMPILED_COSTS if compiled else H200_9B_COSTS
     table = default if costs is None else costs if isinstance(costs, StepCosts) else StepCosts.load(costs, compiled)
-    if learn if learn is not None else costs is None:
+    if learn:
         from .measured_costs import MeasuredCosts  # noqa: PLC0415 (it builds on this module's StepCosts)
 
         table = MeasuredCosts(table)
