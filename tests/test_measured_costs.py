@@ -13,7 +13,7 @@ from hf_checkpoints import random_token_ids
 from mtlqwen.runtime import Engine, EngineConfig
 from mtlqwen.runtime.draft_policy import AdaptiveDrafting, StepCosts
 from mtlqwen.runtime.measured_costs import MeasuredCosts, StepTimer, decode_shape
-from test_draft_policy import CHEAP, seq_with
+from test_draft_policy import CHEAP, seq_with, wrong_by_one
 from test_speculative import Oracle, draft_dir, drafter, plain_outputs  # noqa: F401
 
 TABLE = StepCosts((1, 8), (0, 3, 7), ((2.0, 4.0, 5.0), (4.0, 10.0, 16.0)))
@@ -183,3 +183,42 @@ def test_an_engine_turns_off_a_drafter_its_own_steps_show_does_not_pay(model, dr
     assert stats["step_cost_ratios"]["7@1"] == [13.333, 3]  # 40 ms over 3 (rounded in the summary)
     assert stats["draft_tokens"] == 3 + 7 * 4 and stats["accepted_tokens"] == stats["draft_tokens"]
     assert "step_cost_ratios" not in runs[False][1]
+
+
+def test_timings_that_equal_the_table_change_no_choice(model, drafter):
+    """Every draft wrong, the CHEAP table, a virtual clock on which each step takes exactly what the table
+    prices it at: every learned ratio is 1, and learning verifies at the same tokens, with the same drafts, as
+    the table alone (the engine's timing keys, units and attribution agree with the table's)."""
+    prompt = random_token_ids(12, 512, seed=78)
+    sp = greedy(64, ignore_eos=True)
+    kw = dict(slots=1, step_tokens=32, block_tokens=16, num_blocks=12, prefix_interval=0)
+    (base,) = plain_outputs(model, [prompt], sp, **{k: v for k, v in kw.items() if k != "prefix_interval"})
+    runs = {}
+    for learn in (False, True):
+        eng = Engine(model, draft=drafter, n_draft=7, draft_policy="adaptive", draft_costs=CHEAP,
+                     learn_draft_costs=learn, **kw)
+        eng.spec.propose = wrong_by_one({tuple(prompt): prompt + base.token_ids})
+        at, record = [], eng.spec.policy.record
+
+        def recording(seq, drafts, accepted, at=at, record=record):
+            at.append((seq.num_generated, drafts))
+            record(seq, drafts, accepted)
+
+        eng.spec.policy.record = recording
+        if learn:
+            clock, read_back = [0.0], eng.timer.read_back
+            eng.timer.clock = lambda: clock[0]
+
+            def timed(shape, clock=clock, read_back=read_back):
+                if shape is not None:
+                    clock[0] += CHEAP.step(*shape) / 1e3
+                read_back(shape)
+
+            eng.timer.read_back = timed
+        (out,) = eng.generate([prompt], sp)
+        assert out.token_ids == base.token_ids
+        runs[learn] = (at, eng.stats())
+        assert_idle(eng)
+    assert runs[True][0] == runs[False][0] and len(runs[False][0]) >= 3
+    ratios = runs[True][1]["step_cost_ratios"]
+    assert ratios and all(r == pytest.approx(1.0) for r, _ in ratios.values()), ratios
