@@ -140,64 +140,19 @@ def test_config(model, drafter):
     assert Engine(model, **kw).timer is None
 
 
-def test_an_engine_turns_off_a_drafter_its_own_steps_show_does_not_pay(model, drafter):
-    """One request, n_draft 7, an oracle drafter (every draft accepted), the CHEAP table (7 drafts cost 3 plain
-    steps), on a virtual clock where a plain step takes 1 ms and a speculative one 40. Trusting the table, the
-    engine verifies in every step it may; learning, it verifies 3 drafts (the prior), then 7 four times (the
-    first of each shape dropped, two more to trust the ratio, 13.3x, and one while the last observation waits
-    for the next step call), then decodes plain: 8 tokens a 40 ms step lose to 1 a ms. Output as plain
-    decoding; nothing leaks."""
-    prompt = random_token_ids(12, 512, seed=91)
-    sp = greedy(48, ignore_eos=True)
+def run_on_virtual_clock(model, drafter, seed: int, tokens: int, proposer, step_ms) -> dict:
+    """One request, n_draft 7, the CHEAP table, drafts from proposer(reference tokens), with the table alone
+    (False) and learning (True), on a virtual clock that advances step_ms(shape) ms at each timed read-back:
+    {learn: ([(generated, drafts) of each verification], stats)}; output as plain decoding, nothing leaked."""
+    prompt = random_token_ids(12, 512, seed=seed)
+    sp = greedy(tokens, ignore_eos=True)
     kw = dict(slots=1, step_tokens=32, block_tokens=16, num_blocks=12, prefix_interval=0)
     (base,) = plain_outputs(model, [prompt], sp, **{k: v for k, v in kw.items() if k != "prefix_interval"})
     runs = {}
     for learn in (False, True):
         eng = Engine(model, draft=drafter, n_draft=7, draft_policy="adaptive", draft_costs=CHEAP,
                      learn_draft_costs=learn, **kw)
-        eng.spec.propose = Oracle({tuple(prompt): prompt + base.token_ids})
-        at, record = [], eng.spec.policy.record
-
-        def recording(seq, drafts, accepted, at=at, record=record):
-            at.append((seq.num_generated, drafts))
-            record(seq, drafts, accepted)
-
-        eng.spec.policy.record = recording
-        if learn:
-            clock, read_back = [0.0], eng.timer.read_back
-            eng.timer.clock = lambda: clock[0]
-
-            def timed(shape, clock=clock, read_back=read_back):
-                clock[0] += 0.040 if shape is not None and shape[1] else 0.001
-                read_back(shape)
-
-            eng.timer.read_back = timed
-        (out,) = eng.generate([prompt], sp)
-        assert out.token_ids == base.token_ids
-        runs[learn] = (at, eng.stats())
-        assert_idle(eng)
-    trusted, learned = runs[False][0], runs[True][0]
-    assert len(trusted) > 5 and all(n == 7 for _, n in trusted[1:-1])
-    assert [n for _, n in learned] == [3, 7, 7, 7, 7]
-    stats = runs[True][1]
-    assert stats["step_cost_ratios"]["7@1"] == [13.333, 3]  # 40 ms over 3 (rounded in the summary)
-    assert stats["draft_tokens"] == 3 + 7 * 4 and stats["accepted_tokens"] == stats["draft_tokens"]
-    assert "step_cost_ratios" not in runs[False][1]
-
-
-def test_timings_that_equal_the_table_change_no_choice(model, drafter):
-    """Every draft wrong, the CHEAP table, a virtual clock on which each step takes exactly what the table
-    prices it at: every learned ratio is 1, and learning verifies at the same tokens, with the same drafts, as
-    the table alone (the engine's timing keys, units and attribution agree with the table's)."""
-    prompt = random_token_ids(12, 512, seed=78)
-    sp = greedy(64, ignore_eos=True)
-    kw = dict(slots=1, step_tokens=32, block_tokens=16, num_blocks=12, prefix_interval=0)
-    (base,) = plain_outputs(model, [prompt], sp, **{k: v for k, v in kw.items() if k != "prefix_interval"})
-    runs = {}
-    for learn in (False, True):
-        eng = Engine(model, draft=drafter, n_draft=7, draft_policy="adaptive", draft_costs=CHEAP,
-                     learn_draft_costs=learn, **kw)
-        eng.spec.propose = wrong_by_one({tuple(prompt): prompt + base.token_ids})
+        eng.spec.propose = proposer({tuple(prompt): prompt + base.token_ids})
         at, record = [], eng.spec.policy.record
 
         def recording(seq, drafts, accepted, at=at, record=record):
@@ -211,7 +166,7 @@ def test_timings_that_equal_the_table_change_no_choice(model, drafter):
 
             def timed(shape, clock=clock, read_back=read_back):
                 if shape is not None:
-                    clock[0] += CHEAP.step(*shape) / 1e3
+                    clock[0] += step_ms(shape) / 1e3
                 read_back(shape)
 
             eng.timer.read_back = timed
@@ -219,6 +174,30 @@ def test_timings_that_equal_the_table_change_no_choice(model, drafter):
         assert out.token_ids == base.token_ids
         runs[learn] = (at, eng.stats())
         assert_idle(eng)
+    return runs
+
+
+def test_an_engine_turns_off_a_drafter_its_own_steps_show_does_not_pay(model, drafter):
+    """An oracle drafter (every draft accepted), the CHEAP table (7 drafts cost 3 plain steps), on a virtual
+    clock where a plain step takes 1 ms and a speculative one 40. Trusting the table, the engine verifies in
+    every step it may; learning, it verifies 3 drafts (the prior), then 7 four times (the first of each shape
+    dropped, two more to trust the ratio, 13.3x, and one while the last observation waits for the next step
+    call), then decodes plain: 8 tokens a 40 ms step lose to 1 a ms."""
+    runs = run_on_virtual_clock(model, drafter, 91, 48, Oracle, lambda shape: 40.0 if shape[1] else 1.0)
+    trusted, learned = runs[False][0], runs[True][0]
+    assert len(trusted) > 5 and all(n == 7 for _, n in trusted[1:-1])
+    assert [n for _, n in learned] == [3, 7, 7, 7, 7]
+    stats = runs[True][1]
+    assert stats["step_cost_ratios"]["7@1"] == [13.333, 3]  # 40 ms over 3 (rounded in the summary)
+    assert stats["draft_tokens"] == 3 + 7 * 4 and stats["accepted_tokens"] == stats["draft_tokens"]
+    assert "step_cost_ratios" not in runs[False][1]
+
+
+def test_timings_that_equal_the_table_change_no_choice(model, drafter):
+    """Every draft wrong, the CHEAP table, a virtual clock on which each step takes exactly what the table
+    prices it at: every learned ratio is 1, and learning verifies at the same tokens, with the same drafts, as
+    the table alone (the engine's timing keys, units and attribution agree with the table's)."""
+    runs = run_on_virtual_clock(model, drafter, 78, 64, wrong_by_one, lambda shape: CHEAP.step(*shape))
     assert runs[True][0] == runs[False][0] and len(runs[False][0]) >= 3
     ratios = runs[True][1]["step_cost_ratios"]
     assert ratios and all(r == pytest.approx(1.0) for r, _ in ratios.values()), ratios

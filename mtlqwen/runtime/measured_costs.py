@@ -1,19 +1,20 @@
 """Step costs the engine learns from its own steps: the adaptive draft policy's table corrected online.
 
 The default table (draft_policy.H200_9B_COMPILED_COSTS) was measured for one pair on one machine. Another
-model, drafter or back-end has other ratios: the trained demo pair's speculative step costs several plain
-steps where the 9B table says 1.6, and with that table the adaptive policy drafted at half the plain speed
-(benchmarks/demo_pair.md). So the engine times its pure decode steps and the policy prices a step as
+model, drafter or back-end has other ratios: the trained demo pair's speculative step cost several plain
+steps where an earlier 9B table said 1.6, and with that table the adaptive policy drafted at half the plain
+speed (benchmarks/demo_pair.md). So the engine times its pure decode steps and the policy prices a step as
 
     step(S, k, N) = rho(N, b(S)) * prior(S, k, N)
 
 prior the table's cost (c(S, 0) + extra(k, N)), b(S) the table's nearest batch (in log scale) and rho(N, b)
 the median of the last `window` observed / prior ratios of steps with that draft length (N = 0: plain) at
-that batch. A draft length not seen enough at its batch costs the interpolation of the two seen lengths
-around it, else the nearest seen length's ratio, else (none seen) the plain one's. An unseen plain column, or a batch with nothing seen, keeps the
-table's cost (ratio 1): where that is wrong, the choices it leads to are timed and correct it (a slower
-machine's speculative steps look dearer than plain, so plain steps run and are seen). The first observation of each key is dropped
-(new shapes compile); the median rides over later recompiles.
+that batch. A draft length not seen enough at its batch costs the interpolation of the two seen speculative
+lengths around it, else the nearest seen length's ratio, else (none seen) the plain one's. An unseen plain
+column, or a batch with nothing seen, keeps the table's cost (ratio 1): where that is wrong, the choices it
+leads to are timed and correct it (a slower machine's speculative steps look dearer than plain, so plain
+steps run and are seen). The first observation of each shape is dropped (new shapes compile); the median
+rides over later recompiles.
 
 `StepTimer` turns the engine's read-backs into observations: a step's time is the wall time between its
 read-back and the previous one (what a step costs in steady state, pipelined or not), kept only when the
@@ -44,9 +45,16 @@ class MeasuredCosts:
         if window < 1 or not 1 <= min_seen <= window:
             raise ValueError(f"need window >= 1 and 1 <= min_seen <= window (got {window}, {min_seen})")
         self.prior, self.window, self.min_seen = prior, window, min_seen
-        self.drafts, self.seqs = prior.drafts, prior.seqs
         self._ratios: dict[tuple[int, int], deque] = {}  # (N, batch) -> recent observed / prior
         self._seen: set[tuple[int, int, int]] = set()  # (S, k, N) shapes observed once (their first is dropped)
+
+    @property
+    def drafts(self) -> tuple[int, ...]:
+        return self.prior.drafts
+
+    @property
+    def seqs(self) -> tuple[int, ...]:
+        return self.prior.seqs
 
     def bucket(self, S: int) -> int:
         """The table's batch nearest S in log scale (ties: the smaller)."""
