@@ -22,12 +22,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import sys
 
 import mlx.core as mx
 
 from mtlqwen.runtime import Engine, SamplingParams
 from mtlqwen.runtime.block_pool import BlockPool
+from mtlqwen.runtime.draft_policy import H200_9B_COMPILED_COSTS, StepCosts
 
 import bench_common
 from spec_bench import build_target, forced_acceptance, random_drafter, write_json
@@ -47,26 +49,56 @@ def engine_for(model, drafter, S: int, args, pipeline: bool | None = None, learn
     return Engine(model, slots=S, block_tokens=128, num_blocks=S * need + 1, prefix_interval=0, **spec)
 
 
+def never_paying(costs: StepCosts) -> StepCosts:
+    """`costs` with every speculative cell 1,000 times its plain one: the policy never drafts, while the engine
+    still runs what a loaded drafter costs (the target's taps, the drafter's context writes)."""
+    return StepCosts(costs.seqs, costs.drafts, tuple((r[0],) + tuple(1000 * r[0] for _ in r[1:]) for r in costs.ms))
+
+
 def run(model, drafter, S: int, args, pipeline: str = "auto", learn: str = "auto") -> dict:
-    """One batch size: a warm-up pass of each engine (compiles its traces), then the measured pass."""
+    """One batch size: a warm-up pass of each engine (compiles its traces), then --repeats timed rounds, each
+    timing the engines in turn (a host whose speed drifts moves every engine of a round alike); rates are the
+    rounds' medians, the speed-up the median of the rounds' ratios."""
     prompts = mx.random.randint(0, model.config.vocab_size, (S, args.prompt_len), key=mx.random.key(S)).tolist()
-    plain = engine_for(model, None, S, args)
+    engines = {"plain": (engine_for(model, None, S, args), False)}
+    if args.idle:
+        table = StepCosts.load(args.costs) if args.costs else H200_9B_COMPILED_COSTS
+        idle_args = argparse.Namespace(**{**vars(args), "policy": "adaptive", "costs": never_paying(table)})
+        engines["idle"] = (engine_for(model, drafter, S, idle_args, None, "off"), True)
     spec = engine_for(model, drafter, S, args, {"auto": None, "on": True, "off": False}[pipeline], learn)
+    engines["spec"] = (spec, True)
+    rates: dict[str, list[float]] = {k: [] for k in engines}
     with forced_acceptance(args.accept):
-        for _ in range(2):  # the first pass meets every trace of the workload; the second is timed
-            plain_rate, plain_n = decode_rate(plain, prompts, args.gen, False)
-            s0 = {k: spec.stats()[k] for k in ("spec_steps", "plain_steps", "accepted_tokens", "spec_verifications",
-                                              "spec_pipelined_steps")}
-            spec_rate, spec_n = decode_rate(spec, prompts, args.gen, True)
+        for rnd in range(1 + args.repeats):  # the first pass meets every trace of the workload; the rest are timed
+            for name, (eng, speculative) in engines.items():
+                if name == "spec" and rnd == 1:
+                    s0 = {k: spec.stats()[k] for k in ("spec_steps", "plain_steps", "accepted_tokens",
+                                                      "spec_verifications", "spec_pipelined_steps")}
+                rate, n = decode_rate(eng, prompts, args.gen, speculative)
+                if rnd:
+                    rates[name].append(rate)
+        profiles = {name: bench_common.host_profile(lambda e=eng, sp=speculative: decode_rate(e, prompts, args.gen, sp),
+                                                    args.profile)
+                    for name, (eng, speculative) in engines.items()} if args.profile else None
     st = spec.stats()
     d = {k: st[k] - s0[k] for k in s0}
     steps = d["spec_steps"] + d["plain_steps"]
-    return {"seqs": S, "accept": args.accept, "policy": st["draft_policy"], "pipeline": pipeline, "learn": learn,
-            "pipelined_steps": d["spec_pipelined_steps"],
-            "plain_tok_s": plain_rate, "spec_tok_s": spec_rate, "speedup": spec_rate / plain_rate,
-            "tau": 1 + d["accepted_tokens"] / max(1, d["spec_verifications"]),
-            "verifying_step_share": d["spec_steps"] / max(1, steps), "steps": steps,
-            "tokens": [plain_n, spec_n], **({"step_cost_ratios": st["step_cost_ratios"]} if "step_cost_ratios" in st else {})}
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    out = {"seqs": S, "accept": args.accept, "policy": st["draft_policy"], "pipeline": pipeline, "learn": learn,
+           "repeats": args.repeats, "pipelined_steps": d["spec_pipelined_steps"] / args.repeats,
+           "plain_tok_s": med["plain"], "spec_tok_s": med["spec"],
+           "speedup": statistics.median(s / p for s, p in zip(rates["spec"], rates["plain"])),
+           "tau": 1 + d["accepted_tokens"] / max(1, d["spec_verifications"]),
+           "verifying_step_share": d["spec_steps"] / max(1, steps), "steps": steps / args.repeats,
+           "tokens": n, "rates": rates}
+    if args.idle:
+        out["idle_tok_s"] = med["idle"]
+        out["idle_speedup"] = statistics.median(i / p for i, p in zip(rates["idle"], rates["plain"]))
+    if "step_cost_ratios" in st:
+        out["step_cost_ratios"] = st["step_cost_ratios"]
+    if profiles:
+        out["host_profile"] = profiles
+    return out
 
 
 def main(argv=None) -> int:
@@ -87,10 +119,19 @@ def main(argv=None) -> int:
     ap.add_argument("--gen", type=int, default=256, help="tokens generated per request")
     ap.add_argument("--pipeline", nargs="+", choices=["auto", "off", "on"], default=["auto"],
                     help="Engine(spec_pipeline=...) of the drafter's engine, each a row (auto: the engine's default)")
+    ap.add_argument("--repeats", type=int, default=1, help="timed rounds after the warm-up pass (medians reported)")
+    ap.add_argument("--idle", action="store_true",
+                    help="also time the drafter's engine with a table by which drafting never pays: what a loaded "
+                         "drafter costs when it never drafts (the target's taps, its context writes)")
+    ap.add_argument("--profile", type=int, default=0, metavar="TOP",
+                    help="after the timed rounds, one more pass of each engine under cProfile: the TOP functions by "
+                         "the host's self time (in the JSON; not in the rates)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     if args.accept < 0:
         ap.error("--accept must be >= 0")
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
     model = build_target(args.shape, args.bits)
     drafter = random_drafter(args.shape, model, args.draft_bits)
     print(f"device {mx.default_device()}, target {args.shape}, drafter {drafter.config.num_hidden_layers} layers, "
@@ -102,11 +143,19 @@ def main(argv=None) -> int:
             rows.append(run(model, drafter, S, args, pl, learn))
             print(json.dumps(rows[-1]), flush=True)
             write_json(args, rows)  # after every row: a run cut short keeps what it measured
-    print("\n| seqs | pipeline | learn | plain tok/s | with drafter tok/s | speed-up | tau | steps that verified |")
-    print("|---|---|---|---|---|---|---|---|")
+    idle = args.idle
     for r in rows:
-        print(f"| {r['seqs']} | {r['pipeline']} | {r['learn']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | "
-              f"{r['speedup']:.2f}x | {r['tau']:.2f} | {r['verifying_step_share']:.0%} |")
+        for name, prof in (r.get("host_profile") or {}).items():
+            print(f"host profile, {r['seqs']} seqs, {name} engine (self ms over the pass):")
+            for p in prof[:12]:
+                print(f"  {p['self_ms']:9.1f} {p['calls']:7d}  {p['fn']}")
+    print("\n| seqs | pipeline | learn | plain tok/s |" + (" drafter idle tok/s |" if idle else "") +
+          " with drafter tok/s | speed-up | tau | steps that verified |")
+    print("|---|---|---|---|" + ("---|" if idle else "") + "---|---|---|---|")
+    for r in rows:
+        idle_cell = f" {r['idle_tok_s']:.1f} ({r['idle_speedup']:.2f}x) |" if idle else ""
+        print(f"| {r['seqs']} | {r['pipeline']} | {r['learn']} | {r['plain_tok_s']:.1f} |{idle_cell} "
+              f"{r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {r['tau']:.2f} | {r['verifying_step_share']:.0%} |")
     return 0
 
 

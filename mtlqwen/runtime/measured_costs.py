@@ -47,6 +47,8 @@ class MeasuredCosts:
         self.prior, self.window, self.min_seen = prior, window, min_seen
         self._ratios: dict[tuple[int, int], deque] = {}  # (N, batch) -> recent observed / prior
         self._seen: set[tuple[int, int, int]] = set()  # (S, k, N) shapes observed once (their first is dropped)
+        self.version = 0  # moves with every kept observation (AdaptiveDrafting keeps prices until it does)
+        self._medians: dict[int, dict[int, float]] = {}  # batch -> {N: median ratio}, at this version
 
     @property
     def drafts(self) -> tuple[int, ...]:
@@ -73,10 +75,15 @@ class MeasuredCosts:
             return
         ratio = 1e3 * seconds / self.prior.step(S, k, N)  # the tables are in ms
         self._ratios.setdefault((N, self.bucket(S)), deque(maxlen=self.window)).append(ratio)
+        self.version += 1
+        self._medians = {}
 
     def ratio(self, N: int, b: int) -> float:
         """rho(N, b): the observed / prior ratio the policy prices with (module docstring's fallbacks)."""
-        seen = {n: statistics.median(r) for (n, bb), r in self._ratios.items() if bb == b and len(r) >= self.min_seen}
+        seen = self._medians.get(b)
+        if seen is None:
+            seen = self._medians[b] = {n: statistics.median(r) for (n, bb), r in self._ratios.items()
+                                       if bb == b and len(r) >= self.min_seen}
         if N in seen:
             return seen[N]
         if N == 0 or not seen:  # the table's own cost: where it is wrong, the steps it leads to are seen and correct it
