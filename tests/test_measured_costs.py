@@ -93,6 +93,49 @@ def test_the_policy_prices_steps_with_what_it_measured():
     assert q.choose([seq_with()], [7], 1) == [7]
 
 
+def test_speculative_steps_seen_faster_than_the_table_make_the_policy_time_plain_ones():
+    """The demo pair on an H100: every step ~4x cheaper than the 9B table. Seen only drafting, its speculative
+    steps priced at 0.25x beside plain ones at the table's price made drafting look cheap whatever it accepted.
+    At acceptance 0.5 neither draft length pays by the table (E[tau] 1.99 over 5 ms, 1.88 over 4, against 1
+    over 2): the policy runs plain steps until they are seen, then prices both at the machine's scale."""
+    p = AdaptiveDrafting(MeasuredCosts(TABLE, window=4, min_seen=2), prior=0.8, prior_weight=2.0)
+    seq = seq_with(accepted=0.4, rejected=1.6)  # rate (0.4 + 1.6) / (2 + 2) = 0.5
+    assert p.acceptance(seq) == 0.5 and not p.due(seq)
+    assert p.choose([seq], [7], 1) == [0]
+    for _ in range(3):  # 7 drafts at 1.25 ms (the first dropped)
+        p.observe(1, 1, 7, 0.00125)
+    assert p.costs.plain_unseen(1) and not p.costs.plain_unseen(8)  # another batch has seen nothing
+    assert p.costs.step(1, 1, 7) == pytest.approx(1.25)  # 1.99 / 1.25 would beat 1 / 2 ...
+    assert p.choose([seq], [7], 1) == [0]  # ... but plain is timed first
+    p.observe(1, 0, 0, 0.0005)  # dropped (its shape's first)
+    p.observe(1, 0, 0, 0.0005)
+    assert p.costs.plain_unseen(1) and p.choose([seq], [7], 1) == [0]  # one of the two it needs
+    p.observe(1, 0, 0, 0.0005)
+    assert not p.costs.plain_unseen(1)
+    assert p.costs.step(1, 0, 0) == pytest.approx(0.5) and p.choose([seq], [7], 1) == [0]  # the table's shape
+    good = seq_with(accepted=8.0, rejected=0.0)  # 0.96: 7 drafts pay at any scale here
+    assert p.choose([good], [7], 1) == [7]
+    # a table that does not learn never asks
+    assert AdaptiveDrafting(TABLE).choose([good], [7], 1) == [7]
+
+
+def test_the_policy_reprices_when_the_learned_table_moves():
+    """AdaptiveDrafting keeps each batch's prices until the table's version moves: an observation that changes a
+    ratio changes the next choice."""
+    m = MeasuredCosts(TABLE, window=4, min_seen=1)
+    p = AdaptiveDrafting(m, prior=0.8, prior_weight=2.0)
+    seq = seq_with(accepted=4.0, rejected=0.0)  # (4 + 1.6) / 6 = 0.93
+    assert p.prices(1, 7) == [TABLE.step(1, k, 7) for k in range(2)] and p.choose([seq], [7], 1) == [7]
+    for _ in range(2):  # plain steps at the table's 2 ms (the first dropped): seen, ratio 1
+        m.observe(1, 0, 0, 0.002)
+    v = m.version
+    m.observe(1, 1, 7, 0.001)  # a shape's first: dropped, no new version
+    assert m.version == v and p.choose([seq], [7], 1) == [7]
+    m.observe(1, 1, 7, 0.100)  # 20x: 7 and 3 drafts (borrowing 7's ratio) cost 100 and 80 ms
+    assert m.version == v + 1 and not m.plain_unseen(1)
+    assert p.prices(1, 7) == [pytest.approx(2.0), pytest.approx(100.0)] and p.choose([seq], [7], 1) == [0]
+
+
 def test_step_timer_intervals_and_the_gap_rule():
     t, seen = [0.0], []
     timer = StepTimer(lambda *a: seen.append(a), max_gap_share=0.25, clock=lambda: t[0])

@@ -336,6 +336,8 @@ class AdaptiveDrafting:
         if not live:
             return out
         S = max(rows, len(live))
+        if self.learns and self.costs.plain_unseen(S):  # a plain step, to be timed (MeasuredCosts.plain_unseen)
+            return out
         n_max = min(max(caps), self.costs.drafts[-1])
         rates = {i: max(self.acceptance(seqs[i]), self.prior) if self.due(seqs[i]) else self.acceptance(seqs[i])
                  for i in live}

@@ -13,8 +13,10 @@ that batch. A draft length not seen enough at its batch costs the interpolation 
 lengths around it, else the nearest seen length's ratio, else (none seen) the plain one's. An unseen plain
 column, or a batch with nothing seen, keeps the table's cost (ratio 1): where that is wrong, the choices it
 leads to are timed and correct it (a slower machine's speculative steps look dearer than plain, so plain
-steps run and are seen). The first observation of each shape is dropped (new shapes compile); the median
-rides over later recompiles.
+steps run and are seen). One case would never correct itself: speculative steps seen faster than the table
+says while plain ones are unseen, so the policy runs plain steps at that batch until they are seen
+(`plain_unseen`). The first observation of each shape is dropped (new shapes compile); the median rides
+over later recompiles.
 
 `StepTimer` turns the engine's read-backs into observations: a step's time is the wall time between its
 read-back and the previous one (what a step costs in steady state, pipelined or not), kept only when the
@@ -99,6 +101,14 @@ class MeasuredCosts:
         full = {n: self.prior.step(b, b, n) for n in (lo, hi, N)}
         c_lo, c_hi = seen[lo] * full[lo], seen[hi] * full[hi]
         return (c_lo + (c_hi - c_lo) * (N - lo) / (hi - lo)) / full[N]
+
+    def plain_unseen(self, S: int) -> bool:
+        """Speculative steps are seen at S's batch and plain ones are not: the policy then runs plain steps until
+        they are. Priced by the table, plain would look dear beside speculative steps seen faster than the table
+        (the demo pair's were 4x faster on an H100) and would never run to correct it."""
+        b = self.bucket(S)
+        counts = {n: len(r) for (n, bb), r in self._ratios.items() if bb == b}
+        return counts.get(0, 0) < self.min_seen and any(c >= self.min_seen for n, c in counts.items() if n)
 
     def step(self, S: int, k: int, N: int) -> float:
         """Cost of a step of S decoding sequences, k speculating with N drafts (the prior's units)."""
