@@ -322,6 +322,26 @@ def test_a_drafter_that_is_never_right_costs_at_most_the_probe_share(table, S, p
 CHEAP = StepCosts((1, 4), (0, 1, 3, 7, 15), ((1.0, 1.5, 2.0, 3.0, 5.0), (2.0, 3.0, 4.0, 6.0, 10.0)))
 
 
+def test_a_probe_sends_the_tables_shortest_draft_length():
+    """A sequence its estimate keeps off (0.32), once due, is probed at the prior with 1 draft (1.8 tokens over
+    1.5 beats 1 over 1; 3 drafts would price higher, 2.95 over 2, but a probe asks only whether a draft is
+    accepted). A due sequence whose own estimate is above the prior is no probe: it drafts as it chooses."""
+    p = AdaptiveDrafting(CHEAP, prior=0.8, prior_weight=2.0)
+    s = seq_with(0.0, 3.0)
+    assert p.acceptance(s) == pytest.approx(0.32) and p.choose([s], [7], 1) == [0]
+    s.draft_estimate.idle = 4
+    assert p.due(s) and p.choose([s], [7], 1) == [1]
+    good = seq_with(8.0, 0.0)
+    good.draft_estimate.idle = 4
+    assert p.due(good) and p.choose([good], [7], 1) == [7]
+    # two probes of four sequences send 1 draft each (priced as a 1-draft step of 2 sequences); beside two
+    # sequences drafting 7 they wait: (4 + 2 x 5.97) / 4.67 beats (4 + 2 x 5.97 + 2 x 0.8) / 6 (a 7-draft step)
+    a, b = seq_with(0.0, 3.0), seq_with(0.0, 3.0)
+    a.draft_estimate.idle = b.draft_estimate.idle = 4
+    assert p.choose([a, b], [7, 7], 4) == [1, 1]
+    assert p.choose([a, b, seq_with(8.0, 0.0), seq_with(8.0, 0.0)], [7] * 4, 4) == [0, 0, 7, 7]
+
+
 def test_config_knobs(model, drafter, tmp_path):
     with pytest.raises(ValueError, match="draft_policy must be one of"):
         EngineConfig(draft="d", draft_policy="sometimes")
@@ -403,8 +423,9 @@ def test_a_drafter_that_is_never_right_is_probed_with_a_growing_backoff(model, d
     1 draft 1.5). The 2nd generated token verifies 3 drafts (the prior, a = 0.8): its extra plain step, / 5%,
     sets the backoff to 20. The 3rd verifies 1 draft (a = 0.53 after one rejection), which keeps it. Then the
     estimate (0.42) keeps it plain until the probe at the prior after 20 plain steps (the 24th token), which
-    doubles the backoff to 40 (the 65th). Output as plain decoding, in as many steps (a rejected run yields
-    one token, as a plain step does)."""
+    doubles the backoff to 40 (the 65th). Each probe sends the table's shortest draft length, 1 (its extra half
+    plain step would amortise over 10 steps: the doubling rules). Output as plain decoding, in as many steps (a
+    rejected run yields one token, as a plain step does)."""
     prompt = random_token_ids(12, 512, seed=77)
     sp = greedy(80, ignore_eos=True)
     kw = dict(slots=1, step_tokens=32, block_tokens=16, num_blocks=12, prefix_interval=0)
@@ -423,7 +444,7 @@ def test_a_drafter_that_is_never_right_is_probed_with_a_growing_backoff(model, d
     assert at == [2, 3, 24, 65]
     got = eng.stats()
     assert (got["spec_verifications"], got["accepted_tokens"], got["steps"], got["plain_decodes"]) == (4, 0, 80, 75)
-    assert got["draft_tokens"] == 3 + 1 + 3 + 3
+    assert got["draft_tokens"] == 3 + 1 + 1 + 1
     assert_idle(eng)
 
 
