@@ -322,10 +322,13 @@ def test_a_drafter_that_is_never_right_costs_at_most_the_probe_share(table, S, p
 CHEAP = StepCosts((1, 4), (0, 1, 3, 7, 15), ((1.0, 1.5, 2.0, 3.0, 5.0), (2.0, 3.0, 4.0, 6.0, 10.0)))
 
 
-def test_a_probe_sends_the_tables_shortest_draft_length():
-    """A sequence its estimate keeps off (0.32), once due, is probed at the prior with 1 draft (1.8 tokens over
-    1.5 beats 1 over 1; 3 drafts would price higher, 2.95 over 2, but a probe asks only whether a draft is
-    accepted). A due sequence whose own estimate is above the prior is no probe: it drafts as it chooses."""
+def test_a_probe_sends_the_cheapest_draft_length_that_pays_at_the_prior():
+    """A sequence its estimate keeps off (0.32), once due, is probed at the prior with 1 draft: 1.8 tokens over
+    1.5 beats 1 over 1, and no length costs less (3 drafts would yield more, 2.95 over 2, but a probe asks only
+    whether a draft is accepted). A due sequence whose own estimate is above the prior is no probe: it drafts
+    as it chooses. Where the shortest length does not pay, the cheapest one that does: the H200 table at one
+    sequence prices 1, 3 and 7 drafts at 9.69, 10.22 and 9.84 ms against 3.95 plain, so 1 draft (1.8 tokens)
+    loses and 7 (4.16) is the cheapest that pays; at 8 sequences probing together, 1 draft pays and costs least."""
     p = AdaptiveDrafting(CHEAP, prior=0.8, prior_weight=2.0)
     s = seq_with(0.0, 3.0)
     assert p.acceptance(s) == pytest.approx(0.32) and p.choose([s], [7], 1) == [0]
@@ -335,11 +338,18 @@ def test_a_probe_sends_the_tables_shortest_draft_length():
     good.draft_estimate.idle = 4
     assert p.due(good) and p.choose([good], [7], 1) == [7]
     # two probes of four sequences send 1 draft each (priced as a 1-draft step of 2 sequences); beside two
-    # sequences drafting 7 they wait: (4 + 2 x 5.97) / 4.67 beats (4 + 2 x 5.97 + 2 x 0.8) / 6 (a 7-draft step)
+    # sequences drafting 7 the step costs the same whatever they send, so they send 7 too:
+    # (4 + 2 x 5.97 + 2 x 3.16) / 6 beats (4 + 2 x 5.97) / 4.67 without them
     a, b = seq_with(0.0, 3.0), seq_with(0.0, 3.0)
     a.draft_estimate.idle = b.draft_estimate.idle = 4
     assert p.choose([a, b], [7, 7], 4) == [1, 1]
-    assert p.choose([a, b, seq_with(8.0, 0.0), seq_with(8.0, 0.0)], [7] * 4, 4) == [0, 0, 7, 7]
+    assert p.choose([a, b, seq_with(8.0, 0.0), seq_with(8.0, 0.0)], [7] * 4, 4) == [7, 7, 7, 7]
+    h = AdaptiveDrafting(H200_9B_COMPILED_COSTS)
+    for S, want in ((1, 7), (8, 1)):
+        probes = [seq_with(0.0, 3.0) for _ in range(S)]
+        for q in probes:
+            q.draft_estimate.idle = 4
+        assert h.choose(probes, [7] * S, S) == [want] * S
 
 
 def test_config_knobs(model, drafter, tmp_path):

@@ -15,7 +15,8 @@ drafts are accepted with probability a each (one rejection ends the run), a esti
 verifications (`AcceptanceEstimate`). N = 0 always competes, so by the table a drafter never makes a step
 yield fewer tokens per unit of time than plain decoding.
 
-A sequence the estimate turns off is probed again (at the prior) after a backoff of plain steps: 4, doubled
+A sequence the estimate turns off is probed again (at the prior; with the cheapest draft length by which the
+step still pays, since a probe asks only whether its next draft is accepted) after a backoff of plain steps: 4, doubled
 by each probe that accepts nothing up to 128, reset by an accepted draft, and never shorter than what
 amortises its share of its last speculative step's extra cost to `probe_share` (5%) / S of the plain steps in
 between, S the step's sequences, so that all of them together spend at most 5% (past 128 steps where need
@@ -339,15 +340,12 @@ class AdaptiveDrafting:
         if self.learns and self.costs.plain_unseen(S):  # a plain step, to be timed (MeasuredCosts.plain_unseen)
             return out
         rates = {i: self.acceptance(seqs[i]) for i in live}
-        # a probe (a due sequence its own estimate keeps off) asks whether its next draft is accepted: priced at
-        # the prior, it sends the table's shortest draft length at most (at 8 sequences 1 draft costs a third
-        # of 7 by the H200 table); an accepted draft resets its backoff and its estimate then decides
-        caps = list(caps)
-        for i in live:
-            if self.due(seqs[i]) and rates[i] < self.prior:
-                rates[i], caps[i] = self.prior, min(caps[i], self.costs.drafts[1])
+        probes = {i for i in live if self.due(seqs[i]) and rates[i] < self.prior}  # due, and kept off by the estimate
+        for i in probes:
+            rates[i] = self.prior
         n_max = min(max(caps), self.costs.drafts[-1])
-        best, choice = S / self.prices(S, 0)[0], (0, [])
+        plain = S / self.prices(S, 0)[0]
+        best, choice = plain, (0, [])
         for N in sorted({d for d in self.costs.drafts if 0 < d <= n_max} | {n_max}):
             gains = sorted(((expected_tokens(rates[i], min(N, caps[i])) - 1.0, i) for i in live), reverse=True)
             prices = self.prices(S, N)
@@ -358,9 +356,27 @@ class AdaptiveDrafting:
                 if rate > best * (1.0 + 1e-9):  # a tie keeps the cheaper choice
                     best, choice = rate, (N, [i for _, i in gains[:k]])
         N, chosen = choice
+        L = self._probe_length(S, N, chosen, probes & set(chosen), rates, caps, plain) if N else N
         for i in chosen:
-            out[i] = min(N, caps[i])
+            out[i] = min(L if i in probes else N, caps[i])
         return out
+
+    def _probe_length(self, S: int, N: int, chosen: list, probing: set, rates: dict, caps: list, plain: float) -> int:
+        """The draft length of the chosen step's probes: a probe asks whether its next draft is accepted, so of
+        the lengths up to N with which the step still beats plain at the prior, the cheapest (at 8 sequences 1
+        draft costs a third of 7 by the H200 table; at 1 sequence 7 costs least); of equal prices the longest
+        (beside sequences drafting N the step is priced at N whatever the probes send)."""
+        if not probing:
+            return N
+        best, length = None, N
+        for L in sorted({d for d in self.costs.drafts if 0 < d <= N} | {N}):
+            n = {i: min(L if i in probing else N, caps[i]) for i in chosen}
+            step = max(n.values())
+            price = self.prices(S, step)[len(chosen)]
+            tokens = S + sum(expected_tokens(rates[i], n[i]) - 1.0 for i in chosen)
+            if tokens / price > plain * (1.0 + 1e-9) and (best is None or price <= best * (1.0 + 1e-9)):
+                best, length = price, L
+        return length
 
 
 def make_policy(policy, costs, compiled: bool | None = None, learn: bool | None = None) -> FixedDrafting | AdaptiveDrafting:
