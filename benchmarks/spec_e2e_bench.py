@@ -14,7 +14,9 @@ so a step that drafts n >= K yields tau = K + 1 tokens. The adaptive policy (the
 kernels; --policy) sees that acceptance and picks each step's draft length from its step-cost table, or no
 drafting where the table says a plain step yields more (large batches). Reported per batch size: plain and
 speculative tok/s, their ratio, tau (mean_acceptance_length) and the share of steps that verified (of
-every step of the measured pass, its prefill steps included).
+every step of the measured pass, its prefill steps included). --repeats R times R rounds of the engines in turn
+(medians); --idle adds the drafter's engine with a table by which drafting never pays (what a loaded drafter
+costs when it never drafts); --profile TOP adds a cProfile pass of each engine.
 """
 
 from __future__ import annotations
