@@ -317,6 +317,31 @@ def test_a_drafter_that_is_never_right_costs_at_most_the_probe_share(table, S, p
         assert extra <= p.probe_share * (600 - off) + last + 1e-9
 
 
+@settings(max_examples=80, deadline=None, database=None)
+@given(table=cost_tables(), S=st.sampled_from([1, 2, 3, 5, 8, 13, 32]), data=st.data())
+def test_every_chosen_step_beats_plain_at_its_own_prices(table, S, data):
+    """Any table, any estimates (some sequences due): the step choose() returns, probes at their shortened length,
+    yields more expected tokens per unit of cost than a plain step, probes at the prior and the rest at their
+    estimates; no probe sends more than the step's longest run, nor any sequence more than its cap; and the
+    prices it keeps are the table's."""
+    p = AdaptiveDrafting(table, prior=data.draw(st.floats(0.3, 0.95)), prior_weight=2.0)
+    seqs, caps = [], []
+    for _ in range(S):
+        q = seq_with(data.draw(st.floats(0.0, 10.0)), data.draw(st.floats(0.0, 10.0)))
+        q.draft_estimate.idle = data.draw(st.sampled_from([0, 4, 9]))
+        seqs.append(q)
+        caps.append(data.draw(st.sampled_from([0, 1, 3, 7, 15])))
+    n = p.choose(seqs, caps, S)
+    assert all(0 <= d <= c for d, c in zip(n, caps))
+    assert all(p.prices(S, N) == [table.step(S, k, N) for k in range(S + 1)] for N in (0, *table.drafts[1:]))
+    k = sum(1 for d in n if d)
+    if not k:
+        return
+    rate = {i: p.prior if p.due(q) and p.acceptance(q) < p.prior else p.acceptance(q) for i, q in enumerate(seqs)}
+    tokens = S + sum(expected_tokens(rate[i], d) - 1.0 for i, d in enumerate(n) if d)
+    assert tokens / table.step(S, k, max(n)) > S / table.step(S, 0, 0)
+
+
 # ------------------------------------------------------------------------------------------ the engine
 # drafting pays at 1 to 4 sequences while the acceptance stays high (7 drafts cost 3 plain steps)
 CHEAP = StepCosts((1, 4), (0, 1, 3, 7, 15), ((1.0, 1.5, 2.0, 3.0, 5.0), (2.0, 3.0, 4.0, 6.0, 10.0)))
