@@ -70,13 +70,14 @@ def run(model, drafter, S: int, args, pipeline: str = "auto", learn: str = "auto
     spec = engine_for(model, drafter, S, args, {"auto": None, "on": True, "off": False}[pipeline], learn)
     engines["spec"] = (spec, True)
     rates: dict[str, list[float]] = {k: [] for k in engines}
+    tokens: dict[str, int] = {}  # generated in a pass, per engine (the same unless one failed)
     with forced_acceptance(args.accept):
         for rnd in range(1 + args.repeats):  # the first pass meets every trace of the workload; the rest are timed
             for name, (eng, speculative) in engines.items():
                 if name == "spec" and rnd == 1:
                     s0 = {k: spec.stats()[k] for k in ("spec_steps", "plain_steps", "accepted_tokens",
                                                       "spec_verifications", "spec_pipelined_steps")}
-                rate, n = decode_rate(eng, prompts, args.gen, speculative)
+                rate, tokens[name] = decode_rate(eng, prompts, args.gen, speculative)
                 if rnd:
                     rates[name].append(rate)
         profiles = {name: bench_common.host_profile(lambda e=eng, sp=speculative: decode_rate(e, prompts, args.gen, sp),
@@ -92,7 +93,7 @@ def run(model, drafter, S: int, args, pipeline: str = "auto", learn: str = "auto
            "speedup": statistics.median(s / p for s, p in zip(rates["spec"], rates["plain"])),
            "tau": 1 + d["accepted_tokens"] / max(1, d["spec_verifications"]),
            "verifying_step_share": d["spec_steps"] / max(1, steps), "steps": steps / args.repeats,
-           "tokens": n, "rates": rates}
+           "tokens": tokens, "rates": rates}
     if args.idle:
         out["idle_tok_s"] = med["idle"]
         out["idle_speedup"] = statistics.median(i / p for i, p in zip(rates["idle"], rates["plain"]))
@@ -134,6 +135,8 @@ def main(argv=None) -> int:
         ap.error("--accept must be >= 0")
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    if args.profile < 0:
+        ap.error("--profile must be >= 0 (0: no profile pass)")
     model = build_target(args.shape, args.bits)
     drafter = random_drafter(args.shape, model, args.draft_bits)
     print(f"device {mx.default_device()}, target {args.shape}, drafter {drafter.config.num_hidden_layers} layers, "

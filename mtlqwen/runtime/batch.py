@@ -34,7 +34,6 @@ class PackedBatch:
     reset_slots: list[int]  # slots whose GDN state is zeroed before the step
     num_tokens: int  # real tokens
     padding: int = 0
-    rows: tuple[int, ...] = ()  # logits_rows on the host (reading the array back would wait for the device)
 
 
 def pack(
@@ -96,4 +95,4 @@ def pack(
     if any(s.drafts for s in plan.scheduled):
         layout.verify = [s.drafts > 0 for s in plan.scheduled] + [False] * (len(kv_valid) - len(plan.scheduled))
     lr = mx.array(logits_rows, dtype=mx.int32) if logits_rows else None
-    return PackedBatch(input_ids, layout, lr, sampling, reset, num_tokens, pad, tuple(logits_rows))
+    return PackedBatch(input_ids, layout, lr, sampling, reset, num_tokens, pad)

@@ -45,7 +45,6 @@ class ContextBacklog:
     def __init__(self, block_tokens: int):
         self.block_tokens = block_tokens
         self.rows: list[_Row] = []
-        self._held: Counter = Counter()  # rows by Sequence, kept with `rows` (full() asks every plain step)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -57,17 +56,16 @@ class ContextBacklog:
         for i, s in enumerate(scheduled):
             seq = s.seq
             self.rows.append(_Row(taps, i, seq, s.start, seq.block_table[s.start // bt], seq.num_preemptions))
-            self._held[seq] += 1
 
     def held(self) -> Counter:
         """Rows held, by Sequence."""
-        return Counter(self._held)
+        return Counter(r.seq for r in self.rows)
 
     def holds(self, seq) -> bool:
-        return seq in self._held
+        return any(r.seq is seq for r in self.rows)
 
     def full(self) -> bool:
-        return bool(self._held) and max(self._held.values()) >= LIMIT
+        return bool(self.rows) and max(self.held().values()) >= LIMIT
 
     def _valid(self, r: _Row) -> bool:
         seq = r.seq
@@ -80,7 +78,7 @@ class ContextBacklog:
         """Empty the backlog: (tap rows [R, F], a layout of R one-token sequences at their positions and
         blocks) for Drafter.write_context, or None when no held row is still valid."""
         rows = [r for r in self.rows if self._valid(r)]
-        self.clear()
+        self.rows = []
         if not rows:
             return None
         parts, run = [], []  # consecutive rows of one step's taps: one slice each, else a gather
@@ -100,8 +98,6 @@ class ContextBacklog:
     def drop(self, seq) -> None:
         """Forget seq's rows (it finished and nothing will read them)."""
         self.rows = [r for r in self.rows if r.seq is not seq]
-        self._held.pop(seq, None)
 
     def clear(self) -> None:
         self.rows = []
-        self._held = Counter()

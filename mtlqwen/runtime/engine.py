@@ -153,8 +153,8 @@ class Engine(Generation, PrefixControls):
             model, drafter, n_draft, self.cache, self.kv, cfg.verify_commit,
             make_policy(policy, cfg.draft_costs, self.compiled is not None, cfg.learn_draft_costs))
         # a policy whose table learns from the engine's own step times is fed by the timer (measured_costs.py)
-        chosen = self.spec and self.spec.policy
-        self.timer = StepTimer(chosen.observe) if getattr(chosen, "learns", False) else None
+        spec_policy = self.spec and self.spec.policy
+        self.timer = StepTimer(spec_policy.observe) if getattr(spec_policy, "learns", False) else None
         self.scratch = (slots, self.num_blocks)
         if self.spec is not None:
             self.spec.use_compiled(self.compiled, self.num_blocks)  # block num_blocks: the padding bundle

@@ -258,7 +258,7 @@ class Speculator:
         # flush's evaluation, and a full backlog holds only rows of steps already launched
         if not hold or self.backlog.full():
             self.flush()
-        rows = list(batch.rows)
+        rows = batch.logits_rows.tolist() if batch.logits_rows is not None else []
         R = len(rows)
         c = self.counters
         c["spec_steps" if ver else "plain_steps"] += 1
